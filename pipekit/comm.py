@@ -1,0 +1,53 @@
+"""Point-to-point transfer of stage activations and their gradients.
+
+Shapes and dtypes are known in advance on both sides (from a meta-device run
+of the model), so a message is just its tensors, sent one `isend` each in a
+fixed order; there is no shape handshake. Sends are posted and their handles
+returned: the caller keeps the tensors alive and waits at the end of the step
+(so sends never block, which is what the schedule simulator assumes).
+Receives block, with a timeout, since the next compute needs the data.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+class PeerTimeout(RuntimeError):
+    """A peer did not deliver a message in time."""
+
+
+def float_entries(x) -> list[torch.Tensor]:
+    """The floating-point tensors of an activation: those that carry gradients back."""
+    items = x if isinstance(x, tuple) else (x,)
+    return [t for t in items if t.is_floating_point()]
+
+
+def send(tensors: list[torch.Tensor], dst: int) -> list[tuple[dist.Work, torch.Tensor]]:
+    """Post one non-blocking send per tensor to global rank `dst`."""
+    posted = []
+    for t in tensors:
+        t = t.detach().contiguous()
+        posted.append((dist.isend(t, dst=dst), t))
+    return posted
+
+
+def recv(like: list[torch.Tensor], src: int, device: torch.device, timeout: datetime.timedelta) -> list[torch.Tensor]:
+    """Receive tensors shaped like the (meta) tensors `like` from global rank `src`."""
+    bufs = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in like]
+    works = [dist.irecv(b, src=src) for b in bufs]
+    for w in works:
+        try:
+            w.wait(timeout=timeout)
+        except RuntimeError as e:
+            raise PeerTimeout(f"no message from rank {src} within {timeout.total_seconds():.0f} s ({e})") from e
+    return bufs
+
+
+def wait_all(posted: list[tuple[dist.Work, torch.Tensor]], timeout: datetime.timedelta) -> None:
+    for w, _ in posted:
+        w.wait(timeout=timeout)
+    posted.clear()

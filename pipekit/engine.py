@@ -1,0 +1,341 @@
+"""PipelineEngine: walk this rank's action list, then reduce gradients and step.
+
+One optimizer step (`train_batch`) is:
+
+1. read this rank's batch, split it into M microbatches (only the first stage
+   uses the inputs and only the last the labels; other ranks use the shapes);
+2. run this rank's lowered action list from the schedule, one handler per
+   action kind: F, B (full backward), SEND_F/RECV_F, SEND_B/RECV_B;
+3. wait for the posted sends; sum the gradients of tied layers over the
+   pipeline ranks that hold them; average all gradients over the
+   data-parallel group (one flat all-reduce per dtype);
+4. step the optimizer and return the mean microbatch loss, the same on
+   every rank.
+
+The loss of each microbatch is divided by M before its backward, so the
+gradients are those of the mean loss over the batch, as in one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .pipeline import PipelineModule
+from .schedules import Action, Kind, Schedule, TimelineEvent, build_schedule, lower
+from .topology import DEFAULT_TIMEOUT
+
+
+class PipelineError(RuntimeError):
+    """An action failed; the message names the rank, the action and shows the rank's action list."""
+
+
+def split_microbatches(batch, num_microbatches: int, what: str) -> list:
+    """Split a tensor or tuple of tensors along dim 0 into equal microbatches."""
+    items = batch if isinstance(batch, tuple) else (batch,)
+    for t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} must be a Tensor or a tuple of Tensors, got {type(t).__name__}")
+        if t.dim() == 0 or t.shape[0] % num_microbatches:
+            size = t.shape[0] if t.dim() else "a scalar"
+            raise ValueError(
+                f"{what} batch size {size} does not split into {num_microbatches} microbatches; "
+                f"use a batch size that is a multiple of {num_microbatches}"
+            )
+    parts = [t.chunk(num_microbatches) for t in items]
+    return [tuple(p[m] for p in parts) if isinstance(batch, tuple) else parts[0][m] for m in range(num_microbatches)]
+
+
+def _leaf(x):
+    """Detach an activation handed to the next stage; float tensors get their own grad."""
+    if isinstance(x, tuple):
+        return tuple(_leaf(t) for t in x)
+    return x.detach().requires_grad_(x.is_floating_point())
+
+
+def _rebuild(template, tensors: list[torch.Tensor]):
+    """Give received tensors the structure (tensor or tuple) of `template`."""
+    return tuple(tensors) if isinstance(template, tuple) else tensors[0]
+
+
+def _all_tensors(x) -> list[torch.Tensor]:
+    return list(x) if isinstance(x, tuple) else [x]
+
+
+class PipelineEngine:
+    """Trains a PipelineModule with a pipeline schedule.
+
+    Args:
+        module: this rank's PipelineModule.
+        optimizer: a torch optimizer over `module.parameters()` (None: eval only).
+        schedule: "gpipe", "1f1b" or "interleaved_1f1b".
+        num_microbatches: M, microbatches per optimizer step.
+        record_timeline: keep every action's measured start/end (seconds since
+            the step began) in `self.timeline`, in the simulator's format.
+        timeout: how long a receive waits before failing with the rank,
+            action and microbatch named.
+    """
+
+    def __init__(
+        self,
+        module: PipelineModule,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        schedule: str = "1f1b",
+        num_microbatches: int = 1,
+        record_timeline: bool = False,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    ):
+        self.module = module
+        self.optimizer = optimizer
+        self.topo = module.topology
+        self.timeout = timeout
+        if schedule != "interleaved_1f1b" and module.chunks_per_rank != 1:
+            raise ValueError(
+                f"schedule {schedule!r} runs one stage per rank, but the module has "
+                f"chunks_per_rank={module.chunks_per_rank}; use schedule='interleaved_1f1b' or chunks_per_rank=1"
+            )
+        self.schedule: Schedule = build_schedule(schedule, self.topo.pp, num_microbatches, module.chunks_per_rank)
+        self.num_microbatches = num_microbatches
+        self.actions = list(self.schedule.ranks[self.topo.pp_rank])
+        unsupported = [a for a in self.actions if a.kind == Kind.W]
+        if unsupported:
+            raise NotImplementedError(f"split weight-gradient actions ({unsupported[0]}) are not executed by this engine yet")
+        self.eval_actions = self._forward_only_actions()
+        self.last_stage = module.num_stages - 1
+        self.record_timeline = record_timeline
+        self.timeline: list[TimelineEvent] = []
+        self.handlers = {
+            Kind.F: self._forward,
+            Kind.B: self._backward,
+            Kind.BW: self._backward,
+            Kind.SEND_F: self._send_forward,
+            Kind.RECV_F: self._recv_forward,
+            Kind.SEND_B: self._send_backward,
+            Kind.RECV_B: self._recv_backward,
+        }
+        self.tie_groups = self._make_tie_groups()
+        self._io_meta: list | None = None
+        self._io_key = None
+
+    # ---- set-up -------------------------------------------------------
+    def _forward_only_actions(self) -> list[Action]:
+        compute = [[a for a in self.schedule.compute_actions(r) if a.kind == Kind.F] for r in range(self.topo.pp)]
+        return lower(compute, self.schedule.placement)[self.topo.pp_rank]
+
+    def _make_tie_groups(self) -> dict[str, Any]:
+        """One process group per (tied key, dp replica) spanning the pipeline ranks that hold the key.
+        Group creation is collective: every rank walks the same keys in the same order."""
+        groups = {}
+        for key, owners in sorted(self.module.tied_owners().items()):
+            if len(owners) < 2:
+                continue
+            for d in range(self.topo.dp):
+                ranks = [self.topo.global_rank(r, d) for r in owners]
+                group = dist.new_group(ranks)
+                if self.topo.rank in ranks:
+                    groups[key] = group
+        return groups
+
+    def _stage_io(self, example_input) -> list:
+        key = tuple((t.shape, t.dtype) for t in _all_tensors(example_input))
+        if key != self._io_key:
+            self._io_meta = self.module.stage_io_meta(example_input)
+            self._io_key = key
+        return self._io_meta
+
+    # ---- the public steps ---------------------------------------------
+    def train_batch(self, data_iter: Iterator) -> float:
+        """One optimizer step over `num_microbatches` microbatches of `next(data_iter)`.
+
+        `next(data_iter)` must give `(inputs, labels)` for this data-parallel
+        rank on every pipeline rank (only shapes are used off the first and
+        last stage). Returns the mean loss over the microbatches and the
+        data-parallel replicas, on every rank."""
+        if self.optimizer is None:
+            raise RuntimeError("train_batch needs an optimizer; pass optimizer=... to PipelineEngine")
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._run(self.actions, next(data_iter), training=True)
+        self._reduce_gradients()
+        self.optimizer.step()
+        return self._mean_loss()
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterator, return_outputs: bool = False):
+        """Forward only. Returns the mean loss (every rank), or `(loss, outputs)` with
+        the last stage's outputs concatenated over microbatches (None off the last stage)."""
+        self.module.eval()
+        self._run(self.eval_actions, next(data_iter), training=False)
+        loss = self._mean_loss() if self.module.loss_fn is not None else None
+        if not return_outputs:
+            return loss
+        outs = self._outputs if self.last_stage in self.module.local_stages else None
+        if outs is not None:
+            outs = torch.cat(outs) if isinstance(outs[0], torch.Tensor) else tuple(map(torch.cat, zip(*outs)))
+        return loss, outs
+
+    # ---- the action loop ----------------------------------------------
+    def _run(self, actions: list[Action], batch, *, training: bool) -> None:
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise TypeError(f"a batch must be a pair (inputs, labels), got {type(batch).__name__}")
+        inputs, labels = batch
+        self._micro_in = split_microbatches(inputs, self.num_microbatches, "inputs")
+        self._micro_labels = split_microbatches(labels, self.num_microbatches, "labels")
+        self._io = self._stage_io(self._micro_in[0])
+        self._training = training
+        self._stash: dict = {}  # (stage, mb) -> (stage input, stage output or scaled loss)
+        self._inbox: dict = {}  # (stage, mb) -> stage input (received, or from a local stage)
+        self._grads: dict = {}  # (stage, mb) -> grads of the stage's float outputs
+        self._outbox: dict = {}  # (stage, kind, mb) -> tensors waiting for their SEND
+        self._posted: list = []
+        self._losses: list[torch.Tensor] = []
+        self._outputs: list = []
+        self.timeline = []
+        t0 = time.perf_counter()
+        for step, action in enumerate(actions):
+            start = time.perf_counter()
+            try:
+                self.handlers[action.kind](action)
+            except Exception as e:
+                raise PipelineError(self._failure_report(actions, step, e)) from e
+            if self.record_timeline:
+                self.timeline.append(TimelineEvent(self.topo.pp_rank, str(action), start - t0, time.perf_counter() - t0))
+        comm.wait_all(self._posted, self.timeout)
+        leftover = [k for k, v in (*self._stash.items(), *self._inbox.items(), *self._grads.items()) if v is not None]
+        assert not leftover or not training, f"rank {self.topo.rank}: unconsumed activations/grads after the step: {leftover}"
+
+    def _failure_report(self, actions: list[Action], step: int, error: Exception) -> str:
+        a = actions[step]
+        lines = [
+            f"rank {self.topo.rank} (pp_rank {self.topo.pp_rank}, dp_rank {self.topo.dp_rank}) failed at action "
+            f"#{step} {a} (stage {a.stage}, {a.kind.value}, microbatch {a.microbatch}): {type(error).__name__}: {error}",
+            "this rank's actions:",
+        ]
+        for i, b in enumerate(actions):
+            lines.append(f"  {'>>' if i == step else '  '} {i:4d} {b}")
+        return "\n".join(lines)
+
+    # ---- handlers -----------------------------------------------------
+    def _forward(self, a: Action) -> None:
+        s, m = a.stage, a.microbatch
+        x = self._micro_in[m] if s == 0 else self._inbox.pop((s, m))
+        out = self.module.forward_stage(s, x)
+        self._check_shapes(out, self._io[s][1], f"stage {s} output")
+        if s == self.last_stage:
+            self._finish_forward(x, out, m)
+            return
+        if self._training:
+            self._stash[(s, m)] = (x, out)
+        if self.module.stage_rank(s + 1) == self.topo.pp_rank:
+            self._inbox[(s + 1, m)] = _leaf(out)
+        else:
+            self._outbox[(s, Kind.SEND_F, m)] = _all_tensors(out)
+
+    def _finish_forward(self, x, out, m: int) -> None:
+        if self.module.loss_fn is None:
+            if self._training:
+                raise RuntimeError("training needs a loss; pass loss_fn=... to PipelineModule")
+            self._outputs.append(out)
+            return
+        loss = self.module.loss_fn(out, self._micro_labels[m])
+        self._losses.append(loss.detach())
+        if self._training:
+            self._stash[(self.last_stage, m)] = (x, loss / self.num_microbatches)
+        else:
+            self._outputs.append(out)
+
+    def _backward(self, a: Action) -> None:
+        s, m = a.stage, a.microbatch
+        if (s, m) not in self._stash:
+            raise RuntimeError(f"backward of microbatch {m} on stage {s} before its forward")
+        x, out = self._stash.pop((s, m))
+        if s == self.last_stage:
+            torch.autograd.backward(out)
+        else:
+            pairs = [(o, g) for o, g in zip(comm.float_entries(out), self._grads.pop((s, m))) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if s == 0:
+            return
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in comm.float_entries(x)]
+        if self.module.stage_rank(s - 1) == self.topo.pp_rank:
+            self._grads[(s - 1, m)] = grads
+        else:
+            self._outbox[(s, Kind.SEND_B, m)] = grads
+
+    def _peer(self, stage: int) -> int:
+        return self.topo.global_rank(self.module.stage_rank(stage))
+
+    def _send_forward(self, a: Action) -> None:
+        self._posted += comm.send(self._outbox.pop((a.stage, Kind.SEND_F, a.microbatch)), self._peer(a.stage + 1))
+
+    def _send_backward(self, a: Action) -> None:
+        self._posted += comm.send(self._outbox.pop((a.stage, Kind.SEND_B, a.microbatch)), self._peer(a.stage - 1))
+
+    def _recv_forward(self, a: Action) -> None:
+        like = self._io[a.stage][0]
+        got = comm.recv(_all_tensors(like), self._peer(a.stage - 1), self.topo.device, self.timeout)
+        x = _rebuild(like, got)
+        self._inbox[(a.stage, a.microbatch)] = _leaf(x) if self._training else x
+
+    def _recv_backward(self, a: Action) -> None:
+        like = comm.float_entries(self._io[a.stage][1])
+        self._grads[(a.stage, a.microbatch)] = comm.recv(like, self._peer(a.stage + 1), self.topo.device, self.timeout)
+
+    @staticmethod
+    def _check_shapes(value, meta, where: str) -> None:
+        got = [(tuple(t.shape), t.dtype) for t in _all_tensors(value)]
+        want = [(tuple(t.shape), t.dtype) for t in _all_tensors(meta)]
+        if got != want:
+            raise RuntimeError(f"{where} is {got} but the meta-device run predicted {want}; layers must be shape-deterministic")
+
+    # ---- after the actions --------------------------------------------
+    def _reduce_gradients(self) -> None:
+        for key, group in self.tie_groups.items():
+            grads = [p.grad for p in self._filled_grads(self.module.tied[key].parameters())]
+            _all_reduce_flat(grads, group, average=False)
+        if self.topo.dp > 1:
+            _all_reduce_flat([p.grad for p in self._filled_grads(self.module.parameters())], self.topo.dp_group, average=True)
+
+    @staticmethod
+    def _filled_grads(params) -> list:
+        params = [p for p in params if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return params
+
+    def _mean_loss(self) -> float:
+        """Mean microbatch loss of the last stage, averaged over dp, given to every rank."""
+        total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        if self._losses:
+            total += torch.stack(self._losses).double().mean()
+        if self.topo.pp > 1:
+            dist.all_reduce(total, group=self.topo.pp_group)
+        if self.topo.dp > 1:
+            dist.all_reduce(total, group=self.topo.dp_group)
+            total /= self.topo.dp
+        return total.item()
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group, *, average: bool) -> None:
+    """All-reduce a list of tensors in place through one flat buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    size = dist.get_world_size(group)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in ts])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat /= size
+        offset = 0
+        for t in ts:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -1,0 +1,201 @@
+"""PipelineModule: the layers of this rank's pipeline stage(s), and nothing else.
+
+The spec list is cut into `pp * chunks_per_rank` virtual stages; virtual stage
+`s` lives on pipeline rank `s % pp` (looping placement). Each rank builds only
+the layers of its own stages, each seeded by its global index, and names them
+by that index (`layers.7.weight`), so a parameter has the same name in every
+layout. Tied layers live under `tied.<key>` on every rank that uses them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .partition import partition as partition_specs
+from .schedules import looping_placement
+from .spec import TiedLayerSpec, build_layer
+from .topology import Topology
+
+
+def check_activation(value: Any, where: str) -> None:
+    """Raise unless `value` is a tensor or a non-empty tuple of tensors."""
+    ok = isinstance(value, torch.Tensor) or (
+        isinstance(value, tuple) and len(value) > 0 and all(isinstance(v, torch.Tensor) for v in value)
+    )
+    if not ok:
+        got = type(value).__name__
+        if isinstance(value, (tuple, list)):
+            got += "(" + ", ".join(type(v).__name__ for v in value) + ")"
+        raise TypeError(f"{where} returned {got}; every layer must return a Tensor or a tuple of Tensors")
+
+
+class PipelineModule(nn.Module):
+    """This rank's share of a model given as a list of specs.
+
+    Args:
+        specs: LayerSpec / TiedLayerSpec / plain callables, in order.
+        loss_fn: `loss_fn(outputs, labels) -> scalar`, applied after the last stage.
+        topology: the process grid; None means one process (pp=1, dp=1).
+        partition: "parameters", "uniform", "type:REGEX", or explicit boundaries.
+        seed: base seed; layer i is initialised from (seed, i).
+        chunks_per_rank: virtual stages per rank (> 1 for interleaved 1F1B).
+        activation_checkpoint_interval: recompute every run of this many layers
+            in backward instead of keeping their activations (0: off).
+        checkpoint_layers: regex on layer class names; matching layers are
+            recomputed in backward one by one.
+    """
+
+    def __init__(
+        self,
+        specs: list,
+        *,
+        loss_fn: Callable | None = None,
+        topology: Topology | None = None,
+        partition: str | list[int] = "parameters",
+        seed: int = 0,
+        chunks_per_rank: int = 1,
+        activation_checkpoint_interval: int = 0,
+        checkpoint_layers: str | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.specs = list(specs)
+        self.loss_fn = loss_fn
+        self.topology = topology if topology is not None else Topology(pp=1, dp=1)
+        self.seed = seed
+        if chunks_per_rank < 1:
+            raise ValueError(f"chunks_per_rank must be >= 1, got {chunks_per_rank}")
+        if activation_checkpoint_interval < 0:
+            raise ValueError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
+        self.chunks_per_rank = chunks_per_rank
+        self.num_stages = self.topology.pp * chunks_per_rank
+        self.boundaries = partition_specs(self.specs, self.num_stages, partition)
+        self.placement = looping_placement(self.topology.pp, chunks_per_rank)
+        self.local_stages = [s for s in range(self.num_stages) if self.placement[s] == self.topology.pp_rank]
+        self.checkpoint_interval = activation_checkpoint_interval
+        self.checkpoint_pattern = re.compile(checkpoint_layers) if checkpoint_layers else None
+        self.device = torch.device(device) if device is not None else self.topology.device
+        self.layers = nn.ModuleDict()
+        self.tied = nn.ModuleDict()
+        self._funcs: dict[int, Callable] = {}
+        for stage in self.local_stages:
+            for i in self.stage_layers(stage):
+                self._build(i)
+
+    # ---- construction -------------------------------------------------
+    def _build(self, i: int) -> None:
+        spec = self.specs[i]
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in self.tied:
+                self.tied[spec.key] = build_layer(self.specs, i, seed=self.seed, device=self.device)
+        else:
+            built = build_layer(self.specs, i, seed=self.seed, device=self.device)
+            if isinstance(built, nn.Module):
+                self.layers[str(i)] = built
+            else:
+                self._funcs[i] = built
+
+    def stage_layers(self, stage: int) -> range:
+        """Global indices of the layers of virtual stage `stage`."""
+        return range(self.boundaries[stage], self.boundaries[stage + 1])
+
+    def stage_rank(self, stage: int) -> int:
+        return self.placement[stage]
+
+    def tied_owners(self) -> dict[str, list[int]]:
+        """For each tied key, the sorted pipeline ranks whose stages hold it."""
+        owners: dict[str, set[int]] = {}
+        for stage in range(self.num_stages):
+            for i in self.stage_layers(stage):
+                spec = self.specs[i]
+                if isinstance(spec, TiedLayerSpec):
+                    owners.setdefault(spec.key, set()).add(self.placement[stage])
+        return {k: sorted(v) for k, v in owners.items()}
+
+    # ---- running ------------------------------------------------------
+    def run_layer(self, i: int, x, layer: nn.Module | Callable | None = None):
+        """Apply layer `i` (this rank's copy, or `layer` when given) to `x`."""
+        spec = self.specs[i]
+        if isinstance(spec, TiedLayerSpec):
+            module = layer if layer is not None else self.tied[spec.key]
+            return spec.forward_fn(module, x) if spec.forward_fn is not None else module(x)
+        fn = layer if layer is not None else (self.layers[str(i)] if str(i) in self.layers else self._funcs[i])
+        return fn(x)
+
+    def _segments(self, stage: int) -> list[tuple[list[int], bool]]:
+        """Split a stage's layers into runs, each flagged for recomputation or not."""
+        idx = list(self.stage_layers(stage))
+        if self.checkpoint_interval:
+            k = self.checkpoint_interval
+            return [(idx[j : j + k], True) for j in range(0, len(idx), k)]
+        if self.checkpoint_pattern is not None:
+            return [([i], bool(self.checkpoint_pattern.search(self._layer_name(i)))) for i in idx]
+        return [(idx, False)]
+
+    def _layer_name(self, i: int) -> str:
+        spec = self.specs[i]
+        return spec.name if hasattr(spec, "name") else getattr(spec, "__name__", type(spec).__name__)
+
+    def _run_run(self, run: list[int], x):
+        for i in run:
+            x = self.run_layer(i, x)
+        return x
+
+    def forward_stage(self, stage: int, x):
+        """Run virtual stage `stage` (which must be local) on `x`."""
+        for run, recompute in self._segments(stage):
+            if recompute and torch.is_grad_enabled():
+                x = checkpoint(self._run_run, run, x, use_reentrant=False)
+            else:
+                x = self._run_run(run, x)
+        return x
+
+    def forward(self, x):
+        """Run every local stage in order: the whole model when pp=1."""
+        for stage in self.local_stages:
+            x = self.forward_stage(stage, x)
+        return x
+
+    # ---- shapes -------------------------------------------------------
+    def stage_io_meta(self, example_input) -> list[tuple[Any, Any]]:
+        """(input, output) of every virtual stage as meta tensors, for a microbatch
+        shaped like `example_input`; found by running the whole spec list on the
+        meta device, so it costs no memory and needs no communication. Also
+        checks that every layer returns a tensor or a tuple of tensors."""
+        meta_layers = self._meta_layers()
+        x = to_meta(example_input)
+        io = []
+        for stage in range(self.num_stages):
+            x_in = x
+            with torch.no_grad():
+                for i in self.stage_layers(stage):
+                    x = self.run_layer(i, x, layer=meta_layers[i])
+                    check_activation(x, f"layer {i} ({self._layer_name(i)})")
+            io.append((x_in, x))
+        return io
+
+    def _meta_layers(self) -> dict[int, Any]:
+        if not hasattr(self, "_meta_cache"):
+            tied: dict[str, nn.Module] = {}
+            cache = {}
+            for i, spec in enumerate(self.specs):
+                if isinstance(spec, TiedLayerSpec):
+                    if spec.key not in tied:
+                        tied[spec.key] = build_layer(self.specs, i, seed=self.seed, device="meta")
+                    cache[i] = tied[spec.key]
+                else:
+                    cache[i] = build_layer(self.specs, i, seed=self.seed, device="meta")
+            object.__setattr__(self, "_meta_cache", cache)  # not a submodule: stays out of state_dict
+        return self._meta_cache
+
+
+def to_meta(x):
+    """A meta-device copy of a tensor or tuple of tensors (shapes and dtypes only)."""
+    if isinstance(x, tuple):
+        return tuple(to_meta(v) for v in x)
+    return torch.empty(x.shape, dtype=x.dtype, device="meta")

@@ -1,0 +1,157 @@
+"""The schedule IR: actions, the message each receive needs, and `Schedule`.
+
+An `Action` is (virtual stage, kind, microbatch). Compute kinds are `F`
+(forward), `B` (backward; input-grad only when the same (stage, microbatch)
+also has a `W`, else the full backward), `W` (weight grad only) and `BW`
+(explicitly fused full backward). Communication kinds are named after the
+LOCAL stage of the rank that runs them:
+
+- `SEND_F(s, m)`: send F(s, m)'s output to the rank of stage s+1;
+- `RECV_F(s, m)`: receive F(s, m)'s input from the rank of stage s-1;
+- `SEND_B(s, m)`: send B(s, m)'s input grad to the rank of stage s-1;
+- `RECV_B(s, m)`: receive the grad of F(s, m)'s output from stage s+1.
+
+Pure Python: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+
+class ScheduleError(ValueError):
+    """Every bad-input error raised by `pipekit.schedules`."""
+
+
+class Kind(str, Enum):
+    F = "F"
+    B = "B"
+    W = "W"
+    BW = "BW"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})
+COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+BACKWARD_KINDS = frozenset({Kind.B, Kind.BW})
+
+# Longest kinds first so "BW" is not read as "B" followed by garbage.
+_KIND_ALTERNATION = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
+_ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATION})(\d+)$")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of one rank: `stage` is the global virtual stage index."""
+
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __post_init__(self):
+        if not isinstance(self.kind, Kind):
+            try:
+                object.__setattr__(self, "kind", Kind(self.kind))
+            except ValueError:
+                valid = ", ".join(k.value for k in Kind)
+                raise ScheduleError(f"unknown action kind {self.kind!r}; valid kinds: {valid}") from None
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of `str`: "0F1" -> Action(0, Kind.F, 1); "2RECV_B5" likewise."""
+        match = _ACTION_RE.match(text.strip()) if isinstance(text, str) else None
+        if match is None:
+            raise ScheduleError(
+                f"cannot parse action {text!r}: expected <stage><kind><microbatch> such as "
+                f"'0F1' or '2RECV_B5', kind one of {', '.join(k.value for k in Kind)}"
+            )
+        stage, kind, microbatch = match.groups()
+        return cls(int(stage), Kind(kind), int(microbatch))
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE_KINDS
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM_KINDS
+
+
+def message_stages(action: Action) -> tuple[int, int]:
+    """(source stage, destination stage) of a SEND/RECV action's message."""
+    s = action.stage
+    return {
+        Kind.SEND_F: (s, s + 1),
+        Kind.RECV_F: (s - 1, s),
+        Kind.SEND_B: (s, s - 1),
+        Kind.RECV_B: (s + 1, s),
+    }[action.kind]
+
+
+def matching_send(recv: Action) -> Action:
+    """The SEND on the peer rank that delivers what `recv` receives."""
+    if recv.kind is Kind.RECV_F:
+        return Action(recv.stage - 1, Kind.SEND_F, recv.microbatch)
+    if recv.kind is Kind.RECV_B:
+        return Action(recv.stage + 1, Kind.SEND_B, recv.microbatch)
+    raise ScheduleError(f"{recv} is not a receive")
+
+
+def matching_recv(send: Action) -> Action:
+    """The RECV on the peer rank that consumes what `send` sends."""
+    if send.kind is Kind.SEND_F:
+        return Action(send.stage + 1, Kind.RECV_F, send.microbatch)
+    if send.kind is Kind.SEND_B:
+        return Action(send.stage - 1, Kind.RECV_B, send.microbatch)
+    raise ScheduleError(f"{send} is not a send")
+
+
+def format_actions(actions) -> str:
+    """Space-separated text form of an action list, as used in tests and errors."""
+    return " ".join(str(a) for a in actions)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A complete, lowered pipeline program: one action list per rank.
+
+    `placement[s]` is the rank hosting virtual stage s; `ranks[r]` is rank r's
+    lowered list (compute plus SEND/RECV) in execution order. Build one with
+    `build_schedule`, which has already validated it.
+    """
+
+    name: str
+    pp: int
+    chunks_per_rank: int
+    microbatches: int
+    placement: tuple[int, ...]
+    ranks: tuple[tuple[Action, ...], ...]
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.chunks_per_rank
+
+    def stage_rank(self, stage: int) -> int:
+        if not 0 <= stage < self.num_stages:
+            raise ScheduleError(f"stage {stage} out of range: this schedule has stages 0..{self.num_stages - 1}")
+        return self.placement[stage]
+
+    def local_stages(self, rank: int) -> list[int]:
+        self._check_rank(rank)
+        return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def compute_actions(self, rank: int) -> list[Action]:
+        self._check_rank(rank)
+        return [a for a in self.ranks[rank] if a.is_compute]
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.pp:
+            raise ScheduleError(f"rank {rank} out of range: this schedule has ranks 0..{self.pp - 1}")

@@ -1,0 +1,91 @@
+"""Drawing timelines (simulated or measured): Chrome-trace JSON and an ASCII Gantt chart."""
+
+from __future__ import annotations
+
+from .ir import Action, ScheduleError
+from .simulate import TimelineEvent
+
+
+def _category(action: str) -> str:
+    try:
+        return Action.parse(action).kind.value
+    except ScheduleError:
+        return "other"
+
+
+def to_chrome_trace(events: list[TimelineEvent]) -> dict:
+    """chrome://tracing / Perfetto JSON: one thread per rank, complete ("X") events.
+
+    Times are read as seconds (what the engine measures) and written in
+    microseconds; a simulated cost unit therefore shows as one second.
+    """
+    ranks = sorted({e.rank for e in events})
+    names = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
+        for r in ranks
+    ]
+    spans = [
+        {
+            "name": e.action,
+            "cat": _category(e.action),
+            "ph": "X",
+            "pid": 0,
+            "tid": e.rank,
+            "ts": e.start * 1e6,
+            "dur": (e.end - e.start) * 1e6,
+        }
+        for e in events
+    ]
+    return {"traceEvents": names + spans, "displayTimeUnit": "ms"}
+
+
+def render_text(events: list[TimelineEvent], width: int = 100) -> str:
+    """ASCII Gantt chart, one row per rank, at most `width` columns of time.
+
+    Each action is drawn as kind and microbatch ("F3", "B12") padded with
+    '-', or just its kind when its span is too narrow; idle time is '.'. When
+    all times are whole numbers, each time unit gets the same whole number of
+    columns so equal costs draw equally wide. Limits: the virtual stage is not
+    shown, and actions narrower than a column may be hidden by their neighbours.
+    """
+    if width < 1:
+        raise ScheduleError(f"width must be >= 1, got {width}")
+    if not events:
+        return "(empty timeline)"
+    t0 = min(e.start for e in events)
+    span = max(e.end for e in events) - t0
+    scale = _columns_per_unit(events, span, width)
+    ranks = sorted({e.rank for e in events})
+    label = max(len(f"rank {r}") for r in ranks)
+    cols = max(1, round(span * scale))
+    lines = [f"{f'rank {r}':>{label}} |{_row([e for e in events if e.rank == r], t0, scale, cols)}|" for r in ranks]
+    end = f"{t0 + span:g}"
+    axis = f"{'':>{label}}  {t0:g}"
+    return "\n".join(lines + [axis.ljust(label + 2 + cols - len(end)) + end])
+
+
+def _columns_per_unit(events, span: float, width: int) -> float:
+    if span <= 0:
+        return 1.0
+    whole = all(float(t).is_integer() for e in events for t in (e.start, e.end))
+    if whole and span <= width:
+        return float(width // span)
+    return width / span
+
+
+def _row(events, t0: float, scale: float, cols: int) -> str:
+    cells = ["."] * cols
+    for e in sorted(events, key=lambda e: e.start):
+        lo = min(int((e.start - t0) * scale + 1e-9), cols - 1)
+        hi = min(max(int((e.end - t0) * scale + 1e-9), lo + 1), cols)
+        cells[lo:hi] = _label(e.action, hi - lo).ljust(hi - lo, "-")
+    return "".join(cells)
+
+
+def _label(action: str, room: int) -> str:
+    try:
+        a = Action.parse(action)
+    except ScheduleError:
+        return action[:room]
+    text = f"{a.kind.value}{a.microbatch}"
+    return text if len(text) <= room else a.kind.value[:room]

@@ -1,0 +1,146 @@
+"""Event-driven simulation of a lowered schedule.
+
+Model: each rank walks its action list in order and is busy only in compute
+actions. A compute action costs `costs[kind]` and starts when the rank is
+free; a RECV blocks the rank until the matching SEND has happened plus
+`comm_latency`; a SEND is posted at once (buffered, never blocks) and costs 0.
+
+Not modelled: bandwidth or message size, contention, overlap of compute with
+the copy of a message, waiting for posted sends at the end of the step, the
+optimizer step, memory limits, and variation between stages or microbatches.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+from .ir import Action, Kind, Schedule, ScheduleError, matching_send
+
+DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "W": 1.0, "BW": 3.0}
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One compute action on one rank; also the format of the engine's measured timelines."""
+
+    rank: int
+    action: str
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    timeline: list[TimelineEvent]
+    makespan: float
+    bubble_fraction: float
+    bubble_per_rank: list[float] = field(default_factory=list)
+    peak_activations: list[int] = field(default_factory=list)
+
+
+def resolve_costs(costs: dict[str, float] | None) -> dict[str, float]:
+    """DEFAULT_COSTS overridden by `costs`; only compute kinds, non-negative."""
+    merged = dict(DEFAULT_COSTS)
+    for key, value in (costs or {}).items():
+        key = key.value if isinstance(key, Kind) else key
+        if key not in DEFAULT_COSTS:
+            raise ScheduleError(f"unknown cost key {key!r}; costs are given for {', '.join(DEFAULT_COSTS)}")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0:
+            raise ScheduleError(f"cost of {key} must be a number >= 0, got {value!r}")
+        merged[key] = value
+    return merged
+
+
+def execute(ranks, placement, duration, comm_latency: float = 0.0) -> list[list[tuple[float, float]]]:
+    """(start, end) of every action of every rank; raises ScheduleError on a deadlock.
+
+    Sweeps the ranks, advancing each as far as its next RECV allows, until all
+    are done or no rank can move. Shared by `simulate` and `validate`.
+    """
+    times = [[] for _ in ranks]
+    clocks = [0.0] * len(ranks)
+    sent: dict[Action, float] = {}
+    progress = True
+    while progress:
+        progress = False
+        for r, actions in enumerate(ranks):
+            progress |= _advance(r, actions, times[r], clocks, sent, duration, comm_latency)
+    _check_finished(ranks, times, placement)
+    return times
+
+
+def _advance(r, actions, times, clocks, sent, duration, comm_latency) -> bool:
+    """Run rank r's actions until a RECV whose SEND has not happened; True if any ran."""
+    start_len = len(times)
+    while len(times) < len(actions):
+        a = actions[len(times)]
+        start = clocks[r]
+        if a.kind in (Kind.RECV_F, Kind.RECV_B):
+            send = matching_send(a)
+            if send not in sent:
+                break
+            start = max(start, sent[send] + comm_latency)
+        end = start + (duration(a) if a.is_compute else 0)
+        if a.kind in (Kind.SEND_F, Kind.SEND_B):
+            sent[a] = start
+        times.append((start, end))
+        clocks[r] = end
+    return len(times) > start_len
+
+
+def _check_finished(ranks, times, placement) -> None:
+    stuck = []
+    for r, actions in enumerate(ranks):
+        if len(times[r]) < len(actions):
+            a = actions[len(times[r])]
+            peer = _peer_rank(a, placement)
+            stuck.append(f"rank {r} waits on {a} (step {len(times[r])}) from rank {peer}")
+    if stuck:
+        raise ScheduleError("deadlock: " + "; ".join(stuck))
+
+
+def _peer_rank(recv: Action, placement):
+    stage = matching_send(recv).stage
+    return placement[stage] if 0 <= stage < len(placement) else "<none>"
+
+
+def simulate(schedule: Schedule, costs: dict[str, float] | None = None, comm_latency: float = 0.0) -> SimResult:
+    """Simulate `schedule` under per-kind `costs` (DEFAULT_COSTS: F=1, B=2, W=1, BW=3).
+
+    bubble_per_rank[r] = 1 - busy_r / makespan; bubble_fraction = 1 - total
+    busy / (pp * makespan); peak_activations[r] = the most (stage, microbatch)
+    pairs on rank r whose F is done and whose releasing backward (W when the
+    pair has a W, else B or BW) is not. The timeline holds compute events only.
+    """
+    unit = resolve_costs(costs)
+    times = execute(schedule.ranks, schedule.placement, lambda a: unit[a.kind.value], comm_latency)
+    timeline = [
+        TimelineEvent(r, str(a), start, end)
+        for r, actions in enumerate(schedule.ranks)
+        for a, (start, end) in zip(actions, times[r])
+        if a.is_compute
+    ]
+    makespan = max((e.end for e in timeline), default=0.0)
+    busy = [sum(e.end - e.start for e in timeline if e.rank == r) for r in range(schedule.pp)]
+    return SimResult(
+        timeline=timeline,
+        makespan=makespan,
+        bubble_fraction=1 - sum(busy) / (schedule.pp * makespan) if makespan else 0.0,
+        bubble_per_rank=[1 - b / makespan if makespan else 0.0 for b in busy],
+        peak_activations=[peak_live_activations(schedule.ranks[r]) for r in range(schedule.pp)],
+    )
+
+
+def peak_live_activations(actions) -> int:
+    """Most (stage, mb) pairs held at once, walking one rank's list in order."""
+    has_w = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.W}
+    live = peak = 0
+    for a in actions:
+        key = (a.stage, a.microbatch)
+        if a.kind is Kind.F:
+            live += 1
+            peak = max(peak, live)
+        elif a.kind is Kind.BW or a.kind is Kind.W or (a.kind is Kind.B and key not in has_w):
+            live -= 1
+    return peak

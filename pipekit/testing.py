@@ -1,0 +1,84 @@
+"""Run a function on N spawned CPU processes joined by gloo, inside pytest.
+
+`run_distributed(fn, world_size, *args)` spawns `world_size` workers, each
+initialising `torch.distributed` over a file store in a fresh temporary
+directory, with one intra-op thread, then calling `fn(*args)`. It returns the
+list of per-rank return values. A worker exception is re-raised in the parent
+with the rank and the worker's traceback; a worker that neither returns nor
+fails within `timeout` seconds fails the call instead of hanging it.
+`fn` must be a module-level function (it is pickled by name).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, init_file: str, fn, args, results, op_timeout: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=op_timeout),
+        )
+        out = fn(*args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, op_timeout: float = 60.0) -> list:
+    """Run `fn(*args)` on `world_size` gloo ranks; return each rank's result, in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="pipekit-dist-") as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, fn, args, results, op_timeout), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(procs, results, world_size, timeout)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+
+
+def _collect(procs, results, world_size: int, timeout: float) -> list:
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < world_size:
+        try:
+            rank, ok, value = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and p.exitcode != 0]
+            if dead:
+                raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before reporting")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
+            continue
+        if not ok:
+            raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+        out[rank] = value
+    return [out[r] for r in range(world_size)]
