@@ -34,7 +34,7 @@ class TokenEmbedding(nn.Module):
 
     def __init__(self, vocab: int, dim: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(vocab, dim) * 0.5)
+        self.weight = nn.Parameter(torch.randn(vocab, dim) / math.sqrt(dim))
 
     def forward(self, tokens: torch.Tensor):
         pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)

@@ -112,7 +112,9 @@ def _check_all_sent(rank, produced, next_index, orders, placement) -> None:
     for (src, dst), order in orders.items():
         if src == rank and next_index[dst] < len(order):
             missing = order[next_index[dst]]
+            producer = "F" if missing.kind is Kind.F or missing.kind is Kind.SEND_F else "B or BW"
             raise ScheduleError(
-                f"rank {rank} never sends {missing} that rank {dst} waits for; rank {rank} holds "
-                f"[{format_actions(produced)}] behind it"
+                f"rank {rank} never sends {missing}, which rank {dst} receives as {matching_recv(missing)}: "
+                f"rank {rank} runs no {producer} of stage {missing.stage} microbatch {missing.microbatch}"
+                + (f"; held behind it: {format_actions(produced)}" if produced else "")
             )

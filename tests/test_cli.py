@@ -1,0 +1,78 @@
+"""The `pipekit` command: plan's JSON, config checks before launch, and training runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipekit.cli import main
+from pipekit.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_plan_json_gives_the_simulated_figures(capsys):
+    assert main(["plan", "--schedule", "1f1b", "--pp", "4", "--microbatches", "8", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["bubble_fraction"] == pytest.approx(3 / 11)
+    assert report["makespan"] == pytest.approx(33)
+    assert report["peak_activations"] == [4, 3, 2, 1]
+    assert report["actions"][3][:4] == ["3F0", "3B0", "3F1", "3B1"]
+    assert report["actions"][0][:5] == ["0F0", "0F1", "0F2", "0F3", "0B0"]
+
+
+def test_plan_interleaved_and_text_timeline(capsys):
+    assert main(["plan", "--schedule", "interleaved_1f1b", "--pp", "2", "--microbatches", "4", "--virtual", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "bubble" in out and "makespan" in out
+
+
+def test_plan_rejects_bad_input(capsys):
+    assert main(["plan", "--schedule", "interleaved_1f1b", "--pp", "4", "--microbatches", "6", "--virtual", "2"]) == 2
+    assert "multiple of pp=4, got 6" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.ppp=2"], "ppp"),
+        (["parallel.pp=two"], "parallel.pp"),
+        (["train.global_batch=30"], "train.global_batch=30 must be a multiple of parallel.dp * schedule.microbatches"),
+        (["schedule.name=zigzag"], "schedule.name='zigzag'"),
+        (["parallel.pp=20"], "fewer than parallel.pp * schedule.chunks_per_rank = 20"),
+        (["schedule.name=interleaved_1f1b", "schedule.chunks_per_rank=2", "schedule.microbatches=3", "train.global_batch=6"],
+         "multiple of pp=2, got 3"),
+    ],
+)
+def test_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("*", r"\*").replace(".", r"\.")):
+        load_config(str(ROOT / "configs/toy.yaml"), overrides)
+
+
+def test_train_reports_bad_config_before_launching(capsys):
+    assert main(["train", str(ROOT / "configs/toy.yaml"), "parallel.dp=3"]) == 2
+    assert "parallel.dp * schedule.microbatches" in capsys.readouterr().err
+
+
+def test_train_single_process(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "parallel.pp=1", "train.steps=40", "train.log_every=20", f"out_dir={out}"]) == 0
+    summary = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["summary"]
+    assert summary["final_loss"] < 0.5 * summary["first_loss"]
+    assert "done: 40 steps" in capsys.readouterr().out
+
+
+def test_train_launches_its_own_workers(tmp_path):
+    """pp=2 x dp=2 through torch.distributed.run, as `pipekit train` does outside torchrun."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pipekit.cli", "train", str(ROOT / "configs/toy.yaml"), "parallel.dp=2",
+           "train.steps=4", "train.log_every=2", "model.dim=16", "model.wide_dim=16", f"out_dir={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["summary"]
+    assert (summary["pp"], summary["dp"], summary["steps"]) == (2, 2, 4)
+    assert "done: 4 steps at pp=2 dp=2" in proc.stdout
