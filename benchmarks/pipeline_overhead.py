@@ -6,40 +6,45 @@ What is measured
 ----------------
 1. Overhead per action. The model is 8 near-free layers (each multiplies a
    (2, 4) float32 microbatch by a 1-element parameter), M=8 microbatches, MSE
-   loss, SGD. One timed step is a whole optimizer step: zero_grad, the action
-   list, waiting for posted sends, the mean loss given to every rank (one
-   all-reduce at pp=2) and the optimizer step. Steps are timed after a
-   warm-up; a barrier (not timed) precedes each step; a step's time is its
-   slowest rank's; the tables give the median over steps. "us / compute
-   action" is step time / F and B actions on one rank (16); "us / action"
-   is step time / all actions on one rank including SEND/RECV (16 at pp=1,
-   32 at pp=2). Rows: a plain eager loop over the same 8 F+B in one process
-   (the floor: no engine), pipekit pp=1 in this process, and at pp=2 over gloo
-   (2 spawned workers) pipekit and torch.distributed.pipelining
-   (PipelineStage + Schedule1F1B / ScheduleGPipe with a loss_fn), the latter
-   wrapped in the same zero_grad / optimizer step / loss all-reduce. Both
-   start from the same weights; their losses after the same steps are
-   reported as a check that they do the same work. A second table splits
-   pipekit's pp=2 step by action kind from its recorded timeline.
+   loss, SGD. A timed step is a whole optimizer step: zero_grad, the action
+   list, waiting for posted sends, the mean loss given to every rank (an
+   all-reduce at pp=2; pipekit also all-reduces its gradient norm) and the
+   optimizer step. After one first step and a warm-up, the runs are timed in
+   alternating rounds (so they share the drift of a noisy machine); a
+   barrier, not timed, precedes each step; a step's time is its slowest
+   rank's; tables give the median over steps and the p10-p90 spread.
+   "us / compute action" = step time / F and B actions on one rank (16);
+   "us / action" = step time / all actions on one rank incl. SEND/RECV (16
+   at pp=1, 32 at pp=2); "over floor" = (step - eager step) / 16. Rows: a
+   plain eager loop over the same 8 F+B in one process (the floor, no
+   engine); pipekit pp=1 in this process; at pp=2 over gloo (2 spawned
+   workers) pipekit and torch.distributed.pipelining (PipelineStage +
+   Schedule1F1B / ScheduleGPipe with a loss_fn), the latter wrapped in the
+   same zero_grad / optimizer step / loss all-reduce. Both start from the
+   same weights and take the same steps; their final losses are printed as
+   a check that they do the same work. A second table splits pipekit's pp=2
+   1F1B step by action kind, from its recorded timeline.
 2. Bubble, 1F1B, pp=2, M=8, with residual MLP blocks of real work (a few ms
    per F on one thread). The engine's timeline is recorded for several steps;
-   ranks share the host's monotonic clock, so each step is placed on one time
+   ranks share the host's monotonic clock, so each step is put on one time
    axis whose origin is the earliest `train_batch` entry. Makespan = origin
    to the last F/B end on any rank; bubble of rank r = 1 - (its F+B time) /
    makespan; pipeline bubble = 1 - (all F+B time) / (pp * makespan), as in
-   `pipekit.schedules.simulate`. The schedule is then simulated with costs
-   F, B = the measured mean F and B durations, with comm latency 0 and with
-   the measured latency (median of RECV end - matching SEND start over the
-   RECVs that were already waiting when the SEND was posted), beside the
-   unit-cost theory (p-1)/(m+p-1) = 1/9.
+   `pipekit.schedules.simulate`. Predictions beside it: `simulate` with costs
+   F, B = the measured mean F and B, with comm latency 0 and with the
+   measured latency (median of RECV end - matching SEND start over the RECVs
+   that were already waiting when the SEND was posted); a replay through the
+   simulator's executor with each action's own mean duration plus its SEND's
+   posting time; and the unit-cost theory (p-1)/(m+p-1) = 1/9.
 
-What is not measured: GPUs, NCCL, more than 2 ranks, message size or
-bandwidth (the near-free messages are 32 bytes), memory, process start-up
-and the first steps (shape inference, gloo connection set-up). The makespan
-ignores what `train_batch` does after the last action (waiting for sends,
-loss all-reduce, optimizer step); that is reported separately. On a
-2-core machine the 2 ranks and gloo's threads share the cores, so figures
-vary by several percent between runs.
+Not measured: GPUs, NCCL, more than 2 ranks, message size or bandwidth (the
+near-free messages are 32 bytes), memory, process start-up and the first
+steps (shape inference, gloo connection set-up). The makespan leaves out
+what `train_batch` does after the last action (waiting for sends, loss and
+grad-norm all-reduces, optimizer step); the step wall time is given beside
+it. The machine has 2 cores for 2 ranks plus gloo's threads, and anything
+else running on it inflates the pp=2 figures by tens of percent: the 1-min
+load average before and after is printed, with a warning when it is high.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ import pipekit
 from pipekit.partition import partition
 from pipekit.schedules import Action, Kind, build_schedule, simulate
 from pipekit.schedules.ir import matching_send
+from pipekit.schedules.simulate import execute
 from pipekit.spec import LayerSpec
 from pipekit.testing import run_distributed
 
@@ -113,18 +119,26 @@ def make_batch(rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- timing -------------------------------------------------------------
-def time_steps(step, warmup: int, steps: int, sync=None) -> tuple[list[float], float]:
-    """Run `step` warmup + steps times; return the timed durations (s) and the last loss."""
-    for _ in range(warmup):
-        step()
-    times, loss = [], float("nan")
-    for _ in range(steps):
-        if sync is not None:
-            sync()
-        start = time.perf_counter()
-        loss = step()
-        times.append(time.perf_counter() - start)
-    return times, loss
+def time_interleaved(step_fns: dict, warmup: int, steps: int, rounds: int, sync=None) -> dict:
+    """Time each `step_fns[name]()` `steps` times, in `rounds` alternating rounds so
+    that every run sees the same drift of a noisy machine. Returns
+    name -> (durations in s, last loss)."""
+    for fn in step_fns.values():
+        for _ in range(warmup):
+            fn()
+    out = {name: ([], float("nan")) for name in step_fns}
+    per_round = max(1, steps // rounds)
+    for _ in range(rounds):
+        for name, fn in step_fns.items():
+            times, _ = out[name]
+            for _ in range(per_round):
+                if sync is not None:
+                    sync()
+                start = time.perf_counter()
+                loss = fn()
+                times.append(time.perf_counter() - start)
+            out[name] = (times, loss)
+    return out
 
 
 def pipekit_engine(specs, schedule: str, topology=None, record: bool = False) -> pipekit.PipelineEngine:
@@ -205,21 +219,34 @@ def pp2_worker(cfg: dict) -> dict:
     """Everything at pp=2, in one spawned gloo group (spawning costs seconds)."""
     topo = pipekit.Topology(pp=PP)
     free = make_batch(NEAR_FREE["rows"], NEAR_FREE["width"])
-    out: dict = {"pipekit": {}, "torch": {}}
-    for schedule in ("1f1b", "gpipe"):
-        engine = pipekit_engine(near_free_specs(), schedule, topo)
-        out["pipekit"][schedule] = time_steps(pipekit_step(engine, free), cfg["warmup"], cfg["steps"], dist.barrier)
-    engine = pipekit_engine(near_free_specs(), "1f1b", topo, record=True)
-    out["breakdown"] = recorded_steps(engine, free, cfg["warmup"], cfg["steps"])
-    mlp = make_batch(MLP["rows"], MLP["width"])
-    out["bubble"] = recorded_steps(pipekit_engine(mlp_specs(), "1f1b", topo, record=True), mlp, 2, cfg["bubble_steps"])
+    fns = {f"pipekit {s}": pipekit_step(pipekit_engine(near_free_specs(), s, topo), free) for s in ("1f1b", "gpipe")}
+    for fn in fns.values():
+        fn()  # the first step, as for torch below
+    errors = {}
     for schedule in ("1f1b", "gpipe"):
         try:
-            step = torch_pipelining_step(schedule, free)
-            out["torch"][schedule] = time_steps(step, cfg["warmup"], cfg["steps"], dist.barrier)
+            fn = torch_pipelining_step(schedule, free)
+            fn()  # first step: torch's shape inference; fails here if it cannot run
+            fns[f"torch {schedule}"] = fn
         except Exception as e:  # noqa: BLE001 - reported, not hidden
-            out["torch"][schedule] = f"{type(e).__name__}: {e}"
-    return out
+            errors[f"torch {schedule}"] = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+    errors = _errors_on_any_rank(errors)
+    fns = {name: fn for name, fn in fns.items() if name not in errors}  # every rank runs the same steps
+    times = time_interleaved(fns, cfg["warmup"], cfg["steps"], cfg["rounds"], dist.barrier)
+    engine = pipekit_engine(near_free_specs(), "1f1b", topo, record=True)
+    mlp = make_batch(MLP["rows"], MLP["width"])
+    return {
+        "times": times,
+        "errors": errors,
+        "breakdown": recorded_steps(engine, free, cfg["warmup"], cfg["steps"] // 2),
+        "bubble": recorded_steps(pipekit_engine(mlp_specs(), "1f1b", topo, record=True), mlp, 2, cfg["bubble_steps"]),
+    }
+
+
+def _errors_on_any_rank(errors: dict) -> dict:
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, errors)
+    return {k: v for e in gathered for k, v in e.items()}
 
 
 def single_process(cfg: dict) -> dict:
@@ -228,11 +255,10 @@ def single_process(cfg: dict) -> dict:
     torch.set_num_threads(1)
     try:
         free = make_batch(NEAR_FREE["rows"], NEAR_FREE["width"])
-        engine = pipekit_engine(near_free_specs(), "1f1b")
-        return {
-            "eager": time_steps(eager_step(free), cfg["warmup"], cfg["steps"]),
-            "pipekit": time_steps(pipekit_step(engine, free), cfg["warmup"], cfg["steps"]),
-        }
+        fns = {"eager": eager_step(free), "pipekit 1f1b": pipekit_step(pipekit_engine(near_free_specs(), "1f1b"), free)}
+        for fn in fns.values():
+            fn()  # the first step, as at pp=2
+        return time_interleaved(fns, cfg["warmup"], cfg["steps"], cfg["rounds"])
     finally:
         torch.set_num_threads(threads)
 
@@ -270,21 +296,34 @@ def _quantile(xs: list[float], q: float) -> float:
 def overhead_rows(single: dict, pp2: list[dict]) -> list[dict]:
     rows = [
         overhead_row("eager loop, no engine (floor)", 1, [single["eager"][0]], single["eager"][1]),
-        overhead_row("pipekit 1f1b", 1, [single["pipekit"][0]], single["pipekit"][1]),
+        overhead_row("pipekit 1f1b", 1, [single["pipekit 1f1b"][0]], single["pipekit 1f1b"][1]),
     ]
+    rows += _pp2_rows(pp2)
+    floor = rows[0]["step_us"]
+    for r in rows:
+        if "error" not in r:
+            r["us_over_floor_per_compute_action"] = (r["step_us"] - floor) / r["compute_actions"]
+    return rows
+
+
+def _pp2_rows(pp2: list[dict]) -> list[dict]:
+    rows = []
+    torch_names = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
     for schedule in ("1f1b", "gpipe"):
-        rows.append(overhead_row(f"pipekit {schedule}", PP, [r["pipekit"][schedule][0] for r in pp2], pp2[0]["pipekit"][schedule][1]))
-        got = [r["torch"][schedule] for r in pp2]
-        name = f"torch.distributed.pipelining {'Schedule1F1B' if schedule == '1f1b' else 'ScheduleGPipe'}"
-        if any(isinstance(g, str) for g in got):
-            rows.append({"run": name, "pp": PP, "error": next(g for g in got if isinstance(g, str))})
+        key = f"pipekit {schedule}"
+        rows.append(overhead_row(key, PP, [r["times"][key][0] for r in pp2], pp2[0]["times"][key][1]))
+        key, name = f"torch {schedule}", f"torch.distributed.pipelining {torch_names[schedule]}"
+        error = next((r["errors"][key] for r in pp2 if key in r["errors"]), None)
+        if error is not None:
+            rows.append({"run": name, "pp": PP, "error": error})
         else:
-            rows.append(overhead_row(name, PP, [g[0] for g in got], got[0][1]))
+            rows.append(overhead_row(name, PP, [r["times"][key][0] for r in pp2], pp2[0]["times"][key][1]))
     return rows
 
 
 def breakdown(pp2: list[dict]) -> list[dict]:
-    """Mean us per action kind on each rank, the time between actions, and after them."""
+    """Per rank: median and mean us per action kind, the loop's time between
+    actions, and the time after the last action (sends, loss all-reduce, step)."""
     rows = []
     for rank, result in enumerate(pp2):
         steps = result["breakdown"]
@@ -293,12 +332,14 @@ def breakdown(pp2: list[dict]) -> list[dict]:
         for s in steps:
             for action, start, end in s["events"]:
                 per_kind.setdefault(_kind_group(action), []).append(end - start)
-            busy = sum(e - b for _, b, e in s["events"])
+            inside = sum(e - b for _, b, e in s["events"])
             last = s["events"][-1][2]
-            gaps.append((last - busy) / len(s["events"]))
+            gaps.append((last - inside) / len(s["events"]))
             after.append(s["wall"] - last)
             wall.append(s["wall"])
-        row = {"rank": rank, **{k: statistics.mean(v) * 1e6 for k, v in sorted(per_kind.items())}}
+        row = {"rank": rank}
+        for kind, ds in sorted(per_kind.items()):
+            row[kind] = {"median": statistics.median(ds) * 1e6, "mean": statistics.mean(ds) * 1e6}
         row.update(gap_per_action=statistics.median(gaps) * 1e6, after_actions=statistics.median(after) * 1e6,
                    step=statistics.median(wall) * 1e6)
         rows.append(row)
@@ -311,36 +352,64 @@ def _kind_group(action: str) -> str:
 
 
 # ---- analysis: bubble ---------------------------------------------------
-def measured_bubble(pp2: list[dict]) -> dict:
-    """Per-step makespan and bubbles on the shared clock, averaged over the recorded steps."""
-    steps = list(zip(*[r["bubble"] for r in pp2]))  # steps[k][rank]
-    makespans, bubbles, pipeline, walls = [], [], [], []
-    durations: dict[str, list[float]] = {"F": [], "B": []}
-    latencies = []
-    for ranks in steps:
+def aligned_steps(pp2: list[dict]) -> list[list[list[tuple]]]:
+    """steps[k][rank] = [(Action, start, end)] on one clock whose 0 is the step's earliest entry."""
+    out = []
+    for ranks in zip(*[r["bubble"] for r in pp2]):
         origin = min(s["entered"] for s in ranks)
-        events = [[(Action.parse(a), s["entered"] - origin + b, s["entered"] - origin + e) for a, b, e in s["events"]] for s in ranks]
-        compute = [[ev for ev in evs if ev[0].is_compute] for evs in events]
-        makespan = max(e for evs in compute for _, _, e in evs)
-        busy = [sum(e - b for _, b, e in evs) for evs in compute]
-        makespans.append(makespan)
-        bubbles.append([1 - x / makespan for x in busy])
-        pipeline.append(1 - sum(busy) / (len(ranks) * makespan))
-        walls.append(max(s["wall"] for s in ranks))
-        for a, b, e in (ev for evs in compute for ev in evs):
-            durations[a.kind.value].append(e - b)
+        out.append([[(Action.parse(a), s["entered"] - origin + b, s["entered"] - origin + e) for a, b, e in s["events"]]
+                    for s in ranks])
+    return out
+
+
+def bubble_of(events: list[list[tuple]]) -> dict:
+    """Makespan and bubbles of one step's per-rank events, as `simulate` defines them."""
+    compute = [[ev for ev in evs if ev[0].is_compute] for evs in events]
+    makespan = max(e for evs in compute for _, _, e in evs)
+    busy = [sum(e - b for _, b, e in evs) for evs in compute]
+    return {"makespan_s": makespan, "bubble_per_rank": [1 - x / makespan for x in busy],
+            "bubble_fraction": 1 - sum(busy) / (len(events) * makespan)}
+
+
+def measured_bubble(pp2: list[dict]) -> dict:
+    """Bubbles of the recorded MLP steps, averaged over steps, and the costs to simulate them with."""
+    steps = aligned_steps(pp2)
+    per_step = [bubble_of(events) for events in steps]
+    durations: dict[str, list[float]] = {}
+    latencies = []
+    for events in steps:
+        for a, b, e in (ev for evs in events for ev in evs):
+            durations.setdefault(str(a), []).append(e - b)
         latencies += _latencies(events)
+    by_kind = {k: [d for a, ds in durations.items() for d in ds if Action.parse(a).kind.value == k] for k in ("F", "B")}
     return {
-        "makespan_s": statistics.mean(makespans),
-        "bubble_per_rank": [statistics.mean(col) for col in zip(*bubbles)],
-        "bubble_fraction": statistics.mean(pipeline),
-        "train_batch_wall_s": statistics.mean(walls),
-        "mean_F_s": statistics.mean(durations["F"]),
-        "mean_B_s": statistics.mean(durations["B"]),
+        "makespan_s": statistics.mean(p["makespan_s"] for p in per_step),
+        "bubble_per_rank": [statistics.mean(col) for col in zip(*(p["bubble_per_rank"] for p in per_step))],
+        "bubble_fraction": statistics.mean(p["bubble_fraction"] for p in per_step),
+        "train_batch_wall_s": statistics.mean(max(r["bubble"][k]["wall"] for r in pp2) for k in range(len(steps))),
+        "mean_F_s": statistics.mean(by_kind["F"]),
+        "mean_B_s": statistics.mean(by_kind["B"]),
+        "mean_per_action_s": {a: statistics.mean(ds) for a, ds in durations.items()},
+        "per_rank_split_s": _per_rank_split(steps),
         "comm_latency_s": statistics.median(latencies) if latencies else 0.0,
+        "comm_latency_mean_s": statistics.mean(latencies) if latencies else 0.0,
         "comm_latency_samples": len(latencies),
         "steps": len(steps),
     }
+
+
+def _per_rank_split(steps) -> list[dict]:
+    """Mean seconds per step each rank spends in F+B, SEND, RECV, and between actions."""
+    out = []
+    for rank in range(len(steps[0])):
+        split = {"compute": 0.0, "SEND": 0.0, "RECV": 0.0, "between": 0.0}
+        for events in steps:
+            evs = events[rank]
+            for a, b, e in evs:
+                split["compute" if a.is_compute else _kind_group(str(a))] += (e - b) / len(steps)
+            split["between"] += (evs[-1][2] - evs[0][1] - sum(e - b for _, b, e in evs)) / len(steps)
+        out.append(split)
+    return out
 
 
 def _latencies(events: list[list]) -> list[float]:
@@ -353,16 +422,37 @@ def _latencies(events: list[list]) -> list[float]:
     return out
 
 
-def simulated_bubbles(measured: dict) -> list[dict]:
+def replay(schedule, mean_per_action: dict, latency: float) -> dict:
+    """The simulator's model run with every compute action's own measured mean
+    duration (so rank imbalance and per-microbatch differences count), plus the
+    mean time spent posting the SEND that follows it (the simulator's SENDs are
+    free). RECVs still cost nothing beyond waiting for their SEND + latency."""
+    cost = {}
+    for actions in schedule.ranks:
+        for prev, a in zip((None, *actions), actions):
+            if a.is_compute:
+                cost[a] = mean_per_action[str(a)]
+            elif a.kind in (Kind.SEND_F, Kind.SEND_B) and prev is not None and prev.is_compute:
+                cost[prev] += mean_per_action[str(a)]
+    times = execute(schedule.ranks, schedule.placement, lambda a: cost.get(a, 0.0), latency)
+    busy_only = {a: mean_per_action[str(a)] for a in cost}  # a bubble counts F/B time only, as measured
+    events = [[(a, b, b + busy_only.get(a, e - b)) if a.is_compute else (a, b, e) for a, (b, e) in zip(acts, ts)]
+              for acts, ts in zip(schedule.ranks, times)]
+    return bubble_of(events)
+
+
+def bubble_rows(measured: dict) -> list[dict]:
     sched = build_schedule("1f1b", PP, MICROBATCHES)
     costs = {"F": measured["mean_F_s"], "B": measured["mean_B_s"]}
-    rows = [{"run": "measured", "makespan_s": measured["makespan_s"],
-             "bubble_per_rank": measured["bubble_per_rank"], "bubble_fraction": measured["bubble_fraction"]}]
-    for latency in (0.0, measured["comm_latency_s"]):
-        sim = simulate(sched, costs, comm_latency=latency)
-        rows.append({"run": f"simulated, measured F/B, comm latency {latency * 1e6:.0f} us", "makespan_s": sim.makespan,
+    latency = measured["comm_latency_s"]
+    rows = [{"run": "measured (engine timeline)", **{k: measured[k] for k in ("makespan_s", "bubble_per_rank", "bubble_fraction")}}]
+    for lat in (0.0, latency):
+        sim = simulate(sched, costs, comm_latency=lat)
+        rows.append({"run": f"simulate(): mean F, B; comm latency {lat * 1e6:.0f} us", "makespan_s": sim.makespan,
                      "bubble_per_rank": sim.bubble_per_rank, "bubble_fraction": sim.bubble_fraction})
-    rows.append({"run": "theory, unit costs: (p-1)/(m+p-1)", "makespan_s": None, "bubble_per_rank": None,
+    rows.append({"run": f"replay: each action's own mean + SEND posting; latency {latency * 1e6:.0f} us",
+                 **replay(sched, measured["mean_per_action_s"], latency)})
+    rows.append({"run": "theory, unit costs: (p-1)/(m+p-1) = 1/9", "makespan_s": None, "bubble_per_rank": None,
                  "bubble_fraction": (PP - 1) / (MICROBATCHES + PP - 1)})
     return rows
 
@@ -377,16 +467,29 @@ def overhead_table(rows: list[dict]) -> str:
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["run"], r["pp"], f"did not run: {r['error'][:120]}", "", "", ""])
+            body.append([r["run"], r["pp"], f"did not run: {r['error'][:160]}", "", "", "", ""])
             continue
         spread = f"{r['step_us_p10']:.0f}-{r['step_us_p90']:.0f}"
-        body.append([r["run"], r["pp"], f"{r['step_us']:.0f}", spread, f"{r['us_per_compute_action']:.1f}", f"{r['us_per_action']:.1f}"])
-    return table(["run", "pp", "step us (median)", "p10-p90", "us / compute action", "us / action"], body)
+        body.append([r["run"], r["pp"], f"{r['step_us']:.0f}", spread, f"{r['us_per_compute_action']:.0f}",
+                     f"{r['us_per_action']:.0f}", f"{r['us_over_floor_per_compute_action']:.0f}"])
+    headers = ["run", "pp", "step us (median)", "p10-p90", "us / compute action", "us / action", "over floor, us / compute action"]
+    return table(headers, body)
+
+
+def loss_check(rows: list[dict]) -> str:
+    done = [r for r in rows if "error" not in r]
+    spread = max(r["final_loss"] for r in done) - min(r["final_loss"] for r in done)
+    return (f"Same work check: loss after the last step, every run: {done[0]['final_loss']:.6f} "
+            f"(largest difference between runs {spread:.1e}).")
 
 
 def breakdown_table(rows: list[dict]) -> str:
-    body = [[r["rank"], *(f"{r.get(k, 0):.1f}" for k in ("F", "B", "SEND", "RECV", "gap_per_action", "after_actions", "step"))] for r in rows]
-    return table(["rank", "F", "B", "SEND", "RECV (incl. wait)", "gap between actions", "after last action", "step"], body)
+    def cell(r, kind):
+        return f"{r[kind]['median']:.0f} / {r[kind]['mean']:.0f}" if kind in r else "-"
+
+    body = [[r["rank"], *(cell(r, k) for k in ("F", "B", "SEND", "RECV")),
+             f"{r['gap_per_action']:.1f}", f"{r['after_actions']:.0f}", f"{r['step']:.0f}"] for r in rows]
+    return table(["rank", "F", "B", "SEND", "RECV (incl. wait)", "between actions", "after last action", "step"], body)
 
 
 def bubble_table(rows: list[dict]) -> str:
@@ -401,56 +504,87 @@ def bubble_table(rows: list[dict]) -> str:
     return table(["1F1B, pp=2, m=8", "makespan ms", "bubble rank 0 / 1", "pipeline bubble"], body)
 
 
+def split_table(measured: dict) -> str:
+    body = [[rank, *(f"{split[k] * 1e3:.1f}" for k in ("compute", "SEND", "RECV", "between"))]
+            for rank, split in enumerate(measured["per_rank_split_s"])]
+    return table(["rank", "F+B ms", "SEND ms", "RECV ms (incl. wait)", "between actions ms"], body)
+
+
+def load_average() -> float:
+    """1-minute load average: above the core count, other work shared the CPUs."""
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
     return {"cpu": cpu, "cores": torch.multiprocessing.cpu_count(), "torch": torch.__version__,
-            "python": platform.python_version(), "pipekit": pipekit.__version__, "commit": commit,
+            "python": platform.python_version(), "pipekit": pipekit.__version__, **_git_state(),
             "threads_per_rank": 1, "backend": "gloo"}
+
+
+def _git_state() -> dict:
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "--short", "HEAD"), "pipekit_dirty": bool(git("status", "--porcelain", "--", "pipekit"))}
+    except OSError:
+        return {}
 
 
 def parse_args(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300, help="timed steps per near-free run (default 300)")
-    p.add_argument("--quick", action="store_true", help="smoke mode: few steps, seconds")
-    p.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS})")
+    p.add_argument("--steps", type=int, default=400, help="timed steps per near-free run (default 400)")
+    p.add_argument("--quick", action="store_true", help="smoke mode: a few steps of everything, seconds")
+    p.add_argument("--out", type=Path, default=RESULTS, help="JSON output (default benchmarks/results/pipeline_overhead.json)")
     a = p.parse_args(argv)
-    steps = min(a.steps, 20) if a.quick else a.steps
-    return {"steps": steps, "warmup": 3 if a.quick else 20, "bubble_steps": 2 if a.quick else 10,
-            "out": a.out, "command": "python " + " ".join(sys.argv)}
+    if a.steps < 1:
+        p.error(f"--steps must be >= 1, got {a.steps}")
+    quick = a.quick
+    return {"steps": min(a.steps, 20) if quick else a.steps, "warmup": 3 if quick else 20, "rounds": 2 if quick else 5,
+            "bubble_steps": 2 if quick else 10, "out": a.out, "command": " ".join(["python", *sys.argv])}
+
+
+def report(overhead, split, measured, bubbles, cfg, info) -> str:
+    return "\n\n".join([
+        f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, gloo, 1 thread per rank; "
+        f"1-min load average {info['load_average_before']:.2f} before, {info['load_average_after']:.2f} after"
+        + (" -- WARNING: other work shared the CPUs, figures are inflated" if info["load_average_after"] > 1.5 * info["cores"] else "") + ".",
+        f"Near-free layers (8 x Scale, (2, 4) float32 per microbatch), M={MICROBATCHES}, "
+        f"{cfg['steps']} timed steps each, interleaved in {cfg['rounds']} rounds:",
+        overhead_table(overhead),
+        loss_check(overhead),
+        "pipekit 1f1b pp=2, per action kind, us (median / mean over recorded steps):",
+        breakdown_table(split),
+        f"Bubble, 1F1B pp=2 m=8: {MLP['blocks']} MLP blocks (width {MLP['width']}, {MLP['rows']} rows per microbatch), "
+        f"{measured['steps']} recorded steps; mean F {measured['mean_F_s'] * 1e3:.2f} ms, mean B {measured['mean_B_s'] * 1e3:.2f} ms, "
+        f"comm latency {measured['comm_latency_s'] * 1e6:.0f} us median / {measured['comm_latency_mean_s'] * 1e6:.0f} us mean "
+        f"({measured['comm_latency_samples']} waiting RECVs); train_batch wall {measured['train_batch_wall_s'] * 1e3:.1f} ms:",
+        bubble_table(bubbles),
+        "Where each rank's step goes (mean per step, first to last action):",
+        split_table(measured),
+    ])
 
 
 def main(argv=None) -> None:
     cfg = parse_args(argv)
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), load_average()
     single = single_process(cfg)
-    pp2 = run_distributed(pp2_worker, PP, {k: cfg[k] for k in ("steps", "warmup", "bubble_steps")}, timeout=600)
+    worker_cfg = {k: cfg[k] for k in ("steps", "warmup", "rounds", "bubble_steps")}
+    pp2 = run_distributed(pp2_worker, PP, worker_cfg, timeout=900)
     overhead, split = overhead_rows(single, pp2), breakdown(pp2)
     measured = measured_bubble(pp2)
-    bubbles = simulated_bubbles(measured)
-    info = machine()
-    print(f"## Pipeline overhead ({info['cpu']}, {info['cores']} cores, torch {info['torch']}, 1 thread per rank)\n")
-    print(f"Near-free layers, M={MICROBATCHES}, float32, {cfg['steps']} timed steps:\n")
-    print(overhead_table(overhead), "\n")
-    print("pipekit 1f1b pp=2, mean us per action kind (timeline recorded):\n")
-    print(breakdown_table(split), "\n")
-    print(f"Bubble: {MLP['blocks']} MLP blocks (width {MLP['width']}, {MLP['rows']} rows per microbatch), "
-          f"{measured['steps']} steps; mean F {measured['mean_F_s'] * 1e3:.2f} ms, mean B {measured['mean_B_s'] * 1e3:.2f} ms, "
-          f"comm latency {measured['comm_latency_s'] * 1e6:.0f} us (median of {measured['comm_latency_samples']}), "
-          f"train_batch wall {measured['train_batch_wall_s'] * 1e3:.1f} ms:\n")
-    print(bubble_table(bubbles))
+    bubbles = bubble_rows(measured)
+    info = {**machine(), "load_average_before": load_before, "load_average_after": load_average()}
+    print(report(overhead, split, measured, bubbles, cfg, info))
     elapsed = time.perf_counter() - started
-    result = {"machine": info, "command": cfg["command"], "config": {k: cfg[k] for k in ("steps", "warmup", "bubble_steps")},
-              "near_free": NEAR_FREE, "mlp": MLP, "microbatches": MICROBATCHES, "pp": PP, "overhead": overhead,
-              "breakdown_us": split, "bubble_measured": measured, "bubble": bubbles, "elapsed_s": elapsed}
+    result = {"machine": info, "command": cfg["command"], "config": worker_cfg, "near_free": NEAR_FREE, "mlp": MLP,
+              "microbatches": MICROBATCHES, "pp": PP, "overhead": overhead, "breakdown_us": split,
+              "bubble_measured": measured, "bubble": bubbles, "elapsed_s": elapsed}
     cfg["out"].parent.mkdir(parents=True, exist_ok=True)
     cfg["out"].write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {cfg['out']} ({elapsed:.0f} s)")
+    print(f"\nwrote {cfg['out']} in {elapsed:.0f} s")
 
 
 if __name__ == "__main__":

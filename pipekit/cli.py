@@ -1,7 +1,11 @@
 """The `pipekit` command.
 
-    pipekit train [CONFIG.yaml] [key=value ...]   train (launches its own workers when pp*dp > 1)
+    pipekit train [CONFIG.yaml] [key=value ...]   train; launches pp*dp*tp workers unless under torchrun
     pipekit plan --schedule 1f1b --pp 4 --microbatches 8 [--virtual 2] [--json]
+    pipekit prepare-data FILES_OR_DIRS --out DIR [--tokenizer tokenizer.json]
+    pipekit convert --from-hf HF_DIR --out model.pt | --to-hf model.pt --out HF_DIR
+    pipekit generate runs/x/model.pt --prompt "def "
+    pipekit env
 """
 
 from __future__ import annotations
@@ -24,9 +28,19 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     if cfg.world_size > 1 and "RANK" not in os.environ:
         return _launch(cfg.world_size, ["train", *([args.config] if args.config else []), *args.overrides])
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
+        print(f"pipekit train: torchrun started {os.environ['WORLD_SIZE']} workers but the config asks for "
+              f"pp*dp*tp = {cfg.world_size}", file=sys.stderr)
+        return 2
     from .train import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
@@ -40,8 +54,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .schedules import ScheduleError, plan_report, render_text
-    from .schedules import TimelineEvent
+    from .schedules import ScheduleError, TimelineEvent, plan_report, render_text
 
     costs = {"F": args.f_cost, "B": args.b_cost}
     try:
@@ -59,13 +72,43 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_data(args: argparse.Namespace) -> int:
+    from .data import prepare_data
+
+    meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction, seed=args.seed)
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .generate import generate_text
+
+    print(generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    from .env import format_report, report
+
+    print(format_report(report()))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .models.hf import run_convert
+
+    return run_convert(args) or 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pipekit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
+
     t = sub.add_parser("train", help="train a model from a config")
     t.add_argument("config", nargs="?", help="YAML config (see configs/)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.pp=2")
     t.set_defaults(fn=_train)
+
     q = sub.add_parser("plan", help="simulate a schedule and print its timeline and figures")
     q.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved_1f1b")
     q.add_argument("--pp", type=int, required=True)
@@ -75,6 +118,35 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--b-cost", type=float, default=2.0)
     q.add_argument("--json", action="store_true", help="print one JSON object")
     q.set_defaults(fn=_plan)
+
+    d = sub.add_parser("prepare-data", help="tokenise text files into a memory-mapped dataset")
+    d.add_argument("inputs", nargs="+", help="files or directories (*.py, *.txt, *.md below a directory)")
+    d.add_argument("--out", required=True, help="output directory (train.bin, val.bin, meta.json)")
+    d.add_argument("--tokenizer", default=None, help="a HuggingFace tokenizer.json (default: bytes)")
+    d.add_argument("--val-fraction", type=float, default=0.01)
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(fn=_prepare_data)
+
+    c = sub.add_parser("convert", help="import weights from / export to HuggingFace transformers")
+    try:
+        from .models.hf import add_convert_args
+
+        add_convert_args(c)
+    except ImportError:
+        pass
+    c.set_defaults(fn=_convert)
+
+    g = sub.add_parser("generate", help="sample text from a trained model.pt")
+    g.add_argument("checkpoint")
+    g.add_argument("--prompt", default="")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(fn=_generate)
+
+    e = sub.add_parser("env", help="report versions and usable backends")
+    e.set_defaults(fn=_env)
     return p
 
 

@@ -4,12 +4,12 @@
 the YAML file and the dot-list overrides (an unknown key or a value of the
 wrong type fails with OmegaConf's message naming the key), converts the
 result to real dataclasses, and runs the cross-field checks of
-`check_config`, all before any worker is launched.
+`check_config` — all before any worker is launched.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from omegaconf import OmegaConf
@@ -17,21 +17,30 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .schedules import SCHEDULES, ScheduleError, build_schedule
 
+FAMILIES = ("gpt2", "llama", "toy")
+
 
 @dataclass
 class ModelConfig:
-    name: str = "toy"  # the built-in toy language model (the zoo arrives with its own issue)
-    vocab: int = 64
-    dim: int = 64
-    wide_dim: int = 96
-    blocks: int = 3  # MLP blocks at each of the two widths
-    mlp_ratio: int = 2
+    family: str = "gpt2"  # gpt2 | llama | toy
+    flavour: str = "tiny"  # a named size of the family (pipekit.models FLAVOURS)
+    # Any of these, when set, overrides the flavour's value.
+    vocab_size: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    n_layers: Optional[int] = None
+    dim: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None  # llama: grouped-query attention
+    hidden: Optional[int] = None  # llama: feed-forward width
+    tie_embeddings: Optional[bool] = None
+    rope_theta: Optional[float] = None
 
 
 @dataclass
 class ParallelConfig:
     pp: int = 1  # pipeline stages
     dp: int = 1  # data-parallel replicas
+    tp: int = 1  # tensor-parallel ranks per stage
 
 
 @dataclass
@@ -40,19 +49,47 @@ class ScheduleConfig:
     microbatches: int = 4  # per optimizer step and dp replica
     chunks_per_rank: int = 1  # virtual stages per rank (interleaved_1f1b)
     partition: str = "parameters"  # uniform | parameters | type:REGEX
-    activation_checkpoint_interval: int = 0
+    activation_checkpoint_interval: int = 0  # recompute runs of this many layers (0: off)
+    checkpoint_layers: Optional[str] = None  # or recompute layers whose class matches this regex
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3  # peak learning rate (AdamW)
+    min_lr: float = 1e-4  # end of the cosine decay
+    warmup_steps: int = 20
+    decay: str = "cosine"  # cosine | constant
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad_norm: Optional[float] = 1.0  # global L2 norm over all parallel groups (None: off)
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib (this Python's own source, byte tokens) | synthetic | a `prepare-data` dir
+    val_every: int = 50  # steps between validation losses (0: never)
+    val_batches: int = 2
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    global_batch: int = 32  # sequences per optimizer step, over all dp replicas
-    seq_len: int = 32
-    lr: float = 3e-3
-    weight_decay: float = 0.0
+    steps: int = 200
+    micro_batch: int = 4  # sequences per microbatch
+    global_batch: Optional[int] = None  # = micro_batch * schedule.microbatches * parallel.dp (checked)
+    seq_len: int = 128
     seed: int = 0
-    log_every: int = 25
-    dtype: str = "float32"
+    dtype: str = "float32"  # float32 | float64
+
+
+@dataclass
+class LoggingConfig:
+    out_dir: Optional[str] = None  # metrics.jsonl, TensorBoard events and model.pt go here
+    log_every: int = 10
+    progress: bool = True  # a progress bar on rank 0
+    tensorboard: bool = True  # when the tensorboard package is installed
+    peak_tflops: Optional[float] = None  # per device, for MFU (None: look up the GPU, or measure the CPU)
 
 
 @dataclass
@@ -60,23 +97,18 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    out_dir: Optional[str] = None  # where metrics and the final weights go (None: nothing written)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
     def world_size(self) -> int:
-        return self.parallel.pp * self.parallel.dp
+        return self.parallel.pp * self.parallel.dp * self.parallel.tp
 
 
 class ConfigError(ValueError):
     """A config value is wrong; the message names the key."""
-
-
-def model_specs(model: ModelConfig) -> list:
-    """The spec list a model config describes (nothing is built)."""
-    from .models.toy import ToyConfig, toy_lm
-
-    return toy_lm(ToyConfig(model.vocab, model.dim, model.wide_dim, model.blocks, model.mlp_ratio))
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
@@ -89,36 +121,97 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         cfg = OmegaConf.to_object(OmegaConf.merge(*parts))
     except OmegaConfBaseException as e:
         raise ConfigError(f"bad config{f' {path}' if path else ''}: {e}") from e
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {path}") from e
+    if cfg.train.global_batch is None:
+        cfg.train.global_batch = cfg.train.micro_batch * cfg.schedule.microbatches * cfg.parallel.dp
     check_config(cfg)
     return cfg
+
+
+def _check_choice(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
+
+
+def _check_positive(cfg: Config) -> None:
+    p, s, t = cfg.parallel, cfg.schedule, cfg.train
+    for key, value in [("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp),
+                       ("schedule.microbatches", s.microbatches), ("schedule.chunks_per_rank", s.chunks_per_rank),
+                       ("train.steps", t.steps), ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
+                       ("logging.log_every", cfg.logging.log_every)]:
+        if value < 1:
+            raise ConfigError(f"{key} must be >= 1, got {value}")
 
 
 def check_config(cfg: Config) -> None:
     """Cross-field checks; each error names the key and what would be valid."""
     p, s, t = cfg.parallel, cfg.schedule, cfg.train
-    for key, value in [("parallel.pp", p.pp), ("parallel.dp", p.dp), ("schedule.microbatches", s.microbatches),
-                       ("schedule.chunks_per_rank", s.chunks_per_rank), ("train.steps", t.steps)]:
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
-    if s.name not in SCHEDULES:
-        raise ConfigError(f"schedule.name={s.name!r} is not one of {list(SCHEDULES)}")
-    if cfg.model.name != "toy":
-        raise ConfigError(f"model.name={cfg.model.name!r}: only 'toy' is built in so far")
-    if t.dtype not in ("float32", "float64", "bfloat16"):
-        raise ConfigError(f"train.dtype={t.dtype!r} is not one of ['float32', 'float64', 'bfloat16']")
-    per_step = p.dp * s.microbatches
-    if t.global_batch % per_step:
+    _check_positive(cfg)
+    _check_choice("schedule.name", s.name, SCHEDULES)
+    _check_choice("model.family", cfg.model.family, FAMILIES)
+    _check_choice("train.dtype", t.dtype, ("float32", "float64"))
+    _check_choice("optimizer.decay", cfg.optimizer.decay, ("cosine", "constant"))
+    want = t.micro_batch * s.microbatches * p.dp
+    if t.global_batch != want:
         raise ConfigError(
-            f"train.global_batch={t.global_batch} must be a multiple of parallel.dp * schedule.microbatches = "
-            f"{p.dp} * {s.microbatches} = {per_step}"
+            f"train.global_batch={t.global_batch} must equal train.micro_batch * schedule.microbatches * parallel.dp = "
+            f"{t.micro_batch} * {s.microbatches} * {p.dp} = {want}"
         )
-    n_layers = len(model_specs(cfg.model))
-    if n_layers < p.pp * s.chunks_per_rank:
-        raise ConfigError(
-            f"the model has {n_layers} layers, fewer than parallel.pp * schedule.chunks_per_rank = "
-            f"{p.pp * s.chunks_per_rank} stages"
-        )
+    model = model_config(cfg.model)
+    _check_model_fits(cfg, model)
     try:
         build_schedule(s.name, p.pp, s.microbatches, s.chunks_per_rank)
     except ScheduleError as e:
         raise ConfigError(f"schedule: {e}") from e
+
+
+def _check_model_fits(cfg: Config, model) -> None:
+    p, s = cfg.parallel, cfg.schedule
+    n_specs = len(model_specs(model))
+    if n_specs < p.pp * s.chunks_per_rank:
+        raise ConfigError(
+            f"the model has {n_specs} layers (model.n_layers={getattr(model, 'n_layers', '?')} blocks plus "
+            f"embedding, norm and head), fewer than parallel.pp * schedule.chunks_per_rank = {p.pp * s.chunks_per_rank} stages"
+        )
+    for key in ("n_heads", "n_kv_heads"):
+        value = getattr(model, key, None)
+        if value is not None and value % p.tp:
+            raise ConfigError(f"model.{key}={value} is not divisible by parallel.tp={p.tp}")
+    vocab = getattr(model, "vocab_size", getattr(model, "vocab", None))
+    if vocab % p.tp:
+        raise ConfigError(f"model.vocab_size={vocab} is not divisible by parallel.tp={p.tp}")
+    max_len = getattr(model, "max_seq_len", None)
+    if max_len is not None and cfg.train.seq_len > max_len:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={max_len}")
+
+
+def model_config(model: ModelConfig):
+    """The family's typed model config: the flavour, with the set fields overriding it."""
+    overrides = {f.name: getattr(model, f.name) for f in fields(model) if f.name not in ("family", "flavour")}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if model.family == "toy":
+        from .models.toy import ToyConfig
+
+        mapping = {"vocab_size": "vocab", "dim": "dim", "n_layers": "blocks"}
+        bad = sorted(set(overrides) - set(mapping))
+        if bad:
+            raise ConfigError(f"model.{bad[0]} does not apply to the toy model; it takes {sorted(mapping)}")
+        return ToyConfig(**{mapping[k]: v for k, v in overrides.items()})
+    from .models import get_model
+
+    try:
+        return get_model(model.family, model.flavour, **overrides)
+    except ValueError as e:
+        raise ConfigError(f"model: {e}") from e
+
+
+def model_specs(model) -> list:
+    """The spec list of a typed model config (nothing is built)."""
+    from .models import toy
+
+    if isinstance(model, toy.ToyConfig):
+        return toy.toy_lm(model)
+    from .models import model_specs as zoo_specs
+
+    return zoo_specs(model)

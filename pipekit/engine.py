@@ -79,6 +79,9 @@ class PipelineEngine:
             the step began) in `self.timeline`, in the simulator's format.
         timeout: how long a receive waits before failing with the rank,
             action and microbatch named.
+        clip_grad_norm: clip the gradients to this global L2 norm (over every
+            parameter of the model, each counted once) before the step.
+        lr_scheduler: stepped after every optimizer step.
     """
 
     def __init__(
@@ -90,9 +93,14 @@ class PipelineEngine:
         num_microbatches: int = 1,
         record_timeline: bool = False,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        clip_grad_norm: float | None = None,
+        lr_scheduler=None,
     ):
         self.module = module
         self.optimizer = optimizer
+        self.clip_grad_norm = clip_grad_norm
+        self.lr_scheduler = lr_scheduler
+        self.last_grad_norm: float | None = None
         self.topo = module.topology
         self.timeout = timeout
         if schedule != "interleaved_1f1b" and module.chunks_per_rank != 1:
@@ -136,10 +144,11 @@ class PipelineEngine:
             if len(owners) < 2:
                 continue
             for d in range(self.topo.dp):
-                ranks = [self.topo.global_rank(r, d) for r in owners]
-                group = dist.new_group(ranks)
-                if self.topo.rank in ranks:
-                    groups[key] = group
+                for t in range(self.topo.tp):
+                    ranks = [self.topo.global_rank(r, d, t) for r in owners]
+                    group = dist.new_group(ranks)
+                    if self.topo.rank in ranks:
+                        groups[key] = group
         return groups
 
     def _stage_io(self, example_input) -> list:
@@ -163,7 +172,15 @@ class PipelineEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self._run(self.actions, next(data_iter), training=True)
         self._reduce_gradients()
+        self.last_grad_norm = self.grad_norm()
+        if self.clip_grad_norm is not None and self.last_grad_norm > self.clip_grad_norm:
+            scale = self.clip_grad_norm / (self.last_grad_norm + 1e-6)
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         return self._mean_loss()
 
     @torch.no_grad()
@@ -300,8 +317,30 @@ class PipelineEngine:
         for key, group in self.tie_groups.items():
             grads = [p.grad for p in self._filled_grads(self.module.tied[key].parameters())]
             _all_reduce_flat(grads, group, average=False)
-        if self.topo.dp > 1:
+        if self.topo.dp_group is not None:
             _all_reduce_flat([p.grad for p in self._filled_grads(self.module.parameters())], self.topo.dp_group, average=True)
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the (reduced) gradients of the whole model.
+
+        Each parameter counts once: a tp-replicated one only on tp rank 0, a
+        tied one only on the first pipeline rank that holds it; dp replicas
+        hold equal gradients after the reduction and are not summed. One
+        all-reduce over pp and one over tp."""
+        first_owner = {k: owners[0] for k, owners in self.module.tied_owners().items()}
+        total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        for name, p in self.module.named_parameters():
+            if p.grad is None:
+                continue
+            if getattr(p, "tp_shard_dim", None) is None and self.topo.tp_rank != 0:
+                continue
+            if name.startswith("tied.") and first_owner[name.split(".")[1]] != self.topo.pp_rank:
+                continue
+            total += p.grad.double().pow(2).sum()
+        for group in (self.topo.pp_group, self.topo.tp_group):
+            if group is not None:
+                dist.all_reduce(total, group=group)
+        return total.sqrt().item()
 
     @staticmethod
     def _filled_grads(params) -> list:
@@ -316,9 +355,9 @@ class PipelineEngine:
         total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         if self._losses:
             total += torch.stack(self._losses).double().mean()
-        if self.topo.pp > 1:
+        if self.topo.pp_group is not None:
             dist.all_reduce(total, group=self.topo.pp_group)
-        if self.topo.dp > 1:
+        if self.topo.dp_group is not None:
             dist.all_reduce(total, group=self.topo.dp_group)
             total /= self.topo.dp
         return total.item()

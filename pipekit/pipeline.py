@@ -16,9 +16,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .layers.parallel import tensor_parallel
 from .partition import partition as partition_specs
 from .schedules import looping_placement
-from .spec import TiedLayerSpec, build_layer
+from .spec import LayerSpec, TiedLayerSpec, build_layer
 from .topology import Topology
 
 
@@ -39,7 +40,9 @@ class PipelineModule(nn.Module):
 
     Args:
         specs: LayerSpec / TiedLayerSpec / plain callables, in order.
-        loss_fn: `loss_fn(outputs, labels) -> scalar`, applied after the last stage.
+        loss_fn: `loss_fn(outputs, labels) -> scalar`, applied after the last
+            stage; a LayerSpec is built here (inside the tp context, so a
+            vocab-parallel loss gets its group).
         topology: the process grid; None means one process (pp=1, dp=1).
         partition: "parameters", "uniform", "type:REGEX", or explicit boundaries.
         seed: base seed; layer i is initialised from (seed, i).
@@ -83,9 +86,12 @@ class PipelineModule(nn.Module):
         self.layers = nn.ModuleDict()
         self.tied = nn.ModuleDict()
         self._funcs: dict[int, Callable] = {}
-        for stage in self.local_stages:
-            for i in self.stage_layers(stage):
-                self._build(i)
+        with tensor_parallel(self.topology.tp_group):
+            for stage in self.local_stages:
+                for i in self.stage_layers(stage):
+                    self._build(i)
+            if isinstance(loss_fn, LayerSpec):
+                self.loss_fn = loss_fn.build(seed=seed, index=len(self.specs), device=self.device)
 
     # ---- construction -------------------------------------------------
     def _build(self, i: int) -> None:
@@ -167,7 +173,8 @@ class PipelineModule(nn.Module):
         shaped like `example_input`; found by running the whole spec list on the
         meta device, so it costs no memory and needs no communication. Also
         checks that every layer returns a tensor or a tuple of tensors."""
-        meta_layers = self._meta_layers()
+        with tensor_parallel(self.topology.tp_group):
+            meta_layers = self._meta_layers()
         x = to_meta(example_input)
         io = []
         for stage in range(self.num_stages):

@@ -1,9 +1,10 @@
-"""The process grid: pipeline x data parallel, on torch's DeviceMesh.
+"""The process grid: pipeline x data x tensor parallel, on torch's DeviceMesh.
 
-Ranks are laid out row-major over (pp, dp), so the data-parallel replicas of
-one pipeline stage are neighbours (rank = pp_rank * dp + dp_rank), the order
-Megatron uses to keep the heaviest collectives within a node. Tensor and
-expert parallelism join as further mesh dimensions later.
+Ranks are laid out row-major over (pp, dp, tp): the tensor-parallel ranks of
+one stage replica are neighbours, then its data-parallel replicas
+(rank = (pp_rank * dp + dp_rank) * tp + tp_rank), the order Megatron uses to
+keep the chattiest collectives (tp) within a node. Expert parallelism joins
+as a further dimension later.
 """
 
 from __future__ import annotations
@@ -18,25 +19,27 @@ from torch.distributed.device_mesh import init_device_mesh
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("PIPEKIT_TIMEOUT", 300)))
 
 
-def grid_sizes(world_size: int, pp: int, dp: int | None = None) -> tuple[int, int]:
-    """Check and complete (pp, dp) for `world_size` ranks; raise naming the bad value."""
-    if pp < 1:
-        raise ValueError(f"pp must be >= 1, got pp={pp}")
+def grid_sizes(world_size: int, pp: int, dp: int | None = None, tp: int = 1) -> tuple[int, int, int]:
+    """Check and complete (pp, dp, tp) for `world_size` ranks; raise naming the bad value."""
+    for name, value in (("pp", pp), ("tp", tp)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {name}={value}")
     if dp is None:
-        if world_size % pp:
+        if world_size % (pp * tp):
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
             raise ValueError(
-                f"world size {world_size} is not divisible by pp={pp}; "
-                f"pp must divide the world size (e.g. one of {[d for d in range(1, world_size + 1) if world_size % d == 0]})"
+                f"world size {world_size} is not divisible by pp*tp = {pp}*{tp} = {pp * tp}; "
+                f"pp*tp must divide the world size (one of {divisors})"
             )
-        dp = world_size // pp
+        dp = world_size // (pp * tp)
     if dp < 1:
         raise ValueError(f"dp must be >= 1, got dp={dp}")
-    if pp * dp != world_size:
+    if pp * dp * tp != world_size:
         raise ValueError(
-            f"world size {world_size} does not match pp*dp = {pp}*{dp} = {pp * dp}; "
-            f"launch {pp * dp} processes or choose pp, dp with pp*dp = {world_size}"
+            f"world size {world_size} does not match pp*dp*tp = {pp}*{dp}*{tp} = {pp * dp * tp}; "
+            f"launch {pp * dp * tp} processes or choose pp, dp, tp with product {world_size}"
         )
-    return pp, dp
+    return pp, dp, tp
 
 
 def init_distributed(backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
@@ -54,44 +57,52 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta = D
 
 
 class Topology:
-    """This rank's place in the (pp, dp) grid and the process groups along each axis.
+    """This rank's place in the (pp, dp, tp) grid and the process groups along each axis.
 
-    `Topology(pp=2)` on 8 ranks gives dp=4. Requires an initialised default
-    process group; every rank must construct it (group creation is collective).
+    `Topology(pp=2, tp=2)` on 8 ranks gives dp=2. Requires an initialised
+    default process group, except for one plain process (pp=dp=tp=1), which
+    needs none; every rank must construct it (group creation is collective).
+    Groups of size 1 are None.
     """
 
-    def __init__(self, pp: int = 1, dp: int | None = None, device_type: str | None = None):
+    def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1, device_type: str | None = None):
         if not dist.is_initialized():
-            self._init_single(pp, dp, device_type)
+            self._init_single(pp, dp, tp, device_type)
             return
         self.world_size = dist.get_world_size()
-        self.pp, self.dp = grid_sizes(self.world_size, pp, dp)
+        self.pp, self.dp, self.tp = grid_sizes(self.world_size, pp, dp, tp)
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-        self.mesh = init_device_mesh(device_type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
+        self.mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
         self.rank = dist.get_rank()
-        self.pp_rank, self.dp_rank = divmod(self.rank, self.dp)
-        self.pp_group = self.mesh.get_group("pp")
-        self.dp_group = self.mesh.get_group("dp")
+        self.pp_rank, rest = divmod(self.rank, self.dp * self.tp)
+        self.dp_rank, self.tp_rank = divmod(rest, self.tp)
+        self.pp_group, self.dp_group, self.tp_group = (
+            self.mesh.get_group(name) if size > 1 else None
+            for name, size in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp))
+        )
 
-    def _init_single(self, pp: int, dp: int | None, device_type: str | None) -> None:
+    def _init_single(self, pp: int, dp: int | None, tp: int, device_type: str | None) -> None:
         """One plain process, no process groups: what `PipelineModule(topology=None)` uses."""
-        if (pp, dp or 1) != (1, 1):
+        if (pp, dp or 1, tp) != (1, 1, 1):
             raise RuntimeError(
-                f"Topology(pp={pp}, dp={dp}) needs torch.distributed to be initialised; "
+                f"Topology(pp={pp}, dp={dp}, tp={tp}) needs torch.distributed to be initialised; "
                 "call pipekit.init_distributed() first, or launch with `pipekit train` / torchrun"
             )
-        self.world_size = self.pp = self.dp = 1
-        self.rank = self.pp_rank = self.dp_rank = 0
-        self.mesh = self.pp_group = self.dp_group = None
-        if device_type is None:
-            device_type = "cpu"
-        self.device = torch.device(device_type)
+        self.world_size = self.pp = self.dp = self.tp = 1
+        self.rank = self.pp_rank = self.dp_rank = self.tp_rank = 0
+        self.mesh = self.pp_group = self.dp_group = self.tp_group = None
+        self.device = torch.device(device_type or "cpu")
 
-    def global_rank(self, pp_rank: int, dp_rank: int | None = None) -> int:
-        """Global rank at grid coordinate (pp_rank, dp_rank); dp_rank defaults to this rank's."""
-        return pp_rank * self.dp + (self.dp_rank if dp_rank is None else dp_rank)
+    def global_rank(self, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
+        """Global rank at a grid coordinate; dp_rank and tp_rank default to this rank's."""
+        dp_rank = self.dp_rank if dp_rank is None else dp_rank
+        tp_rank = self.tp_rank if tp_rank is None else tp_rank
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
 
     def __repr__(self) -> str:
-        return f"Topology(pp={self.pp}, dp={self.dp}, rank={self.rank} -> pp_rank={self.pp_rank}, dp_rank={self.dp_rank})"
+        return (
+            f"Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}, rank={self.rank} -> "
+            f"pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, tp_rank={self.tp_rank})"
+        )

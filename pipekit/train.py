@@ -1,103 +1,344 @@
 """The training loop behind `pipekit train`: one worker's view.
 
-Every worker builds the topology, its own stage(s) of the model and the
-engine, then runs `train.steps` optimizer steps on its data-parallel slice of
-each global batch. Rank 0 logs the loss and throughput, and writes one JSON
-line per logged step to `out_dir/metrics.jsonl` when `out_dir` is set.
+Every worker builds the topology, its own stage(s) of the model, AdamW with
+warmup + cosine decay, and the engine; then runs `train.steps` optimizer
+steps on its data-parallel share of each global batch (the same global
+batches whatever the layout). Rank 0 shows a progress bar (loss, tokens/s,
+MFU, ETA), writes `metrics.jsonl` and TensorBoard events to
+`logging.out_dir`, prints a summary table, and saves the trained weights as
+a layout-free `model.pt` that `pipekit generate` and `pipekit convert` read.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from dataclasses import asdict
 
 import torch
 
-from .config import Config, model_specs
+from .checkpoint import atomic_save, full_state_dict
+from .config import Config, model_config, model_specs
 from .engine import PipelineEngine
-from .models.toy import lm_loss, synthetic_batches
 from .pipeline import PipelineModule
 from .topology import Topology, init_distributed
 
 
-def _dp_slices(cfg: Config, topo: Topology):
-    """This dp rank's share of each global batch, so every layout sees the same data."""
-    shard = cfg.train.global_batch // topo.dp
-    mine = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
-    for tokens, labels in synthetic_batches(cfg.model.vocab, cfg.train.global_batch, cfg.train.seq_len, seed=cfg.train.seed):
-        yield tokens[mine], labels[mine]
+# ---- building --------------------------------------------------------------
+def model_loss(model_cfg):
+    from .models import toy
+
+    if isinstance(model_cfg, toy.ToyConfig):
+        return toy.lm_loss
+    from .models import model_loss as zoo_loss
+
+    return zoo_loss(model_cfg)
+
+
+def lr_lambda(cfg: Config):
+    """Multiplier of the peak lr at each step: linear warmup, then cosine to min_lr (or constant)."""
+    o, steps = cfg.optimizer, cfg.train.steps
+    floor = o.min_lr / o.lr if o.lr else 0.0
+
+    def at(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.decay == "constant":
+            return 1.0
+        progress = min(1.0, (step - o.warmup_steps) / max(1, steps - o.warmup_steps))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return at
+
+
+def make_optimizer(module: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """AdamW; matrices decay, vectors (biases, norms) do not, as in nanoGPT and Megatron."""
+    o = cfg.optimizer
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
 def build(cfg: Config, topo: Topology) -> PipelineEngine:
+    mcfg = model_config(cfg.model)
+    s = cfg.schedule
     module = PipelineModule(
-        model_specs(cfg.model),
-        loss_fn=lm_loss,
+        model_specs(mcfg),
+        loss_fn=model_loss(mcfg),
         topology=topo,
-        partition=cfg.schedule.partition,
+        partition=s.partition,
         seed=cfg.train.seed,
-        chunks_per_rank=cfg.schedule.chunks_per_rank,
-        activation_checkpoint_interval=cfg.schedule.activation_checkpoint_interval,
+        chunks_per_rank=s.chunks_per_rank,
+        activation_checkpoint_interval=s.activation_checkpoint_interval,
+        checkpoint_layers=s.checkpoint_layers,
     )
-    opt = torch.optim.AdamW(module.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-    return PipelineEngine(module, optimizer=opt, schedule=cfg.schedule.name, num_microbatches=cfg.schedule.microbatches)
+    opt = make_optimizer(module, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    return PipelineEngine(
+        module, optimizer=opt, schedule=s.name, num_microbatches=s.microbatches,
+        clip_grad_norm=cfg.optimizer.clip_grad_norm, lr_scheduler=sched,
+    )
 
 
+# ---- data ------------------------------------------------------------------
+def data_dir(cfg: Config) -> str | None:
+    """The prepared dataset directory for `data.source` (None for synthetic data)."""
+    from .data import default_corpus_dir
+
+    if cfg.data.source == "synthetic":
+        return None
+    if cfg.data.source == "stdlib":
+        return default_corpus_dir()
+    return cfg.data.source
+
+
+def batches(cfg: Config, topo: Topology, split: str = "train", path: str | None = None):
+    """This dp rank's (inputs, labels) batches: the same global batches in every layout."""
+    t = cfg.train
+    if path is None:
+        from .models.toy import synthetic_batches
+
+        vocab = getattr(model_config(cfg.model), "vocab_size", None) or model_config(cfg.model).vocab
+        shard = t.global_batch // topo.dp
+        rows = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
+        seed = t.seed if split == "train" else t.seed + 1
+        return ((x[rows], y[rows]) for x, y in synthetic_batches(vocab, t.global_batch, t.seq_len, seed=seed))
+    from .data import BatchSampler, TokenDataset
+
+    ds = TokenDataset(path, split)
+    seed = t.seed if split == "train" else t.seed + 1
+    return BatchSampler(ds, t.global_batch, t.seq_len, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=seed)
+
+
+def check_vocab(cfg: Config, path: str | None) -> None:
+    if path is None:
+        return
+    from .data import read_meta
+
+    meta = read_meta(path)
+    mcfg = model_config(cfg.model)
+    vocab = getattr(mcfg, "vocab_size", None) or mcfg.vocab
+    if meta and meta["vocab_size"] > vocab:
+        raise ValueError(
+            f"the dataset in {path} has vocab_size {meta['vocab_size']} but model vocab_size={vocab}; "
+            f"set model.vocab_size>={meta['vocab_size']}"
+        )
+
+
+# ---- throughput figures ----------------------------------------------------
+_GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
+
+
+def peak_flops_per_device(cfg: Config, topo: Topology) -> float:
+    """Dense peak FLOP/s of one device: configured, looked up (bf16 tensor-core figures), or,
+    on the CPU, a 0.3 s single-thread float32 matmul measurement (this rank's achievable peak)."""
+    if cfg.logging.peak_tflops:
+        return cfg.logging.peak_tflops * 1e12
+    if topo.device.type == "cuda":
+        name = torch.cuda.get_device_name(topo.device)
+        for key, tflops in _GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return tflops * 1e12
+    n = 256
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 0.3:
+        a @ b
+        reps += 1
+    return 2 * n**3 * reps / (time.perf_counter() - start)
+
+
+def flops_per_token(model_cfg, seq_len: int, n_params: int) -> float:
+    try:
+        from .models import flops_per_token as zoo_flops
+
+        return zoo_flops(model_cfg, seq_len)
+    except (ImportError, TypeError, ValueError, AttributeError):
+        return 6.0 * n_params
+
+
+# ---- the loop ----------------------------------------------------------------
 def train(cfg: Config) -> dict:
     """Run the whole job on this worker; returns a summary (the same on every rank)."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.world_size > 1:
         init_distributed()
     torch.set_default_dtype(getattr(torch, cfg.train.dtype))
-    topo = Topology(pp=cfg.parallel.pp, dp=cfg.parallel.dp)
+    topo = Topology(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp)
+    path = data_dir(cfg)
+    check_vocab(cfg, path)
     engine = build(cfg, topo)
-    data = _dp_slices(cfg, topo)
-    log = _Logger(cfg, topo.rank == 0)
-    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    losses, start = [], time.perf_counter()
+    log = Logger(cfg, topo, engine)
+    train_data = batches(cfg, topo, "train", path)
     for step in range(1, cfg.train.steps + 1):
-        losses.append(engine.train_batch(data))
-        if step % cfg.train.log_every == 0 or step in (1, cfg.train.steps):
-            elapsed = time.perf_counter() - start
-            log.step(step, losses[-1], tokens_per_step * step / elapsed)
-    elapsed = time.perf_counter() - start
-    summary = {
-        "steps": cfg.train.steps,
-        "first_loss": losses[0],
-        "final_loss": losses[-1],
-        "tokens_per_s": tokens_per_step * cfg.train.steps / elapsed,
-        "seconds": elapsed,
-        "pp": topo.pp,
-        "dp": topo.dp,
-        "schedule": cfg.schedule.name,
-    }
-    log.done(summary)
+        lr = engine.optimizer.param_groups[0]["lr"]
+        loss = engine.train_batch(train_data)
+        val = validate(cfg, topo, engine, path) if _due(step, cfg.data.val_every, cfg.train.steps) else None
+        log.step(step, loss, lr, val)
+    summary = log.finish()
+    save_weights(cfg, topo, engine, path)
     return summary
 
 
-class _Logger:
-    def __init__(self, cfg: Config, active: bool):
-        self.cfg, self.active, self.file = cfg, active, None
-        if active and cfg.out_dir:
-            os.makedirs(cfg.out_dir, exist_ok=True)
-            self.file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w")
+def _due(step: int, every: int, last: int) -> bool:
+    return every > 0 and (step % every == 0 or step == last)
 
-    def step(self, step: int, loss: float, tokens_per_s: float) -> None:
+
+def validate(cfg: Config, topo: Topology, engine: PipelineEngine, path: str | None) -> float:
+    """Mean loss over `data.val_batches` held-out batches (the same ones every time)."""
+    data = batches(cfg, topo, "val", path)
+    return sum(engine.eval_batch(data) for _ in range(cfg.data.val_batches)) / cfg.data.val_batches
+
+
+def save_weights(cfg: Config, topo: Topology, engine: PipelineEngine, data_path: str | None) -> None:
+    """Write the full, layout-free weights with the model config and tokenizer name to out_dir/model.pt."""
+    if not cfg.logging.out_dir:
+        return
+    state = full_state_dict(engine.module)  # collective: every rank takes part
+    if topo.rank == 0:
+        from .data import read_meta
+
+        meta = read_meta(data_path) if data_path else None
+        ckpt = {"family": cfg.model.family, "config": asdict(model_config(cfg.model)), "state_dict": state,
+                "tokenizer": meta.get("tokenizer") if meta else None}
+        path = os.path.join(cfg.logging.out_dir, "model.pt")
+        atomic_save(ckpt, path)
+        print(f"saved the trained weights to {path}", flush=True)
+
+
+class Logger:
+    """Rank 0's progress bar, metrics.jsonl, TensorBoard events and summary table."""
+
+    def __init__(self, cfg: Config, topo: Topology, engine: PipelineEngine):
+        self.cfg, self.engine, self.active = cfg, engine, topo.rank == 0
+        self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        n_params = _count_params(engine, topo)
+        self.flops_per_token = flops_per_token(model_config(cfg.model), cfg.train.seq_len, n_params)
+        self.peak = peak_flops_per_device(cfg, topo) * _devices(topo)
+        self.n_params = n_params
+        self.history: list[dict] = []
+        self.start = time.perf_counter()
+        self.bar = self.file = self.tb = None
+        if self.active:
+            self._open()
+
+    def _open(self) -> None:
+        out = self.cfg.logging.out_dir
+        if out:
+            os.makedirs(out, exist_ok=True)
+            self.file = open(os.path.join(out, "metrics.jsonl"), "w")
+            if self.cfg.logging.tensorboard:
+                self.tb = _tensorboard(out)
+        if self.cfg.logging.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.cfg.train.steps, desc="train", unit="step", dynamic_ncols=True)
+        p = self.cfg.parallel
+        self._print(f"{self.cfg.model.family}/{self.cfg.model.flavour}: {self.n_params / 1e6:.2f} M parameters, "
+                    f"pp={p.pp} dp={p.dp} tp={p.tp}, schedule {self.cfg.schedule.name}, "
+                    f"{self.tokens_per_step:,} tokens per step")
+
+    def _print(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def step(self, step: int, loss: float, lr: float, val: float | None) -> None:
+        elapsed = time.perf_counter() - self.start
+        tps = self.tokens_per_step * step / elapsed
+        rec = {"step": step, "loss": loss, "lr": lr,
+               "grad_norm": self.engine.last_grad_norm, "tokens_per_s": tps,
+               "mfu": tps * self.flops_per_token / self.peak, "elapsed_s": elapsed}
+        if val is not None:
+            rec["val_loss"] = val
+        self.history.append(rec)
         if not self.active:
             return
-        print(f"step {step:5d}/{self.cfg.train.steps}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s", flush=True)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{rec['mfu']:.1%}")
+        if step % self.cfg.logging.log_every == 0 or val is not None or step in (1, self.cfg.train.steps):
+            self._record(rec)
+
+    def _record(self, rec: dict) -> None:
+        val = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+        if self.bar is None or not self.bar.disable:
+            self._print(f"step {rec['step']:5d}  loss {rec['loss']:.4f}{val}  lr {rec['lr']:.2e}  "
+                        f"{rec['tokens_per_s']:,.0f} tok/s  mfu {rec['mfu']:.1%}")
         if self.file:
-            self.file.write(json.dumps({"step": step, "loss": loss, "tokens_per_s": tokens_per_s}) + "\n")
+            self.file.write(json.dumps(rec) + "\n")
             self.file.flush()
+        if self.tb:
+            for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+                if rec.get(key) is not None:
+                    self.tb.add_scalar(f"train/{key}", rec[key], rec["step"])
 
-    def done(self, summary: dict) -> None:
-        if not self.active:
-            return
-        print(
-            f"done: {summary['steps']} steps at pp={summary['pp']} dp={summary['dp']} ({summary['schedule']}), "
-            f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}, "
-            f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['seconds']:.1f} s",
-            flush=True,
-        )
-        if self.file:
-            self.file.write(json.dumps({"summary": summary}) + "\n")
-            self.file.close()
+    def finish(self) -> dict:
+        h = self.history
+        vals = [r["val_loss"] for r in h if "val_loss" in r]
+        summary = {
+            "steps": len(h), "seconds": h[-1]["elapsed_s"], "tokens": self.tokens_per_step * len(h),
+            "first_loss": h[0]["loss"], "final_loss": h[-1]["loss"], "final_val_loss": vals[-1] if vals else None,
+            "tokens_per_s": h[-1]["tokens_per_s"], "mfu": h[-1]["mfu"], "params": self.n_params,
+            "pp": self.cfg.parallel.pp, "dp": self.cfg.parallel.dp, "tp": self.cfg.parallel.tp,
+            "schedule": self.cfg.schedule.name,
+        }
+        if self.active:
+            if self.bar is not None:
+                self.bar.close()
+            print(summary_table(summary), flush=True)
+            if self.file:
+                self.file.write(json.dumps({"summary": summary}) + "\n")
+                self.file.close()
+            if self.tb:
+                self.tb.close()
+        return summary
+
+
+def summary_table(s: dict) -> str:
+    rows = [
+        ("layout", f"pp={s['pp']} dp={s['dp']} tp={s['tp']} ({s['schedule']})"),
+        ("parameters", f"{s['params'] / 1e6:.2f} M"),
+        ("steps", f"{s['steps']} ({s['tokens']:,} tokens)"),
+        ("time", f"{s['seconds']:.1f} s"),
+        ("train loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"),
+        ("val loss", "-" if s["final_val_loss"] is None else f"{s['final_val_loss']:.4f}"),
+        ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
+        ("MFU", f"{s['mfu']:.1%}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 40)
+    return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
+
+
+def _count_params(engine: PipelineEngine, topo: Topology) -> int:
+    """Parameters of the whole model (tied ones once), from the layout-free spec list."""
+    from .spec import count_parameters, TiedLayerSpec
+
+    seen, total = set(), 0
+    for spec in engine.module.specs:
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key in seen:
+                continue
+            seen.add(spec.key)
+        total += count_parameters(spec)
+    return total
+
+
+def _devices(topo: Topology) -> int:
+    if topo.device.type == "cuda":
+        return topo.world_size
+    return min(topo.world_size, os.cpu_count() or 1)
+
+
+def _tensorboard(out_dir: str):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(os.path.join(out_dir, "tb"))

@@ -41,10 +41,13 @@ def test_plan_rejects_bad_input(capsys):
     [
         (["parallel.ppp=2"], "ppp"),
         (["parallel.pp=two"], "parallel.pp"),
-        (["train.global_batch=30"], "train.global_batch=30 must be a multiple of parallel.dp * schedule.microbatches"),
+        (["train.global_batch=30"], "train.global_batch=30 must equal train.micro_batch * schedule.microbatches * parallel.dp = 8 * 4 * 1 = 32"),
         (["schedule.name=zigzag"], "schedule.name='zigzag'"),
         (["parallel.pp=20"], "fewer than parallel.pp * schedule.chunks_per_rank = 20"),
-        (["schedule.name=interleaved_1f1b", "schedule.chunks_per_rank=2", "schedule.microbatches=3", "train.global_batch=6"],
+        (["parallel.tp=3"], "model.vocab_size=64 is not divisible by parallel.tp=3"),
+        (["model.hidden=5"], "model.hidden does not apply to the toy model"),
+        (["train.dtype=float16"], "train.dtype='float16' is not one of"),
+        (["schedule.name=interleaved_1f1b", "schedule.chunks_per_rank=2", "schedule.microbatches=3"],
          "multiple of pp=2, got 3"),
     ],
 )
@@ -54,25 +57,31 @@ def test_config_errors_name_the_key(overrides, message):
 
 
 def test_train_reports_bad_config_before_launching(capsys):
-    assert main(["train", str(ROOT / "configs/toy.yaml"), "parallel.dp=3"]) == 2
-    assert "parallel.dp * schedule.microbatches" in capsys.readouterr().err
+    assert main(["train", str(ROOT / "configs/toy.yaml"), "parallel.dp=2", "parallel.tp=3"]) == 2
+    assert "not divisible by parallel.tp=3" in capsys.readouterr().err
 
 
 def test_train_single_process(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["train", "parallel.pp=1", "train.steps=40", "train.log_every=20", f"out_dir={out}"]) == 0
-    summary = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["summary"]
+    args = ["train", str(ROOT / "configs/toy.yaml"), "parallel.pp=1", "train.steps=40", "logging.log_every=20",
+            "logging.progress=false", f"logging.out_dir={out}"]
+    assert main(args) == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    summary = json.loads(lines[-1])["summary"]
     assert summary["final_loss"] < 0.5 * summary["first_loss"]
-    assert "done: 40 steps" in capsys.readouterr().out
+    assert summary["final_val_loss"] is not None
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(json.loads(lines[0]))
+    assert "train loss" in capsys.readouterr().out
+    assert (out / "model.pt").exists()
 
 
 def test_train_launches_its_own_workers(tmp_path):
     """pp=2 x dp=2 through torch.distributed.run, as `pipekit train` does outside torchrun."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "pipekit.cli", "train", str(ROOT / "configs/toy.yaml"), "parallel.dp=2",
-           "train.steps=4", "train.log_every=2", "model.dim=16", "model.wide_dim=16", f"out_dir={out}"]
+           "train.steps=4", "logging.log_every=2", "model.dim=16", "logging.progress=false", f"logging.out_dir={out}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["summary"]
     assert (summary["pp"], summary["dp"], summary["steps"]) == (2, 2, 4)
-    assert "done: 4 steps at pp=2 dp=2" in proc.stdout
+    assert "pp=2 dp=2 tp=1" in proc.stdout

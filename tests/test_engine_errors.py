@@ -19,15 +19,18 @@ CFG = ToyConfig(vocab=16, dim=8, wide_dim=8, blocks=1)
 
 
 def test_world_size_must_match_the_grid():
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by pp=4"):
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by pp\*tp = 4\*1 = 4"):
         grid_sizes(6, 4)
-    with pytest.raises(ValueError, match=r"world size 8 does not match pp\*dp = 2\*2 = 4"):
+    with pytest.raises(ValueError, match=r"world size 12 is not divisible by pp\*tp = 2\*4 = 8"):
+        grid_sizes(12, 2, tp=4)
+    with pytest.raises(ValueError, match=r"world size 8 does not match pp\*dp\*tp = 2\*2\*1 = 4"):
         grid_sizes(8, 2, 2)
-    assert grid_sizes(8, 2) == (2, 4)
+    assert grid_sizes(8, 2) == (2, 4, 1)
+    assert grid_sizes(8, 2, tp=2) == (2, 2, 2)
 
 
 def test_grid_needs_distributed_beyond_one_process():
-    with pytest.raises(RuntimeError, match=r"Topology\(pp=2, dp=None\) needs torch.distributed"):
+    with pytest.raises(RuntimeError, match=r"Topology\(pp=2, dp=None, tp=1\) needs torch.distributed"):
         pipekit.Topology(pp=2)
 
 

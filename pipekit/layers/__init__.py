@@ -1,1 +1,58 @@
-"""Placeholder: arrives with its own issue."""
+"""Tensor-parallel primitives and transformer layers.
+
+Every layer takes `group=None`, meaning the tp group current at construction
+(`with tensor_parallel(group): ...`); with no group it is a plain one-process
+layer. A tp shard is a slice of the full tensor initialised the same way at
+every tp size, and parameter names do not depend on the tp size.
+"""
+
+from .attention import CausalSelfAttention
+from .block import TransformerBlock
+from .cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .mlp import GeluMLP, SwiGLUMLP
+from .norm import LayerNorm, RMSNorm
+from .parallel import (
+    TensorParallelModule,
+    copy_to_tp,
+    current_tp_group,
+    gather_from_tp,
+    group_rank,
+    group_size,
+    reduce_from_tp,
+    scatter_to_tp,
+    shard_dim,
+    sharded_parameter,
+    tensor_parallel,
+    tp_slice,
+)
+from .rotary import apply_rotary, rotary_cos_sin
+
+__all__ = [
+    "CausalSelfAttention",
+    "ColumnParallelLinear",
+    "GeluMLP",
+    "LayerNorm",
+    "RMSNorm",
+    "RowParallelLinear",
+    "SwiGLUMLP",
+    "TensorParallelModule",
+    "TransformerBlock",
+    "VocabParallelCrossEntropy",
+    "VocabParallelEmbedding",
+    "apply_rotary",
+    "copy_to_tp",
+    "current_tp_group",
+    "gather_from_tp",
+    "group_rank",
+    "group_size",
+    "reduce_from_tp",
+    "rotary_cos_sin",
+    "scatter_to_tp",
+    "shard_dim",
+    "sharded_parameter",
+    "tensor_parallel",
+    "tp_slice",
+    "vocab_parallel_cross_entropy",
+]

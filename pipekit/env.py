@@ -1,0 +1,45 @@
+"""`pipekit env`: what this machine can run, in the manner of DeepSpeed's ds_report."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import sys
+
+
+def _version(name: str) -> str | None:
+    try:
+        module = importlib.import_module(name)
+    except Exception:  # noqa: BLE001 - any failure means "not usable here"
+        return None
+    return getattr(module, "__version__", "installed")
+
+
+def report() -> list[tuple[str, str]]:
+    import torch
+    import torch.distributed as dist
+
+    import pipekit
+
+    cuda = torch.cuda.is_available()
+    rows = [
+        ("pipekit", f"{pipekit.__version__} ({os.path.dirname(pipekit.__file__)})"),
+        ("python", f"{sys.version.split()[0]} ({platform.platform()})"),
+        ("torch", f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})"),
+        ("CUDA devices", ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if cuda else "none"),
+        ("NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda and dist.is_nccl_available() else "not available"),
+        ("gloo", "available" if dist.is_gloo_available() else "not available"),
+        ("CPU cores", str(os.cpu_count())),
+        ("triton", _version("triton") or "not installed"),
+        ("kernel backend", "triton on CUDA" if cuda and _version("triton") else "PyTorch reference (CPU)"),
+        ("MoE backend: megablocks", _version("megablocks") or "not installed (optional; pipekit's own dispatch is used)"),
+    ]
+    for name in ("omegaconf", "numpy", "einops", "safetensors", "transformers", "tokenizers", "tensorboard", "tqdm"):
+        rows.append((name, _version(name) or "not installed"))
+    return rows
+
+
+def format_report(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -1,0 +1,75 @@
+"""Causal self-attention with grouped-query heads split over the tp group."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .parallel import current_tp_group, group_size
+from .rotary import apply_rotary, rotary_cos_sin
+
+
+def check_heads(dim: int, n_heads: int, n_kv_heads: int, tp: int) -> None:
+    """Raise a ValueError naming the values unless the head layout is valid at tp size `tp`."""
+    if dim % n_heads:
+        raise ValueError(f"dim={dim} is not divisible by n_heads={n_heads}")
+    if n_heads % n_kv_heads:
+        raise ValueError(f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}")
+    for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+        if value % tp:
+            raise ValueError(
+                f"{name}={value} is not divisible by the tensor-parallel size {tp}; "
+                f"attention heads are split over tp ranks, so tp must divide {name}"
+            )
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head / grouped-query causal self-attention, (B, T, dim) -> (B, T, dim).
+
+    `q`, `k`, `v` are column-parallel (rank r holds query heads
+    [r*H/tp, (r+1)*H/tp) and kv heads [r*KV/tp, (r+1)*KV/tp), so each query head
+    finds its kv head on the same rank), `o` is row-parallel. Input and output
+    are full on every rank. Communication: one all-reduce forward (in `o`);
+    backward one all-reduce per projection of q, k and v (each `copy_to_tp`).
+    Rotary embedding (Llama) when `rope_theta` is not None; none for GPT-2.
+    `out_init_std` (default `init_std`) initialises `o`.
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, bias: bool = True,
+                 rope_theta: float | None = None, init_std: float = 0.02,
+                 out_init_std: float | None = None, group=None):
+        super().__init__()
+        group = current_tp_group() if group is None else group
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        tp = group_size(group)
+        check_heads(dim, n_heads, n_kv_heads, tp)
+        self.head_dim = dim // n_heads
+        self.local_heads, self.local_kv_heads = n_heads // tp, n_kv_heads // tp
+        self.rope_theta = rope_theta
+        out_std = init_std if out_init_std is None else out_init_std
+        self.q = ColumnParallelLinear(dim, n_heads * self.head_dim, bias=bias, init_std=init_std, group=group)
+        self.k = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, bias=bias, init_std=init_std, group=group)
+        self.v = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, bias=bias, init_std=init_std, group=group)
+        self.o = RowParallelLinear(n_heads * self.head_dim, dim, bias=bias, init_std=out_std, group=group)
+
+    def _heads(self, y: torch.Tensor, n: int) -> torch.Tensor:
+        B, T, _ = y.shape
+        return y.view(B, T, n, self.head_dim).transpose(1, 2)  # (B, n, T, head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self._heads(self.q(x), self.local_heads)  # (B, H/tp, T, hd)
+        k = self._heads(self.k(x), self.local_kv_heads)  # (B, KV/tp, T, hd)
+        v = self._heads(self.v(x), self.local_kv_heads)
+        if self.rope_theta is not None:
+            cos, sin = rotary_cos_sin(T, self.head_dim, self.rope_theta, x.device, q.dtype)
+            q, k = apply_rotary(q, k, cos, sin)
+        if self.local_kv_heads != self.local_heads:
+            repeat = self.local_heads // self.local_kv_heads
+            k = k.repeat_interleave(repeat, dim=1)  # (B, H/tp, T, hd): query head i uses kv head i // repeat
+            v = v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)  # (B, T, H/tp * hd)
+        return self.o(y)

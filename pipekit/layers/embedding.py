@@ -1,0 +1,40 @@
+"""Token embedding with the vocabulary (rows) split over the tp group."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .parallel import TensorParallelModule, divide, group_rank, normal_full, reduce_from_tp, sharded_parameter
+
+
+class VocabParallelEmbedding(TensorParallelModule):
+    """Embedding whose table rows are split over the tp group.
+
+    weight: (num_embeddings/tp, embedding_dim), sharded along dim 0; rank r
+    holds ids [r*V/tp, (r+1)*V/tp). Input: integer ids (...), the same on every
+    rank. Output: (..., embedding_dim), full on every rank.
+
+    Each rank looks up the ids it holds and writes zeros for the others; the
+    forward all-reduce (`reduce_from_tp`) sums the parts. Backward: no
+    communication (each rank's table gets the gradient of its own ids only).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float = 0.02, group=None):
+        super().__init__(group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.rows_per_rank = divide(num_embeddings, self.tp_size, "num_embeddings")
+        self.vocab_start = group_rank(self.group) * self.rows_per_rank
+        self.weight = sharded_parameter(normal_full((num_embeddings, embedding_dim), init_std), 0, self.group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (..., D)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp(out, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}"

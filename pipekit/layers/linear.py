@@ -1,0 +1,90 @@
+"""Column- and row-parallel linear layers (Megatron's pair).
+
+A ColumnParallelLinear splits the output features over the tp ranks, a
+RowParallelLinear the input features; placed back to back (attention's q/k/v
+then o, an MLP's fc then proj) they need one all-reduce forward (in the row
+layer) and one backward (in the column layer), and the activation between
+them stays split.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .parallel import (
+    TensorParallelModule,
+    copy_to_tp,
+    divide,
+    gather_from_tp,
+    normal_full,
+    reduce_from_tp,
+    scatter_to_tp,
+    sharded_parameter,
+)
+
+
+class ColumnParallelLinear(TensorParallelModule):
+    """y = x W^T + b with W's rows (output features) split over the tp group.
+
+    weight: (out_features/tp, in_features), bias: (out_features/tp,), both
+    sharded along dim 0. Input: (..., in_features), full on every rank.
+    Output: (..., out_features/tp), or (..., out_features) with `gather_output`.
+
+    Communication: forward none, or an all-gather of the output with
+    `gather_output`; backward an all-reduce of the input gradient (`copy_to_tp`),
+    preceded by the slicing of the output gradient when gathered.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 gather_output: bool = False, init_std: float = 0.02, group=None):
+        super().__init__(group)
+        divide(out_features, self.tp_size, "out_features")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        self.weight = sharded_parameter(normal_full((out_features, in_features), init_std), 0, self.group)
+        bias_param = sharded_parameter(torch.zeros(out_features), 0, self.group) if bias else None
+        self.register_parameter("bias", bias_param)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp(x, self.group)
+        y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
+        return gather_from_tp(y, self.group, dim=-1) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp_size}, "
+                f"bias={self.bias is not None}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(TensorParallelModule):
+    """y = x W^T + b with W's columns (input features) split over the tp group.
+
+    weight: (out_features, in_features/tp), sharded along dim 1; bias:
+    (out_features,), replicated and added once, after the reduction.
+    Input: (..., in_features/tp) when `input_is_parallel`, else (..., in_features)
+    full on every rank and sliced here. Output: (..., out_features), full.
+
+    Communication: forward an all-reduce of the partial products
+    (`reduce_from_tp`); backward none, or an all-gather of the input gradient
+    when the input was not already parallel (`scatter_to_tp`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 input_is_parallel: bool = True, init_std: float = 0.02, group=None):
+        super().__init__(group)
+        divide(in_features, self.tp_size, "in_features")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.weight = sharded_parameter(normal_full((out_features, in_features), init_std), 1, self.group)
+        self.register_parameter("bias", nn.Parameter(torch.zeros(out_features)) if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp(x, self.group, dim=-1)  # (..., in/tp)
+        y = reduce_from_tp(F.linear(x, self.weight), self.group)  # (..., out)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp_size}, "
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")

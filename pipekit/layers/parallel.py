@@ -1,0 +1,239 @@
+"""Tensor-parallel plumbing: the current tp group, conjugate collectives, sharded parameters.
+
+This file is the one place where collectives meet model math. Every function
+takes its process group as an argument; `None` (or a group of one rank) makes
+each of them the identity, so the same layer code runs unsplit on one process.
+
+The four collectives come in conjugate pairs (Megatron's "regions"):
+
+    copy_to_tp      forward: identity             backward: all-reduce (sum)
+    reduce_from_tp  forward: all-reduce (sum)     backward: identity
+    gather_from_tp  forward: all-gather + cat     backward: keep own slice
+    scatter_to_tp   forward: keep own slice       backward: all-gather + cat
+
+On `meta` tensors none of them communicates: they only produce the right
+shape (the engine runs the model on meta to find activation shapes).
+
+Parameters: a tp shard is a slice of the full tensor, which is always drawn
+whole from the default generator (so tp=1 and tp=N start from the same model
+and consume the same random stream). A sharded parameter carries the attribute
+`tp_shard_dim`; a replicated one has none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_TP_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("pipekit_tp_group", default=None)
+
+
+# ---- the current tp group ----------------------------------------------------
+@contextlib.contextmanager
+def tensor_parallel(group) -> Iterator[Any]:
+    """Make `group` the current tp group for layers constructed inside the block."""
+    token = _TP_GROUP.set(group)
+    try:
+        yield group
+    finally:
+        _TP_GROUP.reset(token)
+
+
+def current_tp_group():
+    """The group set by the innermost `tensor_parallel(...)`, or None outside any."""
+    return _TP_GROUP.get()
+
+
+def group_size(group) -> int:
+    """Number of ranks in `group`; 1 for None.
+
+    Any object with `size()` and `rank()` methods works (a ProcessGroup, or a
+    stand-in for building and meta-running layers without processes).
+    """
+    return 1 if group is None else group.size()
+
+
+def group_rank(group) -> int:
+    """This rank's index in `group`; 0 for None."""
+    return 0 if group is None else group.rank()
+
+
+# ---- communication helpers (no-ops on meta and on one rank) ------------------
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce a copy of `x` (never the caller's tensor: it may be shared)."""
+    if x.is_meta or group_size(group) == 1:
+        return x
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=op, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in rank order."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.is_meta:
+        return torch.cat([x] * size, dim=dim)
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _own_slice(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This rank's equal part of `x` along `dim` (no communication)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    n = divide(x.shape[dim], size, f"size of dim {dim}")
+    return x.narrow(dim, group_rank(group) * n, n).contiguous()
+
+
+def divide(value: int, size: int, what: str) -> int:
+    """`value // size`, or a ValueError naming both when `size` does not divide `value`."""
+    if value % size:
+        raise ValueError(
+            f"{what}={value} is not divisible by the tensor-parallel size {size}; "
+            f"choose a multiple of {size}"
+        )
+    return value // size
+
+
+# ---- the conjugate autograd Functions -----------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_slice(grad, ctx.group, ctx.dim), None, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _own_slice(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Enter a tp region: identity forward; all-reduce (sum) of the gradient in backward."""
+    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group) -> torch.Tensor:
+    """Leave a tp region by summing partial results: all-reduce forward; identity backward."""
+    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """All-gather shards and concatenate along `dim` forward; backward keeps this rank's slice."""
+    return x if group_size(group) == 1 else _GatherFromTP.apply(x, group, dim)
+
+
+def scatter_to_tp(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's slice along `dim` forward; backward all-gathers the gradient."""
+    return x if group_size(group) == 1 else _ScatterToTP.apply(x, group, dim)
+
+
+# ---- parameters --------------------------------------------------------------
+def shard_dim(param: torch.Tensor) -> int | None:
+    """The dim `param` is split along over the tp group, or None when replicated."""
+    return getattr(param, "tp_shard_dim", None)
+
+
+def tp_slice(full: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's slice of the full tensor `full` along `dim` (a view; no communication)."""
+    size = group_size(group)
+    n = divide(full.shape[dim], size, f"size of dim {dim}")
+    return full.narrow(dim, group_rank(group) * n, n)
+
+
+def sharded_parameter(full: torch.Tensor, dim: int, group) -> nn.Parameter:
+    """A parameter holding this rank's slice of `full` along `dim`, marked `tp_shard_dim`."""
+    param = nn.Parameter(tp_slice(full, dim, group).clone(memory_format=torch.contiguous_format))
+    param.tp_shard_dim = dim
+    return param
+
+
+def normal_full(shape: tuple[int, ...], std: float) -> torch.Tensor:
+    """The whole tensor drawn from N(0, std) with the default generator on the
+    current default device (on meta: allocated nowhere, draws nothing)."""
+    return torch.empty(shape).normal_(0.0, std)
+
+
+class _SharedRef:
+    """Holds a process group so that `copy.deepcopy` of a layer shares the
+    group (process groups cannot be copied) instead of failing on it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class TensorParallelModule(nn.Module):
+    """Base of the layers that hold a tp group.
+
+    Captures `group` (None: the current tp group) at construction. A deep copy
+    shares the group and keeps each parameter's `tp_shard_dim` mark, which
+    torch's own `Parameter.__deepcopy__` would drop.
+    """
+
+    def __init__(self, group=None):
+        super().__init__()
+        self._tp_group = _SharedRef(current_tp_group() if group is None else group)
+
+    @property
+    def group(self):
+        return self._tp_group.value
+
+    @property
+    def tp_size(self) -> int:
+        return group_size(self.group)
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        for name, param in self._parameters.items():
+            if shard_dim(param) is not None:
+                new._parameters[name].tp_shard_dim = param.tp_shard_dim
+        return new

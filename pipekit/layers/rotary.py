@@ -1,0 +1,41 @@
+"""Rotary position embedding, Llama's convention (Hugging Face `rotate_half`).
+
+The head dim is treated as two halves [x1, x2]; frequency i (i < head_dim/2)
+rotates the pair (x1[i], x2[i]) by angle pos * theta^(-2i/head_dim). Positions
+are 0..seq_len-1. Not implemented: Llama-3's frequency scaling ("rope_scaling"
+with factor / low and high frequency factors) and position offsets (no KV cache).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float = 10000.0,
+                   device: torch.device | str | None = None,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (seq_len, head_dim), in `dtype`.
+
+    Computed in float32 like HF (in float64 when `dtype` is float64), then cast.
+    """
+    if head_dim % 2:
+        raise ValueError(f"rotary embedding needs an even head_dim, got head_dim={head_dim}")
+    work = torch.promote_types(dtype, torch.float32)
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).to(work) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)  # (head_dim/2,)
+    positions = torch.arange(seq_len, device=device, dtype=torch.int64).to(work)
+    freqs = torch.outer(positions, inv_freq)  # (T, head_dim/2)
+    angles = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] over the halves of the last dim."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k, each (..., T, head_dim), by tables (T, head_dim) (broadcast)."""
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

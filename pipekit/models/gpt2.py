@@ -1,0 +1,130 @@
+"""GPT-2 as a spec list: tied vocab-parallel embedding, pre-norm blocks, LayerNorm, tied head.
+
+    [0]        TiedLayerSpec("embed", GPT2Embedding)   ids (B, T) int64 -> hidden (B, T, D)
+    [1..L]     LayerSpec(TransformerBlock, style="gpt2")            (B, T, D) -> (B, T, D)
+    [L+1]      LayerSpec(LayerNorm)                                  (B, T, D) -> (B, T, D)
+    [L+2]      TiedLayerSpec("embed", ..., forward_fn=tied_logits)   (B, T, D) -> (B, T, V/tp)
+
+The head's logits stay split over the vocabulary (rank r holds ids
+[r*V/tp, (r+1)*V/tp)) and go straight into `VocabParallelCrossEntropy`, so
+the full (B, T, V) logits never exist on one rank. With
+`tie_embeddings=False` the embedding is a plain `LayerSpec` and the head a
+bias-free `ColumnParallelLinear` (names `layers.0.*`, `layers.{L+2}.weight`).
+
+Parameter names (the same at every pp/tp): `tied.embed.wte.weight`,
+`tied.embed.wpe.weight`, `layers.{i}.norm1.weight`, `layers.{i}.attn.q.weight`
+... `layers.{i}.mlp.proj.bias`, `layers.{L+1}.weight` / `.bias`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..layers import (
+    ColumnParallelLinear,
+    LayerNorm,
+    TransformerBlock,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+    copy_to_tp,
+)
+from ..spec import LayerSpec, TiedLayerSpec
+
+
+@dataclass
+class GPT2Config:
+    vocab_size: int
+    max_seq_len: int  # learned positions (HF n_positions)
+    n_layers: int
+    dim: int
+    n_heads: int
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02  # token/position embeddings and the untied head; blocks use the layers' own init
+
+    def __post_init__(self):
+        check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads"))
+        if self.dim % self.n_heads:
+            raise ValueError(f"GPT2Config: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+
+
+def check_positive(cfg, names: tuple[str, ...]) -> None:
+    """Raise a ValueError naming the first field of `cfg` that is not a positive int."""
+    for name in names:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{type(cfg).__name__}: {name} must be a positive int, got {value!r}")
+
+
+# Sizes: `tiny` is ours (a byte vocabulary, CPU-sized); the others are the four
+# models of Radford et al. 2019, "Language Models are Unsupervised Multitask
+# Learners", Table 2, with the exact values of the Hugging Face configs
+# openai-community/gpt2, gpt2-medium, gpt2-large, gpt2-xl (config.json).
+FLAVOURS: dict[str, GPT2Config] = {
+    "tiny": GPT2Config(vocab_size=256, max_seq_len=128, n_layers=4, dim=128, n_heads=4),
+    "124m": GPT2Config(vocab_size=50257, max_seq_len=1024, n_layers=12, dim=768, n_heads=12),  # gpt2
+    "355m": GPT2Config(vocab_size=50257, max_seq_len=1024, n_layers=24, dim=1024, n_heads=16),  # gpt2-medium
+    "774m": GPT2Config(vocab_size=50257, max_seq_len=1024, n_layers=36, dim=1280, n_heads=20),  # gpt2-large
+    "1.5b": GPT2Config(vocab_size=50257, max_seq_len=1024, n_layers=48, dim=1600, n_heads=25),  # gpt2-xl
+}
+
+
+class GPT2Embedding(nn.Module):
+    """Token ids (B, T) int64 -> wte(ids) + wpe(0..T-1), (B, T, D), full on every tp rank.
+
+    `wte` is vocab-parallel (rows split over tp; one forward all-reduce),
+    `wpe` is replicated. Both start at N(0, init_std), wte drawn first.
+    """
+
+    def __init__(self, vocab_size: int, max_seq_len: int, dim: int, init_std: float = 0.02):
+        super().__init__()
+        self.wte = VocabParallelEmbedding(vocab_size, dim, init_std=init_std)
+        self.wpe = nn.Embedding(max_seq_len, dim)
+        nn.init.normal_(self.wpe.weight, 0.0, init_std)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        T = ids.shape[1]
+        if T > self.wpe.num_embeddings:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.wpe.num_embeddings} of the position table")
+        pos = torch.arange(T, device=ids.device)
+        return self.wte(ids) + self.wpe(pos)  # (B, T, D) + (T, D)
+
+
+def vocab_logits(embedding: VocabParallelEmbedding, h: torch.Tensor) -> torch.Tensor:
+    """The tied head on a vocab-parallel table: (B, T, D) -> (B, T, V/tp), this rank's vocab slice.
+
+    Communication: none forward; backward all-reduces the gradient of `h` over tp."""
+    return F.linear(copy_to_tp(h, embedding.group), embedding.weight)
+
+
+def tied_logits(module: GPT2Embedding, h: torch.Tensor) -> torch.Tensor:
+    """`forward_fn` of the tied head: logits from the embedding's `wte` shard."""
+    return vocab_logits(module.wte, h)
+
+
+def gpt2_specs(cfg: GPT2Config) -> list:
+    """The spec list of `cfg` (see the module docstring for its layout and names)."""
+    embed_args = (cfg.vocab_size, cfg.max_seq_len, cfg.dim)
+    if cfg.tie_embeddings:
+        embed = TiedLayerSpec("embed", GPT2Embedding, *embed_args, init_std=cfg.init_std, tied_weight_attr="wte.weight")
+        head = TiedLayerSpec("embed", GPT2Embedding, *embed_args, init_std=cfg.init_std,
+                             tied_weight_attr="wte.weight", forward_fn=tied_logits)
+    else:
+        embed = LayerSpec(GPT2Embedding, *embed_args, init_std=cfg.init_std)
+        head = LayerSpec(ColumnParallelLinear, cfg.dim, cfg.vocab_size, bias=False, gather_output=False,
+                         init_std=cfg.init_std)
+    blocks = [
+        LayerSpec(TransformerBlock, cfg.dim, cfg.n_heads, hidden=4 * cfg.dim, style="gpt2",
+                  norm_eps=cfg.norm_eps, n_layers_for_init=cfg.n_layers)
+        for _ in range(cfg.n_layers)
+    ]
+    return [embed, *blocks, LayerSpec(LayerNorm, cfg.dim, cfg.norm_eps), head]
+
+
+def gpt2_loss(cfg: GPT2Config | None = None) -> LayerSpec:
+    """Mean next-token cross-entropy on vocab-parallel logits (labels are the shifted ids)."""
+    return LayerSpec(VocabParallelCrossEntropy)

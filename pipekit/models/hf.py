@@ -1,0 +1,439 @@
+"""Hugging Face interchange: GPT2LMHeadModel and LlamaForCausalLM weights and configs.
+
+A pipekit *full* state dict (`pipekit.checkpoint.full_state_dict`: every
+tensor whole, named as in one process) maps one-to-one onto a transformers
+state dict, up to these changes:
+
+GPT-2   HF's Conv1D stores weights as (in, out): every linear weight is
+        transposed; the fused `c_attn` (D, 3D) splits into q, k, v.
+        Hub checkpoints saved from `GPT2Model` lack the `transformer.` prefix
+        and may hold the causal-mask buffers `attn.bias` / `attn.masked_bias`:
+        both are handled on reading.
+Llama   names only. HF's Llama checkpoints already use the `rotate_half`
+        rotary convention (its conversion script permuted Meta's interleaved
+        q/k rows once), and so does `pipekit.layers.apply_rotary`, so q_proj
+        and k_proj are copied as they are (the logits tests prove it).
+
+With tied embeddings `lm_head.weight` is the token table: written into the
+HF state dict (as the same tensor, like `model.state_dict()`), left out of
+files, and not required on reading.
+
+Files: `load_hf_checkpoint(dir)` reads config.json with model.safetensors,
+pytorch_model.bin or their sharded `*.index.json` forms; `save_hf_checkpoint`
+writes config.json + model.safetensors into a temporary directory and renames
+it into place, loadable offline by `transformers.AutoModelForCausalLM.from_pretrained`.
+A *pipekit file* is `torch.save({"family", "config": asdict(cfg), "state_dict"})`.
+transformers is imported only by the functions that build HF config objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from dataclasses import asdict
+from typing import Callable
+
+import torch
+
+from ..checkpoint import atomic_save
+from .gpt2 import GPT2Config
+from .llama import LlamaConfig
+from .registry import FAMILIES, config_from_dict, family_of
+
+HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}  # HF model_type -> pipekit family
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")  # buffers, not weights
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; valid families: {sorted(FAMILIES)}")
+
+
+def _embed_prefix(cfg) -> str:
+    return "tied.embed" if cfg.tie_embeddings else "layers.0"
+
+
+# ---- GPT-2 ---------------------------------------------------------------------
+def _gpt2_pairs(cfg: GPT2Config) -> list[tuple[str, str, bool]]:
+    """(pipekit name, HF name, transposed) for every tensor but q/k/v, which are fused in HF."""
+    L, e = cfg.n_layers, _embed_prefix(cfg)
+    pairs = [(f"{e}.wte.weight", "transformer.wte.weight", False), (f"{e}.wpe.weight", "transformer.wpe.weight", False)]
+    for i in range(L):
+        p, h = f"layers.{i + 1}.", f"transformer.h.{i}."
+        for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            pairs += [(p + ours + ".weight", h + theirs + ".weight", False), (p + ours + ".bias", h + theirs + ".bias", False)]
+        for ours, theirs in (("attn.o", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+            pairs += [(p + ours + ".weight", h + theirs + ".weight", True), (p + ours + ".bias", h + theirs + ".bias", False)]
+    pairs += [(f"layers.{L + 1}.weight", "transformer.ln_f.weight", False), (f"layers.{L + 1}.bias", "transformer.ln_f.bias", False)]
+    if not cfg.tie_embeddings:
+        pairs.append((f"layers.{L + 2}.weight", "lm_head.weight", False))
+    return pairs
+
+
+def _gpt2_from_hf(hf: dict, cfg: GPT2Config) -> dict:
+    if "transformer.wte.weight" not in hf and "wte.weight" in hf:  # saved from GPT2Model
+        hf = {k if k.startswith("lm_head.") else f"transformer.{k}": v for k, v in hf.items()}
+    used = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    out = {}
+    for ours, theirs, transposed in _gpt2_pairs(cfg):
+        t = _take(hf, theirs, used)
+        out[ours] = t.t().contiguous() if transposed else t
+    for i in range(cfg.n_layers):
+        h = f"transformer.h.{i}.attn.c_attn."
+        w = _take(hf, h + "weight", used).t()  # Conv1D (D, 3D) -> (3D, D): rows q, k, v
+        b = _take(hf, h + "bias", used)
+        for name, wi, bi in zip("qkv", w.chunk(3, dim=0), b.chunk(3, dim=0)):
+            out[f"layers.{i + 1}.attn.{name}.weight"] = wi.contiguous()
+            out[f"layers.{i + 1}.attn.{name}.bias"] = bi.clone()
+    _check_all_used(hf, used)
+    return out
+
+
+def _gpt2_to_hf(sd: dict, cfg: GPT2Config) -> dict:
+    out = {}
+    for ours, theirs, transposed in _gpt2_pairs(cfg):
+        t = _get(sd, ours)
+        out[theirs] = t.t().contiguous() if transposed else t
+    for i in range(cfg.n_layers):
+        p = f"layers.{i + 1}.attn."
+        out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([_get(sd, p + n + ".weight") for n in "qkv"]).t().contiguous()
+        out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([_get(sd, p + n + ".bias") for n in "qkv"])
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["transformer.wte.weight"]
+    return out
+
+
+# ---- Llama ---------------------------------------------------------------------
+def _llama_pairs(cfg: LlamaConfig) -> list[tuple[str, str]]:
+    L = cfg.n_layers
+    e = "tied.embed.weight" if cfg.tie_embeddings else "layers.0.weight"
+    pairs = [(e, "model.embed_tokens.weight")]
+    names = (("norm1", "input_layernorm"), ("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"),
+             ("attn.v", "self_attn.v_proj"), ("attn.o", "self_attn.o_proj"), ("norm2", "post_attention_layernorm"),
+             ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj"))
+    for i in range(L):
+        pairs += [(f"layers.{i + 1}.{ours}.weight", f"model.layers.{i}.{theirs}.weight") for ours, theirs in names]
+    pairs.append((f"layers.{L + 1}.weight", "model.norm.weight"))
+    if not cfg.tie_embeddings:
+        pairs.append((f"layers.{L + 2}.weight", "lm_head.weight"))
+    return pairs
+
+
+def _llama_from_hf(hf: dict, cfg: LlamaConfig) -> dict:
+    used = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    out = {ours: _take(hf, theirs, used) for ours, theirs in _llama_pairs(cfg)}
+    _check_all_used(hf, used)
+    return out
+
+
+def _llama_to_hf(sd: dict, cfg: LlamaConfig) -> dict:
+    out = {theirs: _get(sd, ours) for ours, theirs in _llama_pairs(cfg)}
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+# ---- helpers -------------------------------------------------------------------
+def _take(hf: dict, name: str, used: set) -> torch.Tensor:
+    if name not in hf:
+        raise KeyError(f"the Hugging Face state dict lacks {name!r} (it has {len(hf)} tensors, e.g. {sorted(hf)[:3]})")
+    used.add(name)
+    return hf[name]
+
+
+def _get(sd: dict, name: str) -> torch.Tensor:
+    if name not in sd:
+        raise KeyError(f"the pipekit state dict lacks {name!r} (it has {len(sd)} tensors, e.g. {sorted(sd)[:3]}); "
+                       "is the config the one the weights were trained with?")
+    return sd[name]
+
+
+def _check_all_used(hf: dict, used: set) -> None:
+    extra = sorted(k for k in hf if k not in used and not k.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        raise ValueError(f"the Hugging Face state dict has {len(extra)} tensors this config does not use, e.g. {extra[:5]}; "
+                         "does the config match the checkpoint?")
+
+
+def _check_shapes(sd: dict, cfg, family: str) -> None:
+    """Compare every tensor with the shape the spec list builds (on meta, tp=1)."""
+    from .registry import model_specs
+
+    expected = {}
+    specs = model_specs(cfg)
+    tied: set[str] = set()
+    for i, spec in enumerate(specs):
+        key = getattr(spec, "key", None)
+        if key is not None:
+            if key in tied:
+                continue
+            tied.add(key)
+            prefix = f"tied.{key}."
+        else:
+            prefix = f"layers.{i}."
+        for name, t in spec.build(device="meta").state_dict().items():
+            expected[prefix + name] = tuple(t.shape)
+    if set(expected) != set(sd):
+        missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
+        raise ValueError(f"{family} state dict does not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, shape in expected.items():
+        if tuple(sd[name].shape) != shape:
+            raise ValueError(f"{name}: the config gives shape {shape}, the weights have {tuple(sd[name].shape)}")
+
+
+_FROM_HF: dict[str, Callable] = {"gpt2": _gpt2_from_hf, "llama": _llama_from_hf}
+_TO_HF: dict[str, Callable] = {"gpt2": _gpt2_to_hf, "llama": _llama_to_hf}
+
+
+def from_hf_state_dict(family: str, hf_sd: dict, cfg) -> dict[str, torch.Tensor]:
+    """A transformers state dict -> a pipekit full state dict for `cfg` (shapes checked)."""
+    _check_family(family)
+    out = _FROM_HF[family](hf_sd, cfg)
+    _check_shapes(out, cfg, family)
+    return out
+
+
+def to_hf_state_dict(family: str, full_sd: dict, cfg) -> dict[str, torch.Tensor]:
+    """A pipekit full state dict -> the state dict of GPT2LMHeadModel / LlamaForCausalLM."""
+    _check_family(family)
+    _check_shapes(full_sd, cfg, family)
+    return _TO_HF[family](full_sd, cfg)
+
+
+# ---- configs -------------------------------------------------------------------
+def config_from_hf(hf_config) -> GPT2Config | LlamaConfig:
+    """A transformers config (object, or config.json as a dict) -> GPT2Config / LlamaConfig.
+
+    Raises a ValueError for architecture options pipekit does not implement."""
+    d = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    model_type = d.get("model_type")
+    if model_type == "gpt2":
+        return _gpt2_config_from_hf(d)
+    if model_type == "llama":
+        return _llama_config_from_hf(d)
+    raise ValueError(f"unsupported Hugging Face model_type {model_type!r}; supported: {sorted(HF_MODEL_TYPES)}")
+
+
+def _require(d: dict, checks: dict[str, tuple]) -> None:
+    for key, (default, allowed) in checks.items():
+        value = d.get(key, default)
+        if value not in allowed:
+            raise ValueError(f"Hugging Face config has {key}={value!r}; pipekit supports only {list(allowed)}")
+
+
+def _gpt2_config_from_hf(d: dict) -> GPT2Config:
+    _require(d, {
+        "activation_function": ("gelu_new", ("gelu_new", "gelu_pytorch_tanh")),
+        "scale_attn_weights": (True, (True,)),
+        "scale_attn_by_inverse_layer_idx": (False, (False,)),
+    })
+    if d.get("n_inner") not in (None, 4 * d["n_embd"]):
+        raise ValueError(f"Hugging Face config has n_inner={d['n_inner']}; pipekit's GPT-2 MLP is 4*n_embd={4 * d['n_embd']}")
+    return GPT2Config(vocab_size=d["vocab_size"], max_seq_len=d["n_positions"], n_layers=d["n_layer"],
+                      dim=d["n_embd"], n_heads=d["n_head"], norm_eps=d.get("layer_norm_epsilon", 1e-5),
+                      tie_embeddings=d.get("tie_word_embeddings", True), init_std=d.get("initializer_range", 0.02))
+
+
+def _llama_config_from_hf(d: dict) -> LlamaConfig:
+    _require(d, {"hidden_act": ("silu", ("silu",)), "attention_bias": (False, (False,)), "mlp_bias": (False, (False,))})
+    rope = d.get("rope_parameters") or {}  # transformers >= 5
+    scaling = d.get("rope_scaling") or {}  # older config.json files
+    rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise ValueError(f"Hugging Face config has rope type {rope_type!r}; pipekit supports only unscaled rope ('default')")
+    dim, heads = d["hidden_size"], d["num_attention_heads"]
+    if d.get("head_dim") not in (None, dim // heads):
+        raise ValueError(f"Hugging Face config has head_dim={d['head_dim']}; pipekit needs hidden_size/num_attention_heads = {dim // heads}")
+    return LlamaConfig(vocab_size=d["vocab_size"], max_seq_len=d["max_position_embeddings"],
+                       n_layers=d["num_hidden_layers"], dim=dim, n_heads=heads,
+                       n_kv_heads=d.get("num_key_value_heads") or heads, hidden=d["intermediate_size"],
+                       norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+                       tie_embeddings=d.get("tie_word_embeddings", False), init_std=d.get("initializer_range", 0.02))
+
+
+def _token_id(default: int, vocab_size: int) -> int | None:
+    return default if default < vocab_size else None
+
+
+def hf_config_from(cfg):
+    """GPT2Config / LlamaConfig -> the matching transformers config object."""
+    import transformers
+
+    family = family_of(cfg)
+    if family == "gpt2":
+        eos = _token_id(50256, cfg.vocab_size)
+        return transformers.GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.dim, n_layer=cfg.n_layers,
+            n_head=cfg.n_heads, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps,
+            tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std,
+            bos_token_id=eos, eos_token_id=eos, architectures=["GPT2LMHeadModel"],
+        )
+    return transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_seq_len, hidden_size=cfg.dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+        head_dim=cfg.dim // cfg.n_heads, intermediate_size=cfg.hidden, hidden_act="silu", rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std,
+        attention_bias=False, mlp_bias=False, bos_token_id=_token_id(1, cfg.vocab_size),
+        eos_token_id=_token_id(2, cfg.vocab_size), architectures=["LlamaForCausalLM"],
+    )
+
+
+# ---- files ---------------------------------------------------------------------
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF model dir: (sharded) safetensors preferred, else (sharded) pytorch_model.bin."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        files = [single] if os.path.exists(os.path.join(path, single)) else []
+        if not files and os.path.exists(os.path.join(path, index)):
+            with open(os.path.join(path, index)) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        if files:
+            out: dict[str, torch.Tensor] = {}
+            for name in files:
+                out.update(_read_file(os.path.join(path, name)))
+            return out
+    raise FileNotFoundError(f"{path} holds no model.safetensors, pytorch_model.bin or their .index.json")
+
+
+def _read_file(path: str) -> dict[str, torch.Tensor]:
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_hf_checkpoint(path: str):
+    """Read a HF model dir -> (family, config, pipekit full state dict)."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{path} is not a Hugging Face model dir: it has no config.json")
+    with open(config_path) as f:
+        hf_config = json.load(f)
+    cfg = config_from_hf(hf_config)
+    family = family_of(cfg)
+    return family, cfg, from_hf_state_dict(family, _read_weights(path), cfg)
+
+
+def _unshared(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors that share no storage (what safetensors requires)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in sd.items():
+        t = t.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def save_hf_checkpoint(family: str, full_sd: dict, cfg, out_dir: str, *, overwrite: bool = False,
+                       dtype: torch.dtype | None = None) -> None:
+    """Write config.json + model.safetensors for `full_sd` into `out_dir`, atomically.
+
+    The files are written into a sibling temporary dir that is renamed into
+    place when complete; an existing non-empty `out_dir` is replaced only with
+    `overwrite=True`. `dtype` casts floating tensors (None: keep)."""
+    from safetensors.torch import save_file
+
+    hf_sd = to_hf_state_dict(family, full_sd, cfg)
+    if cfg.tie_embeddings:
+        hf_sd.pop("lm_head.weight")  # tied to the token table; transformers re-ties it on loading
+    if dtype is not None:
+        hf_sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf_sd.items()}
+    out_dir = os.path.abspath(out_dir)
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    hf_config = hf_config_from(cfg)
+    floats = [v.dtype for v in hf_sd.values() if v.is_floating_point()]
+    if floats:
+        hf_config.dtype = str(floats[0]).removeprefix("torch.")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        hf_config.to_json_file(os.path.join(tmp, "config.json"))
+        save_file(_unshared(hf_sd), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        _replace_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _replace_dir(src: str, dst: str) -> None:
+    """Rename `src` to `dst`; an existing `dst` is moved aside first and removed after."""
+    if not os.path.exists(dst):
+        os.replace(src, dst)
+        return
+    old = f"{dst}.old-{os.getpid()}"
+    os.replace(dst, old)
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        os.replace(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_pipekit_file(family: str, cfg, full_sd: dict, path: str) -> None:
+    """torch.save({"family", "config", "state_dict"}) to `path`, atomically."""
+    atomic_save({"family": family, "config": asdict(cfg), "state_dict": full_sd}, path)
+
+
+def load_pipekit_file(path: str):
+    """Read a pipekit file -> (family, config, full state dict)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such pipekit file: {path}")
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(obj, dict) or not {"family", "config", "state_dict"} <= set(obj):
+        raise ValueError(f"{path} is not a pipekit model file (a dict with 'family', 'config', 'state_dict')")
+    return obj["family"], config_from_dict(obj["family"], obj["config"]), obj["state_dict"]
+
+
+def convert(src: str, dst: str, direction: str, *, overwrite: bool = False, dtype: torch.dtype | None = None) -> None:
+    """`direction="from_hf"`: HF model dir `src` -> pipekit file `dst`;
+    `"to_hf"`: pipekit file `src` -> HF model dir `dst`."""
+    if direction == "from_hf":
+        if os.path.exists(dst) and not overwrite:
+            raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+        family, cfg, sd = load_hf_checkpoint(src)
+        if dtype is not None:
+            sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        save_pipekit_file(family, cfg, sd, dst)
+    elif direction == "to_hf":
+        family, cfg, sd = load_pipekit_file(src)
+        save_hf_checkpoint(family, sd, cfg, dst, overwrite=overwrite, dtype=dtype)
+    else:
+        raise ValueError(f"unknown conversion direction {direction!r}; valid: 'from_hf', 'to_hf'")
+
+
+# ---- command line --------------------------------------------------------------
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_convert_args(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `pipekit convert`."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face model dir (config.json + weights)")
+    src.add_argument("--to-hf", metavar="PIPEKIT_FILE", help="a pipekit model file (torch.save of family/config/state_dict)")
+    parser.add_argument("--out", required=True, help="the pipekit file (--from-hf) or HF model dir (--to-hf) to write")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating weights (default: keep)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """Run `pipekit convert`; 0 on success, 2 with a message on stderr for bad input."""
+    direction, src = ("from_hf", args.from_hf) if args.from_hf else ("to_hf", args.to_hf)
+    try:
+        convert(src, args.out, direction, overwrite=args.overwrite, dtype=_DTYPES.get(args.dtype))
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
+        print(f"pipekit convert: {e}", file=sys.stderr)
+        return 2
+    print(f"pipekit convert: wrote {args.out}")
+    return 0

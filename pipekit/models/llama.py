@@ -1,0 +1,86 @@
+"""Llama (2/3 architecture) as a spec list.
+
+    [0]        embedding: VocabParallelEmbedding        ids (B, T) int64 -> hidden (B, T, D)
+    [1..L]     LayerSpec(TransformerBlock, style="llama")           (B, T, D) -> (B, T, D)
+    [L+1]      LayerSpec(RMSNorm)                                    (B, T, D) -> (B, T, D)
+    [L+2]      head: ColumnParallelLinear(D, V, bias=False)          (B, T, D) -> (B, T, V/tp)
+
+Untied (the default, as in Llama-3 8B/70B) the embedding is `layers.0.weight`
+and the head `layers.{L+2}.weight`; with `tie_embeddings=True` both are one
+`TiedLayerSpec("embed")` (`tied.embed.weight`) and the head multiplies by the
+embedding's vocab shard. Rotary positions 0..T-1 are made inside attention
+from the sequence length (no position input travels between stages).
+Limits: no Llama-3.1 rope frequency scaling, no KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..layers import ColumnParallelLinear, RMSNorm, TransformerBlock, VocabParallelCrossEntropy, VocabParallelEmbedding
+from ..spec import LayerSpec, TiedLayerSpec
+from .gpt2 import check_positive, vocab_logits
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    max_seq_len: int
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int  # grouped-query attention: n_heads / n_kv_heads query heads share a kv head
+    hidden: int  # SwiGLU feed-forward width
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02  # embedding and head; blocks use the layers' own init (0.02)
+
+    def __post_init__(self):
+        check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden"))
+        if self.dim % self.n_heads:
+            raise ValueError(f"LlamaConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"LlamaConfig: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"LlamaConfig: head dim {self.dim // self.n_heads} must be even for the rotary embedding")
+
+
+# Sizes: `tiny` is ours (byte vocabulary, grouped-query attention, CPU-sized).
+# Llama-2 7B: Touvron et al. 2023 "Llama 2", and the HF config meta-llama/Llama-2-7b-hf.
+# Llama-3 8B / 70B: Meta's "The Llama 3 Herd of Models" (2024), Table 3, and the HF
+# configs meta-llama/Meta-Llama-3-8B and Meta-Llama-3-70B (config.json; rope_theta
+# 500000, rms_norm_eps 1e-5, no rope scaling — the 3.1 models add scaling, unsupported).
+FLAVOURS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(vocab_size=256, max_seq_len=128, n_layers=4, dim=128, n_heads=4, n_kv_heads=2,
+                        hidden=384, rope_theta=10000.0),
+    "2-7b": LlamaConfig(vocab_size=32000, max_seq_len=4096, n_layers=32, dim=4096, n_heads=32, n_kv_heads=32,
+                        hidden=11008, norm_eps=1e-5, rope_theta=10000.0),
+    "3-8b": LlamaConfig(vocab_size=128256, max_seq_len=8192, n_layers=32, dim=4096, n_heads=32, n_kv_heads=8,
+                        hidden=14336),
+    "3-70b": LlamaConfig(vocab_size=128256, max_seq_len=8192, n_layers=80, dim=8192, n_heads=64, n_kv_heads=8,
+                         hidden=28672),
+}
+
+
+def llama_specs(cfg: LlamaConfig) -> list:
+    """The spec list of `cfg` (see the module docstring for its layout and names)."""
+    if cfg.tie_embeddings:
+        embed = TiedLayerSpec("embed", VocabParallelEmbedding, cfg.vocab_size, cfg.dim, init_std=cfg.init_std)
+        head = TiedLayerSpec("embed", VocabParallelEmbedding, cfg.vocab_size, cfg.dim, init_std=cfg.init_std,
+                             forward_fn=vocab_logits)
+    else:
+        embed = LayerSpec(VocabParallelEmbedding, cfg.vocab_size, cfg.dim, init_std=cfg.init_std)
+        head = LayerSpec(ColumnParallelLinear, cfg.dim, cfg.vocab_size, bias=False, gather_output=False,
+                         init_std=cfg.init_std)
+    blocks = [
+        LayerSpec(TransformerBlock, cfg.dim, cfg.n_heads, cfg.n_kv_heads, hidden=cfg.hidden, style="llama",
+                  norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta)
+        for _ in range(cfg.n_layers)
+    ]
+    return [embed, *blocks, LayerSpec(RMSNorm, cfg.dim, cfg.norm_eps), head]
+
+
+def llama_loss(cfg: LlamaConfig | None = None) -> LayerSpec:
+    """Mean next-token cross-entropy on vocab-parallel logits."""
+    return LayerSpec(VocabParallelCrossEntropy)

@@ -1,0 +1,320 @@
+"""Hugging Face interchange: tiny random GPT2LMHeadModel / LlamaForCausalLM, float32.
+
+Each case builds a transformers model from a config object (random weights,
+every parameter perturbed so biases and norm weights are not at their
+defaults), converts it, loads it into a PipelineModule and must reproduce
+HF's logits (gathered over the tp vocab shards) within 1e-5 and HF's loss;
+then `full_state_dict` -> `to_hf_state_dict` must give back HF's state dict
+exactly and a fresh HF model loaded from it the same logits. pp=tp=1 runs in
+this process; one spawned world of 4 ranks runs (pp, dp, tp) = (1, 2, 2),
+(2, 1, 2) and (2, 2, 1) for every case.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+import pipekit  # noqa: E402
+from pipekit.checkpoint import full_state_dict, load_full_state_dict  # noqa: E402
+from pipekit.layers import gather_from_tp  # noqa: E402
+from pipekit.models import get_model, model_loss, model_specs, with_overrides  # noqa: E402
+from pipekit.models import hf  # noqa: E402
+from pipekit.testing import run_distributed  # noqa: E402
+
+TOL = 1e-5
+VOCAB, SEQ, BATCH = 64, 16, 4
+LAYOUTS = [(1, 2, 2), (2, 1, 2), (2, 2, 1)]  # (pp, dp, tp) on 4 ranks
+
+
+def hf_config(family: str, tied: bool):
+    if family == "gpt2":
+        return transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                       tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None,
+                                       attn_implementation="eager")
+    # theta 10000 and head_dim 8: every rotary frequency turns noticeably over 16 positions
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                    rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied,
+                                    attn_implementation="eager")
+
+
+def hf_model(family: str, tied: bool, seed: int = 0):
+    torch.manual_seed(seed)
+    cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.LlamaForCausalLM
+    model = cls(hf_config(family, tied)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def fresh_hf_model(family: str, tied: bool, hf_sd: dict):
+    cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.LlamaForCausalLM
+    model = cls(hf_config(family, tied)).eval()
+    model.load_state_dict(hf_sd, strict=True)
+    return model
+
+
+CASES = [("gpt2", True), ("gpt2", False), ("llama", False), ("llama", True)]
+CASE_IDS = [f"{f}-{'tied' if t else 'untied'}" for f, t in CASES]
+
+
+class Case:
+    """An HF model, its pipekit config and full state dict, a batch and HF's answers."""
+
+    def __init__(self, family: str, tied: bool):
+        self.family, self.tied = family, tied
+        self.model = hf_model(family, tied)
+        self.hf_sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self.cfg = hf.config_from_hf(self.model.config)
+        self.full = hf.from_hf_state_dict(family, self.hf_sd, self.cfg)
+        gen = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        self.labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        self.logits = hf_logits(self.model, self.ids)
+        self.loss = F.cross_entropy(self.logits.flatten(0, 1), self.labels.flatten()).item()
+
+    def payload(self) -> tuple:
+        """What a spawned worker needs (no transformers objects)."""
+        return (self.family, self.cfg, self.full, self.hf_sd, self.ids, self.labels, self.logits, self.loss)
+
+
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict:
+    return {case_id: Case(*c) for case_id, c in zip(CASE_IDS, CASES)}
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def same_state(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- one layout, run on every rank (or in this process) ------------------------
+def run_case(payload: tuple, pp: int, dp: int, tp: int) -> dict:
+    """Load the converted weights at (pp, dp, tp), compare logits and loss with HF,
+    and convert back. Returns differences and (first rank) the HF state dict."""
+    family, cfg, full, hf_sd, ids, labels, ref_logits, ref_loss = payload
+    topo = pipekit.Topology(pp=pp, dp=dp, tp=tp)
+    module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo)
+    load_full_state_dict(module, full)
+    engine = pipekit.PipelineEngine(module, schedule="1f1b", num_microbatches=2)
+    shard = BATCH // dp
+    mine = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
+    loss, out = engine.eval_batch(iter([(ids[mine], labels[mine])]), return_outputs=True)
+    result = {"loss": abs(loss - ref_loss), "logits": None}
+    if out is not None:
+        assert out.shape == (shard, SEQ, VOCAB // tp), out.shape
+        result["logits"] = max_diff(gather_from_tp(out, topo.tp_group), ref_logits[mine])
+    gathered = full_state_dict(module)
+    result["full_exact"] = same_state(gathered, full)
+    back = hf.to_hf_state_dict(family, gathered, cfg)
+    result["hf_exact"] = same_state(back, hf_sd)
+    result["hf_sd"] = back if topo.rank == 0 else None
+    return result
+
+
+def run_layouts(payloads: list, layouts: list) -> list:
+    return [[run_case(p, *layout) for layout in layouts] for p in payloads]
+
+
+def check_result(case: Case, result: dict, where: str) -> None:
+    assert result["loss"] <= TOL, f"{where}: loss differs from HF by {result['loss']:.3g}"
+    if result["logits"] is not None:
+        assert result["logits"] <= TOL, f"{where}: logits differ from HF by {result['logits']:.3g}"
+    assert result["full_exact"], f"{where}: full_state_dict does not give back the loaded weights exactly"
+    assert result["hf_exact"], f"{where}: to_hf_state_dict does not give back HF's state dict exactly"
+    if result["hf_sd"] is not None:
+        again = fresh_hf_model(case.family, case.tied, result["hf_sd"])
+        assert max_diff(hf_logits(again, case.ids), case.logits) == 0.0, f"{where}: the round-tripped HF model differs"
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_single_process_matches_hf(cases, case_id):
+    case = cases[case_id]
+    result = run_case(case.payload(), 1, 1, 1)
+    assert result["logits"] is not None
+    check_result(case, result, f"{case_id} pp=1 tp=1")
+
+
+def test_parallel_layouts_match_hf(cases):
+    """One world of 4 ranks: every case at (pp, dp, tp) in LAYOUTS."""
+    payloads = [cases[c].payload() for c in CASE_IDS]
+    per_rank = run_distributed(run_layouts, 4, payloads, LAYOUTS, timeout=240)
+    for rank, per_case in enumerate(per_rank):
+        for case_id, per_layout in zip(CASE_IDS, per_case):
+            for layout, result in zip(LAYOUTS, per_layout):
+                check_result(cases[case_id], result, f"{case_id} (pp, dp, tp)={layout} rank {rank}")
+    last_stage_ranks = [r for r in range(4) if per_rank[r][0][1]["logits"] is not None]
+    assert last_stage_ranks == [2, 3], "with pp=2 the last stage is ranks 2 and 3"
+
+
+# ---- rotary convention -------------------------------------------------------------
+def meta_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF's convert_llama_weights_to_hf permutation (interleaved pairs -> rotate_half halves)."""
+    rows, cols = w.shape
+    return w.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def test_llama_rotary_needs_no_permutation(cases):
+    """q_proj/k_proj are copied as they are (matching HF within 1e-5, above); the
+    same weights with the q/k rows permuted give clearly different logits, so
+    the test would catch a convention mismatch."""
+    case = cases["llama-untied"]
+    full = dict(case.full)
+    for i in range(1, case.cfg.n_layers + 1):
+        full[f"layers.{i}.attn.q.weight"] = meta_permute(full[f"layers.{i}.attn.q.weight"], case.cfg.n_heads)
+        full[f"layers.{i}.attn.k.weight"] = meta_permute(full[f"layers.{i}.attn.k.weight"], case.cfg.n_kv_heads)
+    module = pipekit.PipelineModule(model_specs(case.cfg))
+    load_full_state_dict(module, full)
+    with torch.no_grad():
+        assert max_diff(module(case.ids), case.logits) > 1e-3
+
+
+# ---- files and the CLI ---------------------------------------------------------------
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("case_id", ["gpt2-tied", "llama-untied", "llama-tied"])
+def test_save_hf_checkpoint_loads_in_transformers(cases, case_id, tmp_path, offline):
+    case = cases[case_id]
+    out = tmp_path / "hf"
+    hf.save_hf_checkpoint(case.family, case.full, case.cfg, str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"], "no temporary dir may be left behind"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(loaded) is type(case.model)
+    assert max_diff(hf_logits(loaded, case.ids), case.logits) == 0.0
+    family, cfg, full = hf.load_hf_checkpoint(str(out))
+    assert (family, cfg) == (case.family, case.cfg)
+    assert same_state(full, case.full)
+    with pytest.raises(FileExistsError, match="overwrite"):
+        hf.save_hf_checkpoint(case.family, case.full, case.cfg, str(out))
+    hf.save_hf_checkpoint(case.family, case.full, case.cfg, str(out), overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def convert_cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="pipekit convert")
+    hf.add_convert_args(parser)
+    return hf.run_convert(parser.parse_args(list(argv)))
+
+
+@pytest.mark.parametrize("case_id", ["gpt2-tied", "llama-untied"])
+def test_convert_round_trip_from_transformers_files(cases, case_id, tmp_path, offline, capsys):
+    """HF's own save_pretrained -> pipekit file -> HF dir -> from_pretrained: same logits."""
+    case = cases[case_id]
+    case.model.save_pretrained(str(tmp_path / "src"))
+    pk = str(tmp_path / "model.pt")
+    assert convert_cli("--from-hf", str(tmp_path / "src"), "--out", pk) == 0
+    family, cfg, full = hf.load_pipekit_file(pk)
+    assert (family, cfg) == (case.family, case.cfg) and same_state(full, case.full)
+    assert convert_cli("--to-hf", pk, "--out", str(tmp_path / "dst")) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dst")).eval()
+    assert max_diff(hf_logits(loaded, case.ids), case.logits) == 0.0
+    assert convert_cli("--to-hf", pk, "--out", str(tmp_path / "dst")) == 2
+    assert "overwrite" in capsys.readouterr().err
+    assert convert_cli("--from-hf", str(tmp_path / "nowhere"), "--out", pk + "2") == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_convert_to_bfloat16(cases, tmp_path, offline):
+    case = cases["llama-untied"]
+    pk = str(tmp_path / "model.pt")
+    hf.save_pipekit_file(case.family, case.cfg, case.full, pk)
+    hf.convert(pk, str(tmp_path / "bf16"), "to_hf", dtype=torch.bfloat16)
+    _, _, full = hf.load_hf_checkpoint(str(tmp_path / "bf16"))
+    assert all(t.dtype == torch.bfloat16 for t in full.values())
+    assert all(torch.equal(full[k], case.full[k].to(torch.bfloat16)) for k in full)
+    with pytest.raises(ValueError, match="from_hf"):
+        hf.convert(pk, str(tmp_path / "x"), "sideways")
+
+
+def test_reads_hub_style_gpt2_checkpoint(cases):
+    """The hub's GPT-2 files are saved from GPT2Model (no `transformer.` prefix,
+    no lm_head) and hold causal-mask buffers `attn.bias`."""
+    case = cases["gpt2-tied"]
+    hub = {k.removeprefix("transformer."): v for k, v in case.hf_sd.items() if k != "lm_head.weight"}
+    for i in range(case.cfg.n_layers):
+        hub[f"h.{i}.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))
+    assert same_state(hf.from_hf_state_dict("gpt2", hub, case.cfg), case.full)
+
+
+# ---- configs and errors --------------------------------------------------------------
+@pytest.mark.parametrize("family,flavour", [("gpt2", "tiny"), ("gpt2", "124m"), ("gpt2", "1.5b"),
+                                            ("llama", "tiny"), ("llama", "3-8b"), ("llama", "3-70b")])
+def test_config_round_trip(family, flavour):
+    cfg = get_model(family, flavour)
+    hf_cfg = hf.hf_config_from(cfg)
+    assert hf.config_from_hf(hf_cfg) == cfg
+    assert hf.config_from_hf(hf_cfg.to_dict()) == cfg  # config.json as a dict
+
+
+def test_untied_gpt2_round_trip_config():
+    cfg = get_model("gpt2", tie_embeddings=False)
+    assert hf.config_from_hf(hf.hf_config_from(cfg)) == cfg
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"activation_function": "relu"}, "activation_function"),
+    ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+    ({"n_inner": 100}, "n_inner"),
+])
+def test_unsupported_gpt2_options(change, match):
+    d = hf_config("gpt2", True).to_dict() | change
+    with pytest.raises(ValueError, match=match):
+        hf.config_from_hf(d)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}, "llama3"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"head_dim": 16}, "head_dim"),
+    ({"model_type": "bert"}, "model_type"),
+])
+def test_unsupported_llama_options(change, match):
+    d = hf_config("llama", False).to_dict() | change
+    with pytest.raises(ValueError, match=match):
+        hf.config_from_hf(d)
+
+
+def test_old_llama_config_json_keys():
+    """config.json files written before transformers 5 carry rope_theta at the top level."""
+    d = hf_config("llama", False).to_dict()
+    d.pop("rope_parameters")
+    d |= {"rope_theta": 123.0, "rope_scaling": None}
+    assert hf.config_from_hf(d).rope_theta == 123.0
+
+
+def test_state_dict_mismatches_are_named(cases):
+    case = cases["llama-untied"]
+    sd = dict(case.hf_sd)
+    sd.pop("model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(KeyError, match="up_proj"):
+        hf.from_hf_state_dict("llama", sd, case.cfg)
+    with pytest.raises(ValueError, match="does not use"):
+        hf.from_hf_state_dict("llama", {**case.hf_sd, "model.layers.2.mlp.up_proj.weight": torch.zeros(1)}, case.cfg)
+    with pytest.raises(ValueError, match="mlp.gate.weight"):
+        hf.from_hf_state_dict("llama", case.hf_sd, with_overrides(case.cfg, hidden=64))
+    with pytest.raises(ValueError, match="does not match the config"):
+        hf.to_hf_state_dict("gpt2", case.full, get_model("gpt2"))
+    with pytest.raises(ValueError, match="valid families"):
+        hf.from_hf_state_dict("bert", case.hf_sd, case.cfg)
