@@ -40,8 +40,8 @@ def full_state_dict(module: PipelineModule) -> dict[str, torch.Tensor]:
     topo = module.topology
     local = {}
     for name, t in _local_tensors(module).items():
+        dim = _shard_dim(t)  # read before detach(), which drops the attribute
         t = t.detach()
-        dim = _shard_dim(t)
         if dim is not None and topo.tp_group is not None:
             parts = [torch.empty_like(t) for _ in range(topo.tp)]
             dist.all_gather(parts, t.contiguous(), group=topo.tp_group)

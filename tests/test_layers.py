@@ -395,7 +395,8 @@ def test_norms():
     ln = LayerNorm(8)
     ref = nn.LayerNorm(8)
     torch.testing.assert_close(ln(x), ref(x), **TOL)
-    assert LayerNorm(8, bias=False).bias is None and [n for n, _ in LayerNorm(8).named_parameters()] == ["weight", "bias"]
+    assert LayerNorm(8, bias=False).bias is None
+    assert [n for n, _ in LayerNorm(8).named_parameters()] == ["weight", "bias"]
 
 
 def test_mlps_match_formulas():

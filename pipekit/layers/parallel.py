@@ -115,7 +115,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
