@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from reference import reference_model, reference_name
 
 import pipekit
 from pipekit.models.toy import ToyConfig, lm_loss, synthetic_batches, toy_lm
-from pipekit.spec import LayerSpec, TiedLayerSpec, tied_first_index
 from pipekit.testing import run_distributed
 
 TOL = 1e-10
@@ -47,48 +46,6 @@ LAYOUTS = [
     (4, 2, "1f1b", 1, 4, {}),
     (4, 2, "interleaved_1f1b", 2, 4, {}),
 ]
-
-
-class _Tied(nn.Module):
-    def __init__(self, module: nn.Module, forward_fn):
-        super().__init__()
-        self.module, self.forward_fn = module, forward_fn
-
-    def forward(self, x):
-        return self.forward_fn(self.module, x) if self.forward_fn else self.module(x)
-
-
-class _Fn(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
-
-
-def reference_model(specs: list, seed: int) -> nn.Sequential:
-    """The whole spec list as one nn.Sequential, tied layers sharing one module."""
-    tied: dict[str, nn.Module] = {}
-    mods = []
-    for i, spec in enumerate(specs):
-        if isinstance(spec, TiedLayerSpec):
-            if spec.key not in tied:
-                tied[spec.key] = spec.build(seed=seed, index=i)
-            mods.append(_Tied(tied[spec.key], spec.forward_fn))
-        elif isinstance(spec, LayerSpec):
-            mods.append(spec.build(seed=seed, index=i))
-        else:
-            mods.append(_Fn(spec))
-    return nn.Sequential(*mods)
-
-
-def reference_name(name: str, specs: list) -> str:
-    """Map a PipelineModule parameter name to the nn.Sequential one."""
-    head, key, rest = name.split(".", 2)
-    if head == "layers":
-        return f"{key}.{rest}"
-    return f"{tied_first_index(specs)[key]}.module.{rest}"
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
