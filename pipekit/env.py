@@ -16,6 +16,16 @@ def _version(name: str) -> str | None:
     return getattr(module, "__version__", "installed")
 
 
+def _triton_usable(cuda: bool) -> str:
+    if not _version("triton"):
+        return "no (triton not installed)"
+    if cuda:
+        return "yes (CUDA)"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "interpreter only (TRITON_INTERPRET=1, slow; for tests)"
+    return "no (no CUDA device; set TRITON_INTERPRET=1 to run kernels in the interpreter)"
+
+
 def report() -> list[tuple[str, str]]:
     import torch
     import torch.distributed as dist
@@ -32,8 +42,8 @@ def report() -> list[tuple[str, str]]:
         ("gloo", "available" if dist.is_gloo_available() else "not available"),
         ("CPU cores", str(os.cpu_count())),
         ("triton", _version("triton") or "not installed"),
-        ("kernel backend", "triton on CUDA" if cuda and _version("triton") else "PyTorch reference (CPU)"),
-        ("MoE backend: megablocks", _version("megablocks") or "not installed (optional; pipekit's own dispatch is used)"),
+        ("Triton kernels usable", _triton_usable(cuda)),
+        ("megablocks (optional MoE backend)", _version("megablocks") or "not installed"),
     ]
     for name in ("omegaconf", "numpy", "einops", "safetensors", "transformers", "tokenizers", "tensorboard", "tqdm"):
         rows.append((name, _version(name) or "not installed"))

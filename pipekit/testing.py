@@ -1,4 +1,4 @@
-"""Run a function on N spawned CPU processes joined by gloo, inside pytest.
+"""Test helpers: N spawned gloo processes inside pytest, and the one-process oracle.
 
 `run_distributed(fn, world_size, *args)` spawns `world_size` workers, each
 initialising `torch.distributed` over a file store in a fresh temporary
@@ -7,6 +7,10 @@ list of per-rank return values. A worker exception is re-raised in the parent
 with the rank and the worker's traceback; a worker that neither returns nor
 fails within `timeout` seconds fails the call instead of hanging it.
 `fn` must be a module-level function (it is pickled by name).
+
+`reference_model(specs, seed)` builds a whole spec list as one plain
+`nn.Sequential` without tensor parallelism — what every layout is compared
+against — and `reference_name` maps PipelineModule names onto it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ import traceback
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
+
+from .spec import LayerSpec, TiedLayerSpec, tied_first_index
 
 
 def _worker(rank: int, world_size: int, init_file: str, fn, args, results, op_timeout: float) -> None:
@@ -82,3 +89,45 @@ def _collect(procs, results, world_size: int, timeout: float) -> list:
             raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
         out[rank] = value
     return [out[r] for r in range(world_size)]
+
+
+class _Tied(nn.Module):
+    def __init__(self, module: nn.Module, forward_fn):
+        super().__init__()
+        self.module, self.forward_fn = module, forward_fn
+
+    def forward(self, x):
+        return self.forward_fn(self.module, x) if self.forward_fn else self.module(x)
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def reference_model(specs: list, seed: int) -> nn.Sequential:
+    """The whole spec list as one nn.Sequential (no tensor parallelism), tied layers sharing one module."""
+    tied: dict[str, nn.Module] = {}
+    mods = []
+    for i, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in tied:
+                tied[spec.key] = spec.build(seed=seed, index=i)
+            mods.append(_Tied(tied[spec.key], spec.forward_fn))
+        elif isinstance(spec, LayerSpec):
+            mods.append(spec.build(seed=seed, index=i))
+        else:
+            mods.append(_Fn(spec))
+    return nn.Sequential(*mods)
+
+
+def reference_name(name: str, specs: list) -> str:
+    """Map a PipelineModule parameter name to the nn.Sequential one."""
+    head, key, rest = name.split(".", 2)
+    if head == "layers":
+        return f"{key}.{rest}"
+    return f"{tied_first_index(specs)[key]}.module.{rest}"

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import reference_model, reference_name
 
 import pipekit
 from pipekit.models.toy import ToyConfig, lm_loss, synthetic_batches, toy_lm
-from pipekit.testing import run_distributed
+from pipekit.testing import reference_model, reference_name, run_distributed
 
 TOL = 1e-10
 STEPS = 3

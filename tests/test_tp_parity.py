@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import reference_model, reference_name
 
 import pipekit
 from pipekit.models import get_model, model_loss, model_specs
-from pipekit.testing import run_distributed
+from pipekit.testing import reference_model, reference_name, run_distributed
 
 TOL = 1e-10
 SEED = 99
