@@ -46,7 +46,7 @@ def full_state_dict(module: PipelineModule) -> dict[str, torch.Tensor]:
             parts = [torch.empty_like(t) for _ in range(topo.tp)]
             dist.all_gather(parts, t.contiguous(), group=topo.tp_group)
             t = torch.cat(parts, dim=dim)
-        local[name] = t.cpu()
+        local[name] = t.to("cpu", copy=True)  # a copy: later training must not change what was returned
     if topo.pp_group is None:
         return local
     pieces: list = [None] * topo.pp

@@ -20,9 +20,9 @@ def model_config_from(family: str, config: dict):
         from .models.toy import ToyConfig
 
         return ToyConfig(**config)
-    from .models import get_model
+    from .models import config_from_dict
 
-    return get_model(family, "tiny", **config)
+    return config_from_dict(family, config)
 
 
 def load_model(path: str) -> tuple[PipelineModule, object, dict]:

@@ -16,6 +16,7 @@ against — and `reference_name` maps PipelineModule names onto it.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue
 import tempfile
@@ -42,7 +43,9 @@ def _worker(rank: int, world_size: int, init_file: str, fn, args, results, op_ti
             timeout=datetime.timedelta(seconds=op_timeout),
         )
         out = fn(*args)
-        results.put((rank, True, out))
+        buf = io.BytesIO()
+        torch.save(out, buf)  # bytes, not shared-memory tensors, which die with this process
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -87,7 +90,7 @@ def _collect(procs, results, world_size: int, timeout: float) -> list:
             continue
         if not ok:
             raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-        out[rank] = value
+        out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     return [out[r] for r in range(world_size)]
 
 

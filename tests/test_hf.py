@@ -5,7 +5,8 @@ every parameter perturbed so biases and norm weights are not at their
 defaults), converts it, loads it into a PipelineModule and must reproduce
 HF's logits (gathered over the tp vocab shards) within 1e-5 and HF's loss;
 then `full_state_dict` -> `to_hf_state_dict` must give back HF's state dict
-exactly and a fresh HF model loaded from it the same logits. pp=tp=1 runs in
+exactly and a fresh HF model loaded from it the same logits; and two SGD steps
+must follow HF's own training (losses and weights within 1e-5). pp=tp=1 runs in
 this process; one spawned world of 4 ranks runs (pp, dp, tp) = (1, 2, 2),
 (2, 1, 2) and (2, 2, 1) for every case.
 """
@@ -13,6 +14,7 @@ this process; one spawned world of 4 ranks runs (pp, dp, tp) = (1, 2, 2),
 from __future__ import annotations
 
 import argparse
+import io
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from pipekit.testing import run_distributed  # noqa: E402
 
 TOL = 1e-5
 VOCAB, SEQ, BATCH = 64, 16, 4
+TRAIN_STEPS, LR = 2, 0.5
 LAYOUTS = [(1, 2, 2), (2, 1, 2), (2, 2, 1)]  # (pp, dp, tp) on 4 ranks
 
 
@@ -66,7 +69,8 @@ CASE_IDS = [f"{f}-{'tied' if t else 'untied'}" for f, t in CASES]
 
 
 class Case:
-    """An HF model, its pipekit config and full state dict, a batch and HF's answers."""
+    """An HF model, its pipekit config and full state dict, a batch and HF's answers:
+    logits and loss, then the losses and weights of TRAIN_STEPS SGD steps."""
 
     def __init__(self, family: str, tied: bool):
         self.family, self.tied = family, tied
@@ -79,15 +83,30 @@ class Case:
         self.labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
         self.logits = hf_logits(self.model, self.ids)
         self.loss = F.cross_entropy(self.logits.flatten(0, 1), self.labels.flatten()).item()
+        self.train_losses, self.trained_sd = hf_train(fresh_hf_model(family, tied, self.hf_sd), self.ids, self.labels)
 
     def payload(self) -> tuple:
         """What a spawned worker needs (no transformers objects)."""
-        return (self.family, self.cfg, self.full, self.hf_sd, self.ids, self.labels, self.logits, self.loss)
+        return (self.family, self.cfg, self.full, self.hf_sd, self.ids, self.labels, self.logits, self.loss,
+                self.train_losses, self.trained_sd)
 
 
 def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids).logits
+
+
+def hf_train(model, ids, labels) -> tuple[list[float], dict]:
+    """TRAIN_STEPS of plain SGD on the mean token cross-entropy (dropout off)."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(TRAIN_STEPS):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -104,31 +123,51 @@ def same_state(a: dict, b: dict) -> bool:
 
 
 # ---- one layout, run on every rank (or in this process) ------------------------
-def run_case(payload: tuple, pp: int, dp: int, tp: int) -> dict:
-    """Load the converted weights at (pp, dp, tp), compare logits and loss with HF,
-    and convert back. Returns differences and (first rank) the HF state dict."""
-    family, cfg, full, hf_sd, ids, labels, ref_logits, ref_loss = payload
-    topo = pipekit.Topology(pp=pp, dp=dp, tp=tp)
+def run_case(payload: tuple, topo) -> dict:
+    """Load the converted weights into `topo`'s layout, compare logits and loss
+    with HF, convert back, then train TRAIN_STEPS and compare with HF's training.
+    Returns the differences and (first rank) the converted-back HF state dict."""
+    family, cfg, full, hf_sd, ids, labels, ref_logits, ref_loss, ref_train_losses, ref_trained = payload
     module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo)
     load_full_state_dict(module, full)
-    engine = pipekit.PipelineEngine(module, schedule="1f1b", num_microbatches=2)
-    shard = BATCH // dp
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    engine = pipekit.PipelineEngine(module, optimizer=opt, schedule="1f1b", num_microbatches=2)
+    shard = BATCH // topo.dp
     mine = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
-    loss, out = engine.eval_batch(iter([(ids[mine], labels[mine])]), return_outputs=True)
+    batch = (ids[mine], labels[mine])
+    loss, out = engine.eval_batch(iter([batch]), return_outputs=True)
     result = {"loss": abs(loss - ref_loss), "logits": None}
     if out is not None:
-        assert out.shape == (shard, SEQ, VOCAB // tp), out.shape
+        assert out.shape == (shard, SEQ, VOCAB // topo.tp), out.shape
         result["logits"] = max_diff(gather_from_tp(out, topo.tp_group), ref_logits[mine])
     gathered = full_state_dict(module)
     result["full_exact"] = same_state(gathered, full)
     back = hf.to_hf_state_dict(family, gathered, cfg)
     result["hf_exact"] = same_state(back, hf_sd)
-    result["hf_sd"] = back if topo.rank == 0 else None
+    result["hf_sd"] = to_bytes(back) if topo.rank == 0 else None  # a copy: training changes the parameters
+
+    losses = [engine.train_batch(iter([batch])) for _ in range(TRAIN_STEPS)]
+    result["train_loss"] = max(abs(a - b) for a, b in zip(losses, ref_train_losses))
+    trained = hf.to_hf_state_dict(family, full_state_dict(module), cfg)
+    result["trained"] = max(max_diff(trained[k], ref_trained[k]) for k in ref_trained)
     return result
 
 
+def to_bytes(sd: dict) -> bytes:
+    """A state dict as plain bytes: tensors returned from a spawned worker travel
+    by shared-memory file descriptor, which fails when the worker exits first."""
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    return buf.getvalue()
+
+
 def run_layouts(payloads: list, layouts: list) -> list:
-    return [[run_case(p, *layout) for layout in layouts] for p in payloads]
+    """Per layout, per case: the results of `run_case` on this rank."""
+    results = []
+    for pp, dp, tp in layouts:
+        topo = pipekit.Topology(pp=pp, dp=dp, tp=tp)
+        results.append([run_case(p, topo) for p in payloads])
+    return results
 
 
 def check_result(case: Case, result: dict, where: str) -> None:
@@ -138,14 +177,16 @@ def check_result(case: Case, result: dict, where: str) -> None:
     assert result["full_exact"], f"{where}: full_state_dict does not give back the loaded weights exactly"
     assert result["hf_exact"], f"{where}: to_hf_state_dict does not give back HF's state dict exactly"
     if result["hf_sd"] is not None:
-        again = fresh_hf_model(case.family, case.tied, result["hf_sd"])
+        again = fresh_hf_model(case.family, case.tied, torch.load(io.BytesIO(result["hf_sd"])))
         assert max_diff(hf_logits(again, case.ids), case.logits) == 0.0, f"{where}: the round-tripped HF model differs"
+    assert result["train_loss"] <= TOL, f"{where}: training losses differ from HF's by {result['train_loss']:.3g}"
+    assert result["trained"] <= TOL, f"{where}: weights after training differ from HF's by {result['trained']:.3g}"
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
 def test_single_process_matches_hf(cases, case_id):
     case = cases[case_id]
-    result = run_case(case.payload(), 1, 1, 1)
+    result = run_case(case.payload(), pipekit.Topology())
     assert result["logits"] is not None
     check_result(case, result, f"{case_id} pp=1 tp=1")
 
@@ -154,11 +195,11 @@ def test_parallel_layouts_match_hf(cases):
     """One world of 4 ranks: every case at (pp, dp, tp) in LAYOUTS."""
     payloads = [cases[c].payload() for c in CASE_IDS]
     per_rank = run_distributed(run_layouts, 4, payloads, LAYOUTS, timeout=240)
-    for rank, per_case in enumerate(per_rank):
-        for case_id, per_layout in zip(CASE_IDS, per_case):
-            for layout, result in zip(LAYOUTS, per_layout):
+    for rank, per_layout in enumerate(per_rank):
+        for layout, per_case in zip(LAYOUTS, per_layout):
+            for case_id, result in zip(CASE_IDS, per_case):
                 check_result(cases[case_id], result, f"{case_id} (pp, dp, tp)={layout} rank {rank}")
-    last_stage_ranks = [r for r in range(4) if per_rank[r][0][1]["logits"] is not None]
+    last_stage_ranks = [r for r in range(4) if per_rank[r][1][0]["logits"] is not None]
     assert last_stage_ranks == [2, 3], "with pp=2 the last stage is ranks 2 and 3"
 
 
@@ -198,8 +239,9 @@ def test_save_hf_checkpoint_loads_in_transformers(cases, case_id, tmp_path, offl
     hf.save_hf_checkpoint(case.family, case.full, case.cfg, str(out))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["hf"], "no temporary dir may be left behind"
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
     assert type(loaded) is type(case.model)
+    assert same_state(loaded.state_dict(), case.hf_sd)
     assert max_diff(hf_logits(loaded, case.ids), case.logits) == 0.0
     family, cfg, full = hf.load_hf_checkpoint(str(out))
     assert (family, cfg) == (case.family, case.cfg)
@@ -226,8 +268,9 @@ def test_convert_round_trip_from_transformers_files(cases, case_id, tmp_path, of
     family, cfg, full = hf.load_pipekit_file(pk)
     assert (family, cfg) == (case.family, case.cfg) and same_state(full, case.full)
     assert convert_cli("--to-hf", pk, "--out", str(tmp_path / "dst")) == 0
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dst")).eval()
-    assert max_diff(hf_logits(loaded, case.ids), case.logits) == 0.0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dst"), attn_implementation="eager")
+    assert same_state(loaded.state_dict(), case.hf_sd)
+    assert max_diff(hf_logits(loaded.eval(), case.ids), case.logits) == 0.0
     assert convert_cli("--to-hf", pk, "--out", str(tmp_path / "dst")) == 2
     assert "overwrite" in capsys.readouterr().err
     assert convert_cli("--from-hf", str(tmp_path / "nowhere"), "--out", pk + "2") == 2
@@ -316,5 +359,7 @@ def test_state_dict_mismatches_are_named(cases):
         hf.from_hf_state_dict("llama", case.hf_sd, with_overrides(case.cfg, hidden=64))
     with pytest.raises(ValueError, match="does not match the config"):
         hf.to_hf_state_dict("gpt2", case.full, get_model("gpt2"))
+    with pytest.raises(ValueError, match="must agree"):
+        hf.to_hf_state_dict("gpt2", case.full, case.cfg)
     with pytest.raises(ValueError, match="valid families"):
         hf.from_hf_state_dict("bert", case.hf_sd, case.cfg)

@@ -192,8 +192,11 @@ def sharded_parameter(full: torch.Tensor, dim: int, group) -> nn.Parameter:
 
 def normal_full(shape: tuple[int, ...], std: float) -> torch.Tensor:
     """The whole tensor drawn from N(0, std) with the default generator on the
-    current default device (on meta: allocated nowhere, draws nothing)."""
-    return torch.empty(shape).normal_(0.0, std)
+    current default device (on meta: allocated nowhere, draws nothing; the
+    in-place draw is skipped there because a meta `normal_` imports torch._dynamo,
+    seconds of start-up per process)."""
+    full = torch.empty(shape)
+    return full if full.is_meta else full.normal_(0.0, std)
 
 
 class _SharedRef:

@@ -32,6 +32,7 @@ from ..layers import (
     VocabParallelEmbedding,
     copy_to_tp,
 )
+from ..layers.parallel import normal_full
 from ..spec import LayerSpec, TiedLayerSpec
 
 
@@ -83,8 +84,8 @@ class GPT2Embedding(nn.Module):
     def __init__(self, vocab_size: int, max_seq_len: int, dim: int, init_std: float = 0.02):
         super().__init__()
         self.wte = VocabParallelEmbedding(vocab_size, dim, init_std=init_std)
-        self.wpe = nn.Embedding(max_seq_len, dim)
-        nn.init.normal_(self.wpe.weight, 0.0, init_std)
+        # drawn by hand (nn.Embedding's own init would draw once more, and on meta imports torch._dynamo)
+        self.wpe = nn.Embedding(max_seq_len, dim, _weight=normal_full((max_seq_len, dim), init_std))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         T = ids.shape[1]

@@ -41,15 +41,17 @@ import torch
 from ..checkpoint import atomic_save
 from .gpt2 import GPT2Config
 from .llama import LlamaConfig
-from .registry import FAMILIES, config_from_dict, family_of
+from .registry import FAMILIES, config_from_dict, family_of, model_specs
 
 HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}  # HF model_type -> pipekit family
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")  # buffers, not weights
 
 
-def _check_family(family: str) -> None:
+def _check_family(family: str, cfg) -> None:
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; valid families: {sorted(FAMILIES)}")
+    if family_of(cfg) != family:
+        raise ValueError(f"family {family!r} was given with a {type(cfg).__name__}; they must agree")
 
 
 def _embed_prefix(cfg) -> str:
@@ -61,13 +63,14 @@ def _gpt2_pairs(cfg: GPT2Config) -> list[tuple[str, str, bool]]:
     """(pipekit name, HF name, transposed) for every tensor but q/k/v, which are fused in HF."""
     L, e = cfg.n_layers, _embed_prefix(cfg)
     pairs = [(f"{e}.wte.weight", "transformer.wte.weight", False), (f"{e}.wpe.weight", "transformer.wpe.weight", False)]
+    modules = (("norm1", "ln_1", False), ("norm2", "ln_2", False), ("attn.o", "attn.c_proj", True),
+               ("mlp.fc", "mlp.c_fc", True), ("mlp.proj", "mlp.c_proj", True))  # (ours, theirs, Conv1D)
     for i in range(L):
         p, h = f"layers.{i + 1}.", f"transformer.h.{i}."
-        for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
-            pairs += [(p + ours + ".weight", h + theirs + ".weight", False), (p + ours + ".bias", h + theirs + ".bias", False)]
-        for ours, theirs in (("attn.o", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            pairs += [(p + ours + ".weight", h + theirs + ".weight", True), (p + ours + ".bias", h + theirs + ".bias", False)]
-    pairs += [(f"layers.{L + 1}.weight", "transformer.ln_f.weight", False), (f"layers.{L + 1}.bias", "transformer.ln_f.bias", False)]
+        for ours, theirs, conv in modules:
+            pairs.append((f"{p}{ours}.weight", f"{h}{theirs}.weight", conv))
+            pairs.append((f"{p}{ours}.bias", f"{h}{theirs}.bias", False))
+    pairs += [(f"layers.{L + 1}.{n}", f"transformer.ln_f.{n}", False) for n in ("weight", "bias")]
     if not cfg.tie_embeddings:
         pairs.append((f"layers.{L + 2}.weight", "lm_head.weight", False))
     return pairs
@@ -99,7 +102,8 @@ def _gpt2_to_hf(sd: dict, cfg: GPT2Config) -> dict:
         out[theirs] = t.t().contiguous() if transposed else t
     for i in range(cfg.n_layers):
         p = f"layers.{i + 1}.attn."
-        out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([_get(sd, p + n + ".weight") for n in "qkv"]).t().contiguous()
+        qkv = torch.cat([_get(sd, p + n + ".weight") for n in "qkv"])  # (3D, D)
+        out[f"transformer.h.{i}.attn.c_attn.weight"] = qkv.t().contiguous()  # Conv1D: (D, 3D)
         out[f"transformer.h.{i}.attn.c_attn.bias"] = torch.cat([_get(sd, p + n + ".bias") for n in "qkv"])
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["transformer.wte.weight"]
@@ -154,14 +158,12 @@ def _get(sd: dict, name: str) -> torch.Tensor:
 def _check_all_used(hf: dict, used: set) -> None:
     extra = sorted(k for k in hf if k not in used and not k.endswith(_IGNORED_SUFFIXES))
     if extra:
-        raise ValueError(f"the Hugging Face state dict has {len(extra)} tensors this config does not use, e.g. {extra[:5]}; "
-                         "does the config match the checkpoint?")
+        raise ValueError(f"the Hugging Face state dict has {len(extra)} tensors this config does not use, "
+                         f"e.g. {extra[:5]}; does the config match the checkpoint?")
 
 
 def _check_shapes(sd: dict, cfg, family: str) -> None:
     """Compare every tensor with the shape the spec list builds (on meta, tp=1)."""
-    from .registry import model_specs
-
     expected = {}
     specs = model_specs(cfg)
     tied: set[str] = set()
@@ -178,7 +180,8 @@ def _check_shapes(sd: dict, cfg, family: str) -> None:
             expected[prefix + name] = tuple(t.shape)
     if set(expected) != set(sd):
         missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
-        raise ValueError(f"{family} state dict does not match the config: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise ValueError(f"{family} state dict does not match the config: "
+                         f"missing {missing[:5]}, unexpected {extra[:5]}")
     for name, shape in expected.items():
         if tuple(sd[name].shape) != shape:
             raise ValueError(f"{name}: the config gives shape {shape}, the weights have {tuple(sd[name].shape)}")
@@ -190,7 +193,7 @@ _TO_HF: dict[str, Callable] = {"gpt2": _gpt2_to_hf, "llama": _llama_to_hf}
 
 def from_hf_state_dict(family: str, hf_sd: dict, cfg) -> dict[str, torch.Tensor]:
     """A transformers state dict -> a pipekit full state dict for `cfg` (shapes checked)."""
-    _check_family(family)
+    _check_family(family, cfg)
     out = _FROM_HF[family](hf_sd, cfg)
     _check_shapes(out, cfg, family)
     return out
@@ -198,7 +201,7 @@ def from_hf_state_dict(family: str, hf_sd: dict, cfg) -> dict[str, torch.Tensor]
 
 def to_hf_state_dict(family: str, full_sd: dict, cfg) -> dict[str, torch.Tensor]:
     """A pipekit full state dict -> the state dict of GPT2LMHeadModel / LlamaForCausalLM."""
-    _check_family(family)
+    _check_family(family, cfg)
     _check_shapes(full_sd, cfg, family)
     return _TO_HF[family](full_sd, cfg)
 
@@ -231,7 +234,8 @@ def _gpt2_config_from_hf(d: dict) -> GPT2Config:
         "scale_attn_by_inverse_layer_idx": (False, (False,)),
     })
     if d.get("n_inner") not in (None, 4 * d["n_embd"]):
-        raise ValueError(f"Hugging Face config has n_inner={d['n_inner']}; pipekit's GPT-2 MLP is 4*n_embd={4 * d['n_embd']}")
+        raise ValueError(f"Hugging Face config has n_inner={d['n_inner']}; "
+                         f"pipekit's GPT-2 MLP is 4*n_embd={4 * d['n_embd']}")
     return GPT2Config(vocab_size=d["vocab_size"], max_seq_len=d["n_positions"], n_layers=d["n_layer"],
                       dim=d["n_embd"], n_heads=d["n_head"], norm_eps=d.get("layer_norm_epsilon", 1e-5),
                       tie_embeddings=d.get("tie_word_embeddings", True), init_std=d.get("initializer_range", 0.02))
@@ -243,14 +247,17 @@ def _llama_config_from_hf(d: dict) -> LlamaConfig:
     scaling = d.get("rope_scaling") or {}  # older config.json files
     rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if rope_type != "default":
-        raise ValueError(f"Hugging Face config has rope type {rope_type!r}; pipekit supports only unscaled rope ('default')")
+        raise ValueError(f"Hugging Face config has rope type {rope_type!r}; "
+                         "pipekit supports only unscaled rope ('default')")
     dim, heads = d["hidden_size"], d["num_attention_heads"]
     if d.get("head_dim") not in (None, dim // heads):
-        raise ValueError(f"Hugging Face config has head_dim={d['head_dim']}; pipekit needs hidden_size/num_attention_heads = {dim // heads}")
+        raise ValueError(f"Hugging Face config has head_dim={d['head_dim']}; "
+                         f"pipekit needs hidden_size/num_attention_heads = {dim // heads}")
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
     return LlamaConfig(vocab_size=d["vocab_size"], max_seq_len=d["max_position_embeddings"],
                        n_layers=d["num_hidden_layers"], dim=dim, n_heads=heads,
                        n_kv_heads=d.get("num_key_value_heads") or heads, hidden=d["intermediate_size"],
-                       norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+                       norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
                        tie_embeddings=d.get("tie_word_embeddings", False), init_std=d.get("initializer_range", 0.02))
 
 
@@ -421,7 +428,7 @@ def add_convert_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of `pipekit convert`."""
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face model dir (config.json + weights)")
-    src.add_argument("--to-hf", metavar="PIPEKIT_FILE", help="a pipekit model file (torch.save of family/config/state_dict)")
+    src.add_argument("--to-hf", metavar="PIPEKIT_FILE", help="a pipekit model file (family, config, state_dict)")
     parser.add_argument("--out", required=True, help="the pipekit file (--from-hf) or HF model dir (--to-hf) to write")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating weights (default: keep)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")

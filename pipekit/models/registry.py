@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, Callable
 
 from ..spec import LayerSpec
@@ -66,8 +66,6 @@ def config_from_dict(family: str, values: dict) -> Any:
 
 
 def _required(cls, name: str) -> bool:
-    from dataclasses import MISSING
-
     f = next(f for f in fields(cls) if f.name == name)
     return f.default is MISSING and f.default_factory is MISSING
 
@@ -115,7 +113,8 @@ def count_params(cfg, *, embedding_lookups: bool = True) -> int:
         lookups = V * D if not cfg.tie_embeddings else 0
         total = V * D + L * block + D + head
     else:
-        raise ValueError(f"count_params: {type(cfg).__name__} is not a model config; valid families: {sorted(FAMILIES)}")
+        raise ValueError(f"count_params: {type(cfg).__name__} is not a model config; "
+                         f"valid families: {sorted(FAMILIES)}")
     return total if embedding_lookups else total - lookups
 
 
