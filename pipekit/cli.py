@@ -128,12 +128,9 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_prepare_data)
 
     c = sub.add_parser("convert", help="import weights from / export to HuggingFace transformers")
-    try:
-        from .models.hf import add_convert_args
+    from .models.hf import add_convert_args
 
-        add_convert_args(c)
-    except ImportError:
-        pass
+    add_convert_args(c)
     c.set_defaults(fn=_convert)
 
     g = sub.add_parser("generate", help="sample text from a trained model.pt")

@@ -56,6 +56,22 @@ def test_config_errors_name_the_key(overrides, message):
         load_config(str(ROOT / "configs/toy.yaml"), overrides)
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path):
+    cfg = load_config(str(path))
+    assert cfg.world_size == cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.tp
+
+
+def test_model_config_errors_name_the_key():
+    gpt2 = str(ROOT / "configs/gpt2_tiny.yaml")
+    with pytest.raises(ConfigError, match=r"model.n_heads=4 is not divisible by parallel.tp=3"):
+        load_config(gpt2, ["parallel.tp=3"])
+    with pytest.raises(ConfigError, match=r"train.seq_len=256 exceeds model.max_seq_len=128"):
+        load_config(gpt2, ["train.seq_len=256"])
+    with pytest.raises(ConfigError, match=r"flavour"):
+        load_config(gpt2, ["model.flavour=huge"])
+
+
 def test_train_reports_bad_config_before_launching(capsys):
     assert main(["train", str(ROOT / "configs/toy.yaml"), "parallel.dp=2", "parallel.tp=3"]) == 2
     assert "not divisible by parallel.tp=3" in capsys.readouterr().err
