@@ -270,10 +270,10 @@ def action_counts(pp: int, schedule: str = "1f1b") -> tuple[int, int]:
     return len(sched.compute_actions(0)), len(sched.ranks[0])
 
 
-def overhead_row(run: str, pp: int, per_rank_times: list[list[float]], loss: float) -> dict:
+def overhead_row(run: str, pp: int, per_rank_times: list[list[float]], loss: float, schedule: str = "1f1b") -> dict:
     steps = [max(ts) for ts in zip(*per_rank_times)]  # a step takes as long as its slowest rank
     step = statistics.median(steps)
-    compute, total = action_counts(pp)
+    compute, total = action_counts(pp, schedule)  # torch's runs do the same logical actions
     return {
         "run": run,
         "pp": pp,
@@ -311,13 +311,13 @@ def _pp2_rows(pp2: list[dict]) -> list[dict]:
     torch_names = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}
     for schedule in ("1f1b", "gpipe"):
         key = f"pipekit {schedule}"
-        rows.append(overhead_row(key, PP, [r["times"][key][0] for r in pp2], pp2[0]["times"][key][1]))
+        rows.append(overhead_row(key, PP, [r["times"][key][0] for r in pp2], pp2[0]["times"][key][1], schedule))
         key, name = f"torch {schedule}", f"torch.distributed.pipelining {torch_names[schedule]}"
         error = next((r["errors"][key] for r in pp2 if key in r["errors"]), None)
         if error is not None:
             rows.append({"run": name, "pp": PP, "error": error})
         else:
-            rows.append(overhead_row(name, PP, [r["times"][key][0] for r in pp2], pp2[0]["times"][key][1]))
+            rows.append(overhead_row(name, PP, [r["times"][key][0] for r in pp2], pp2[0]["times"][key][1], schedule))
     return rows
 
 

@@ -76,7 +76,8 @@ class PipelineEngine:
         schedule: "gpipe", "1f1b" or "interleaved_1f1b".
         num_microbatches: M, microbatches per optimizer step.
         record_timeline: keep every action's measured start/end (seconds since
-            the step began) in `self.timeline`, in the simulator's format.
+            `self.step_start`, a `time.perf_counter()` reading) in `self.timeline`,
+            in the simulator's format.
         timeout: how long a receive waits before failing with the rank,
             action and microbatch named.
         clip_grad_norm: clip the gradients to this global L2 norm (over every
@@ -172,7 +173,7 @@ class PipelineEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self._run(self.actions, next(data_iter), training=True)
         self._reduce_gradients()
-        self.last_grad_norm = self.grad_norm()
+        self.last_grad_norm = self.grad_norm() if self.clip_grad_norm is not None else None
         if self.clip_grad_norm is not None and self.last_grad_norm > self.clip_grad_norm:
             scale = self.clip_grad_norm / (self.last_grad_norm + 1e-6)
             for p in self.module.parameters():
@@ -214,7 +215,7 @@ class PipelineEngine:
         self._losses: list[torch.Tensor] = []
         self._outputs: list = []
         self.timeline = []
-        t0 = time.perf_counter()
+        self.step_start = t0 = time.perf_counter()  # timeline times are relative to this (a machine-wide clock)
         for step, action in enumerate(actions):
             start = time.perf_counter()
             try:
