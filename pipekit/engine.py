@@ -63,6 +63,13 @@ def _rebuild(template, tensors: list[torch.Tensor]):
     return tuple(tensors) if isinstance(template, tuple) else tensors[0]
 
 
+def _to_device(x, device: torch.device):
+    """Move a tensor or tuple of tensors (as a data loader gives them, on the CPU) to `device`."""
+    if isinstance(x, tuple):
+        return tuple(_to_device(t, device) for t in x)
+    return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+
+
 def _all_tensors(x) -> list[torch.Tensor]:
     return list(x) if isinstance(x, tuple) else [x]
 
@@ -173,12 +180,7 @@ class PipelineEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self._run(self.actions, next(data_iter), training=True)
         self._reduce_gradients()
-        self.last_grad_norm = self.grad_norm() if self.clip_grad_norm is not None else None
-        if self.clip_grad_norm is not None and self.last_grad_norm > self.clip_grad_norm:
-            scale = self.clip_grad_norm / (self.last_grad_norm + 1e-6)
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        self._clip_gradients()
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -202,7 +204,7 @@ class PipelineEngine:
     def _run(self, actions: list[Action], batch, *, training: bool) -> None:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError(f"a batch must be a pair (inputs, labels), got {type(batch).__name__}")
-        inputs, labels = batch
+        inputs, labels = (_to_device(x, self.topo.device) for x in batch)
         self._micro_in = split_microbatches(inputs, self.num_microbatches, "inputs")
         self._micro_labels = split_microbatches(labels, self.num_microbatches, "labels")
         self._io = self._stage_io(self._micro_in[0])
@@ -320,6 +322,18 @@ class PipelineEngine:
             _all_reduce_flat(grads, group, average=False)
         if self.topo.dp_group is not None:
             _all_reduce_flat([p.grad for p in self._filled_grads(self.module.parameters())], self.topo.dp_group, average=True)
+
+    def _clip_gradients(self) -> None:
+        """Scale all gradients so their global norm is at most `clip_grad_norm` (no-op when None)."""
+        if self.clip_grad_norm is None:
+            self.last_grad_norm = None
+            return
+        self.last_grad_norm = self.grad_norm()
+        if self.last_grad_norm > self.clip_grad_norm:
+            scale = self.clip_grad_norm / (self.last_grad_norm + 1e-6)
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (reduced) gradients of the whole model.

@@ -11,6 +11,7 @@ a layout-free `model.pt` that `pipekit generate` and `pipekit convert` read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -180,7 +181,10 @@ def train(cfg: Config) -> dict:
     for step in range(1, cfg.train.steps + 1):
         lr = engine.optimizer.param_groups[0]["lr"]
         loss = engine.train_batch(train_data)
-        val = validate(cfg, topo, engine, path) if _due(step, cfg.data.val_every, cfg.train.steps) else None
+        val = None
+        if _due(step, cfg.data.val_every, cfg.train.steps):
+            with log.paused():
+                val = validate(cfg, topo, engine, path)
         log.step(step, loss, lr, val)
     summary = log.finish()
     save_weights(cfg, topo, engine, path)
@@ -251,8 +255,17 @@ class Logger:
         else:
             print(text, flush=True)
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Leave the time spent inside (validation) out of the training throughput."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - start
+
     def step(self, step: int, loss: float, lr: float, val: float | None) -> None:
-        elapsed = time.perf_counter() - self.start
+        elapsed = time.perf_counter() - self.start  # training time only
         tps = self.tokens_per_step * step / elapsed
         rec = {"step": step, "loss": loss, "lr": lr,
                "grad_norm": self.engine.last_grad_norm, "tokens_per_s": tps,
@@ -308,7 +321,7 @@ def summary_table(s: dict) -> str:
         ("layout", f"pp={s['pp']} dp={s['dp']} tp={s['tp']} ({s['schedule']})"),
         ("parameters", f"{s['params'] / 1e6:.2f} M"),
         ("steps", f"{s['steps']} ({s['tokens']:,} tokens)"),
-        ("time", f"{s['seconds']:.1f} s"),
+        ("time", f"{s['seconds']:.1f} s training (validation not counted)"),
         ("train loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"),
         ("val loss", "-" if s["final_val_loss"] is None else f"{s['final_val_loss']:.4f}"),
         ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
