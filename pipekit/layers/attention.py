@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .parallel import current_tp_group, group_size
+from .parallel import copy_to_tp, current_tp_group, group_size
 from .rotary import apply_rotary, rotary_cos_sin
 
 
@@ -32,7 +32,7 @@ class CausalSelfAttention(nn.Module):
     [r*H/tp, (r+1)*H/tp) and kv heads [r*KV/tp, (r+1)*KV/tp), so each query head
     finds its kv head on the same rank), `o` is row-parallel. Input and output
     are full on every rank. Communication: one all-reduce forward (in `o`);
-    backward one all-reduce per projection of q, k and v (each `copy_to_tp`).
+    one backward (the input's `copy_to_tp`, shared by q, k and v).
     Rotary embedding (Llama) when `rope_theta` is not None; none for GPT-2.
     `out_init_std` (default `init_std`) initialises `o`.
     """
@@ -60,9 +60,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self._heads(self.q(x), self.local_heads)  # (B, H/tp, T, hd)
-        k = self._heads(self.k(x), self.local_kv_heads)  # (B, KV/tp, T, hd)
-        v = self._heads(self.v(x), self.local_kv_heads)
+        x = copy_to_tp(x, self.q.group)  # one backward all-reduce for q, k and v together
+        q = self._heads(self.q.forward_copied(x), self.local_heads)  # (B, H/tp, T, hd)
+        k = self._heads(self.k.forward_copied(x), self.local_kv_heads)  # (B, KV/tp, T, hd)
+        v = self._heads(self.v.forward_copied(x), self.local_kv_heads)
         if self.rope_theta is not None:
             cos, sin = rotary_cos_sin(T, self.head_dim, self.rope_theta, x.device, q.dtype)
             q, k = apply_rotary(q, k, cos, sin)

@@ -48,7 +48,11 @@ class ColumnParallelLinear(TensorParallelModule):
         self.register_parameter("bias", bias_param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.group)
+        return self.forward_copied(copy_to_tp(x, self.group))
+
+    def forward_copied(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer on an input the caller already passed through `copy_to_tp`: several
+        projections of one input (q, k, v; gate, up) then share one backward all-reduce."""
         y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
         return gather_from_tp(y, self.group, dim=-1) if self.gather_output else y
 

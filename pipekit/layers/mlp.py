@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .parallel import current_tp_group
+from .parallel import copy_to_tp, current_tp_group
 
 
 class GeluMLP(nn.Module):
@@ -50,4 +50,5 @@ class SwiGLUMLP(nn.Module):
         self.down = RowParallelLinear(hidden, dim, bias=bias, init_std=out_std, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))  # hidden: (B, T, hidden/tp)
+        x = copy_to_tp(x, self.gate.group)  # one backward all-reduce for gate and up together
+        return self.down(F.silu(self.gate.forward_copied(x)) * self.up.forward_copied(x))  # hidden: (B, T, hidden/tp)
