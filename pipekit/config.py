@@ -178,7 +178,7 @@ def _check_model_fits(cfg: Config, model) -> None:
         value = getattr(model, key, None)
         if value is not None and value % p.tp:
             raise ConfigError(f"model.{key}={value} is not divisible by parallel.tp={p.tp}")
-    vocab = getattr(model, "vocab_size", getattr(model, "vocab", None))
+    vocab = model_vocab(model)
     if vocab % p.tp:
         raise ConfigError(f"model.vocab_size={vocab} is not divisible by parallel.tp={p.tp}")
     max_len = getattr(model, "max_seq_len", None)
@@ -204,6 +204,11 @@ def model_config(model: ModelConfig):
         return get_model(model.family, model.flavour, **overrides)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from e
+
+
+def model_vocab(model) -> int:
+    """The vocabulary size of a typed model config (the toy model calls it `vocab`)."""
+    return getattr(model, "vocab_size", None) or model.vocab
 
 
 def model_specs(model) -> list:

@@ -42,7 +42,7 @@ from itertools import accumulate
 
 from torch import nn
 
-from .spec import LayerSpec, count_parameters
+from .spec import LayerSpec, count_parameters, spec_name
 
 VALID_METHODS = "'uniform', 'parameters', 'type:REGEX' (e.g. 'type:Block'), or a list of boundaries"
 
@@ -159,18 +159,13 @@ def _example(num_layers: int, num_stages: int) -> list[int]:
 # ---------------------------------------------------------------- weights
 
 
-def _entry_name(spec) -> str:
-    if isinstance(spec, LayerSpec):
-        return spec.name
-    return getattr(spec, "__name__", type(spec).__name__)
-
 
 def _type_weights(specs: list, pattern: str) -> list[int]:
     try:
         regex = re.compile(pattern, re.IGNORECASE)
     except re.error as err:
         raise ValueError(f"partition method 'type:{pattern}': {pattern!r} is not a valid regex ({err})") from None
-    names = [_entry_name(spec) for spec in specs]
+    names = [spec_name(spec) for spec in specs]
     weights = [1 if regex.search(name) else 0 for name in names]
     if not any(weights):
         known = ", ".join(dict.fromkeys(names))

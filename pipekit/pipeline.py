@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from .layers.parallel import tensor_parallel
 from .partition import partition as partition_specs
 from .schedules import looping_placement
-from .spec import LayerSpec, TiedLayerSpec, build_layer
+from .spec import LayerSpec, TiedLayerSpec, build_layer, spec_name
 from .topology import Topology
 
 
@@ -140,12 +140,8 @@ class PipelineModule(nn.Module):
             k = self.checkpoint_interval
             return [(idx[j : j + k], True) for j in range(0, len(idx), k)]
         if self.checkpoint_pattern is not None:
-            return [([i], bool(self.checkpoint_pattern.search(self._layer_name(i)))) for i in idx]
+            return [([i], bool(self.checkpoint_pattern.search(spec_name(self.specs[i])))) for i in idx]
         return [(idx, False)]
-
-    def _layer_name(self, i: int) -> str:
-        spec = self.specs[i]
-        return spec.name if hasattr(spec, "name") else getattr(spec, "__name__", type(spec).__name__)
 
     def _run_run(self, run: list[int], x):
         for i in run:
@@ -182,7 +178,7 @@ class PipelineModule(nn.Module):
             with torch.no_grad():
                 for i in self.stage_layers(stage):
                     x = self.run_layer(i, x, layer=meta_layers[i])
-                    check_activation(x, f"layer {i} ({self._layer_name(i)})")
+                    check_activation(x, f"layer {i} ({spec_name(self.specs[i])})")
             io.append((x_in, x))
         return io
 

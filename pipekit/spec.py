@@ -141,6 +141,14 @@ def build_layer(specs: list, index: int, *, seed: int, device=None):
     raise TypeError(f"entry {index} of the spec list is {spec!r}; expected a LayerSpec, TiedLayerSpec or callable")
 
 
+def spec_name(spec) -> str:
+    """The class name a spec list entry builds (a callable's own name): what
+    `type:REGEX` partitions and `checkpoint_layers` match, and errors show."""
+    if isinstance(spec, LayerSpec):
+        return spec.name
+    return getattr(spec, "__name__", type(spec).__name__)
+
+
 def count_parameters(spec) -> int:
     """Number of parameters of one spec list entry, counted on the meta device."""
     if isinstance(spec, LayerSpec):

@@ -21,7 +21,7 @@ from dataclasses import asdict
 import torch
 
 from .checkpoint import atomic_save, full_state_dict
-from .config import Config, model_config, model_specs
+from .config import Config, model_config, model_specs, model_vocab
 from .engine import PipelineEngine
 from .pipeline import PipelineModule
 from .topology import Topology, init_distributed
@@ -104,7 +104,7 @@ def batches(cfg: Config, topo: Topology, split: str = "train", path: str | None 
     if path is None:
         from .models.toy import synthetic_batches
 
-        vocab = getattr(model_config(cfg.model), "vocab_size", None) or model_config(cfg.model).vocab
+        vocab = model_vocab(model_config(cfg.model))
         shard = t.global_batch // topo.dp
         rows = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
         seed = t.seed if split == "train" else t.seed + 1
@@ -122,8 +122,7 @@ def check_vocab(cfg: Config, path: str | None) -> None:
     from .data import read_meta
 
     meta = read_meta(path)
-    mcfg = model_config(cfg.model)
-    vocab = getattr(mcfg, "vocab_size", None) or mcfg.vocab
+    vocab = model_vocab(model_config(cfg.model))
     if meta and meta["vocab_size"] > vocab:
         raise ValueError(
             f"the dataset in {path} has vocab_size {meta['vocab_size']} but model vocab_size={vocab}; "
@@ -223,7 +222,7 @@ class Logger:
     def __init__(self, cfg: Config, topo: Topology, engine: PipelineEngine):
         self.cfg, self.engine, self.active = cfg, engine, topo.rank == 0
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-        n_params = _count_params(engine, topo)
+        n_params = _count_params(engine)
         self.flops_per_token = flops_per_token(model_config(cfg.model), cfg.train.seq_len, n_params)
         self.peak = peak_flops_per_device(cfg, topo) * _devices(topo)
         self.n_params = n_params
@@ -332,7 +331,7 @@ def summary_table(s: dict) -> str:
     return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
 
 
-def _count_params(engine: PipelineEngine, topo: Topology) -> int:
+def _count_params(engine: PipelineEngine) -> int:
     """Parameters of the whole model (tied ones once), from the layout-free spec list."""
     from .spec import count_parameters, TiedLayerSpec
 

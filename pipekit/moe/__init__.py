@@ -1,1 +1,2 @@
-"""Placeholder: arrives with its own issue."""
+"""Mixture-of-Experts: router, token dispatch (dropless / capacity, expert parallel), experts
+and the MoE block. Empty so far: it arrives with its own issue (see ../shared/DESIGN.md)."""
