@@ -1,7 +1,7 @@
 """The `pipekit` command.
 
     pipekit train [CONFIG.yaml] [key=value ...]   train; launches pp*dp*tp workers unless under torchrun
-    pipekit plan --schedule 1f1b --pp 4 --microbatches 8 [--virtual 2] [--json]
+    pipekit plan --schedule 1f1b --pp 4 --microbatches 8 [--virtual 2] [--json] [--trace F.json] [--png F.png]
     pipekit prepare-data FILES_OR_DIRS --out DIR [--tokenizer tokenizer.json]
     pipekit convert --from-hf HF_DIR --out model.pt | --to-hf model.pt --out HF_DIR
     pipekit generate runs/x/model.pt --prompt "def "
@@ -54,7 +54,7 @@ def _launch(nproc: int, argv: list[str]) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .schedules import ScheduleError, TimelineEvent, plan_report, render_text
+    from .schedules import ScheduleError, TimelineEvent, plan_report, render_png, render_text, to_chrome_trace
 
     costs = {"F": args.f_cost, "B": args.b_cost}
     try:
@@ -62,10 +62,16 @@ def _plan(args: argparse.Namespace) -> int:
     except ScheduleError as e:
         print(f"pipekit plan: {e}", file=sys.stderr)
         return 2
+    events = [TimelineEvent(**e) for e in report["timeline"]]
+    if args.trace:
+        with open(args.trace, "w") as f:
+            json.dump(to_chrome_trace(events), f)
+    if args.png:
+        render_png(events, args.png, f"{args.schedule}, pp={args.pp}, microbatches={args.microbatches}, "
+                   f"virtual={args.virtual}: bubble {report['bubble_fraction']:.3f}")
     if args.json:
         print(json.dumps(report))
         return 0
-    events = [TimelineEvent(**e) for e in report["timeline"]]
     print(render_text(events))
     print(f"makespan {report['makespan']:g}  bubble {report['bubble_fraction']:.3f}  "
           f"peak activations per rank {report['peak_activations']}")
@@ -117,6 +123,8 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--f-cost", type=float, default=1.0)
     q.add_argument("--b-cost", type=float, default=2.0)
     q.add_argument("--json", action="store_true", help="print one JSON object")
+    q.add_argument("--trace", metavar="FILE", help="also write the timeline as Chrome-trace JSON (Perfetto)")
+    q.add_argument("--png", metavar="FILE", help="also draw the timeline as a PNG (needs matplotlib)")
     q.set_defaults(fn=_plan)
 
     d = sub.add_parser("prepare-data", help="tokenise text files into a memory-mapped dataset")

@@ -90,6 +90,7 @@ class LoggingConfig:
     progress: bool = True  # a progress bar on rank 0
     tensorboard: bool = True  # when the tensorboard package is installed
     peak_tflops: Optional[float] = None  # per device, for MFU (None: look up the GPU, or measure the CPU)
+    trace_step: Optional[int] = None  # record this step's measured timeline to out_dir (Chrome trace, PNG)
 
 
 @dataclass

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
 
 from .checkpoint import atomic_save, full_state_dict
 from .config import Config, model_config, model_specs, model_vocab
@@ -179,7 +180,10 @@ def train(cfg: Config) -> dict:
     train_data = batches(cfg, topo, "train", path)
     for step in range(1, cfg.train.steps + 1):
         lr = engine.optimizer.param_groups[0]["lr"]
+        engine.record_timeline = step == cfg.logging.trace_step
         loss = engine.train_batch(train_data)
+        if engine.record_timeline:
+            write_trace(cfg, topo, engine, step)
         val = None
         if _due(step, cfg.data.val_every, cfg.train.steps):
             with log.paused():
@@ -198,6 +202,44 @@ def validate(cfg: Config, topo: Topology, engine: PipelineEngine, path: str | No
     """Mean loss over `data.val_batches` held-out batches (the same ones every time)."""
     data = batches(cfg, topo, "val", path)
     return sum(engine.eval_batch(data) for _ in range(cfg.data.val_batches)) / cfg.data.val_batches
+
+
+def write_trace(cfg: Config, topo: Topology, engine: PipelineEngine, step: int) -> None:
+    """Write this step's measured timeline beside the simulator's prediction for the same
+    schedule with the measured mean F and B times: Chrome-trace JSON, and PNGs when
+    matplotlib is installed. Gathers the timelines over the pipeline group (collective).
+    Limit: ranks' clocks are compared directly, which holds on one machine only."""
+    from .schedules import TimelineEvent, render_png, simulate, to_chrome_trace
+
+    mine = [TimelineEvent(e.rank, e.action, e.start + engine.step_start, e.end + engine.step_start)
+            for e in engine.timeline]
+    everyone = [mine]
+    if topo.pp_group is not None:
+        everyone = [None] * topo.pp
+        dist.all_gather_object(everyone, mine, group=topo.pp_group)
+    if topo.rank != 0 or not cfg.logging.out_dir:
+        return
+    events = [e for part in everyone for e in part]
+    t0 = min(e.start for e in events)
+    measured = [TimelineEvent(e.rank, e.action, e.start - t0, e.end - t0) for e in events]
+    costs = {k: _mean_duration(measured, k) for k in ("F", "B")}
+    predicted = simulate(engine.schedule, costs=costs).timeline
+    for name, timeline in (("measured", measured), ("simulated", predicted)):
+        base = os.path.join(cfg.logging.out_dir, f"timeline_step{step}_{name}")
+        with open(base + ".json", "w") as f:
+            json.dump(to_chrome_trace(timeline), f)
+        try:
+            render_png(timeline, base + ".png", f"step {step}, {name} ({cfg.schedule.name}, pp={topo.pp})")
+        except ImportError:
+            pass
+    print(f"wrote the measured and simulated timelines of step {step} to {cfg.logging.out_dir}", flush=True)
+
+
+def _mean_duration(events, kind: str) -> float:
+    from .schedules import Action
+
+    spans = [e.end - e.start for e in events if Action.parse(e.action).kind.value == kind]
+    return sum(spans) / len(spans)
 
 
 def save_weights(cfg: Config, topo: Topology, engine: PipelineEngine, data_path: str | None) -> None:

@@ -31,6 +31,15 @@ def test_plan_interleaved_and_text_timeline(capsys):
     assert "bubble" in out and "makespan" in out
 
 
+def test_plan_writes_trace_and_png(tmp_path, capsys):
+    trace, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", "--schedule", "1f1b", "--pp", "2", "--microbatches", "3", "--json",
+                 "--trace", str(trace), "--png", str(png)]) == 0
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert sorted(e["name"] for e in events if e["tid"] == 1) == ["1B0", "1B1", "1B2", "1F0", "1F1", "1F2"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plan_rejects_bad_input(capsys):
     assert main(["plan", "--schedule", "interleaved_1f1b", "--pp", "4", "--microbatches", "6", "--virtual", "2"]) == 2
     assert "multiple of pp=4, got 6" in capsys.readouterr().err
@@ -80,7 +89,7 @@ def test_train_reports_bad_config_before_launching(capsys):
 def test_train_single_process(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["train", str(ROOT / "configs/toy.yaml"), "parallel.pp=1", "train.steps=40", "logging.log_every=20",
-            "logging.progress=false", f"logging.out_dir={out}"]
+            "logging.progress=false", f"logging.out_dir={out}", "logging.trace_step=2"]
     assert main(args) == 0
     lines = (out / "metrics.jsonl").read_text().splitlines()
     summary = json.loads(lines[-1])["summary"]
@@ -89,15 +98,22 @@ def test_train_single_process(tmp_path, capsys):
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(json.loads(lines[0]))
     assert "train loss" in capsys.readouterr().out
     assert (out / "model.pt").exists()
+    measured = json.loads((out / "timeline_step2_measured.json").read_text())["traceEvents"]
+    simulated = json.loads((out / "timeline_step2_simulated.json").read_text())["traceEvents"]
+    names = lambda events: sorted(e["name"] for e in events if e["ph"] == "X")  # noqa: E731
+    assert names(measured) == names(simulated) == sorted(f"0{k}{m}" for k in "FB" for m in range(4))
 
 
 def test_train_launches_its_own_workers(tmp_path):
     """pp=2 x dp=2 through torch.distributed.run, as `pipekit train` does outside torchrun."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "pipekit.cli", "train", str(ROOT / "configs/toy.yaml"), "parallel.dp=2",
-           "train.steps=4", "logging.log_every=2", "model.dim=16", "logging.progress=false", f"logging.out_dir={out}"]
+           "train.steps=4", "logging.log_every=2", "model.dim=16", "logging.progress=false", f"logging.out_dir={out}",
+           "logging.trace_step=3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["summary"]
     assert (summary["pp"], summary["dp"], summary["steps"]) == (2, 2, 4)
     assert "pp=2 dp=2 tp=1" in proc.stdout
+    measured = json.loads((out / "timeline_step3_measured.json").read_text())["traceEvents"]
+    assert {e["tid"] for e in measured if e["ph"] == "X"} == {0, 1}  # both pipeline ranks, gathered

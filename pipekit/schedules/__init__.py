@@ -9,7 +9,7 @@ from .generators import SCHEDULES, generate, gpipe, interleaved_1f1b, looping_pl
 from .ir import Action, Kind, Schedule, ScheduleError
 from .lowering import lower
 from .plan import build_schedule, plan_report
-from .render import render_text, to_chrome_trace
+from .render import render_png, render_text, to_chrome_trace
 from .simulate import SimResult, TimelineEvent, simulate
 from .validate import validate
 
@@ -29,6 +29,7 @@ __all__ = [
     "lower",
     "one_f_one_b",
     "plan_report",
+    "render_png",
     "render_text",
     "simulate",
     "to_chrome_trace",

@@ -1,4 +1,4 @@
-"""Drawing timelines (simulated or measured): Chrome-trace JSON and an ASCII Gantt chart."""
+"""Drawing timelines (simulated or measured): Chrome-trace JSON, an ASCII Gantt chart, a PNG."""
 
 from __future__ import annotations
 
@@ -89,3 +89,34 @@ def _label(action: str, room: int) -> str:
         return action[:room]
     text = f"{a.kind.value}{a.microbatch}"
     return text if len(text) <= room else a.kind.value[:room]
+
+
+_COLOURS = {"F": "#4878d0", "B": "#6acc64", "BW": "#6acc64", "W": "#ee854a"}
+
+
+def render_png(events: list[TimelineEvent], path: str, title: str = "") -> None:
+    """A Gantt chart PNG, one row per rank: F blue, B green, W orange, SEND/RECV grey,
+    each box labelled with its microbatch. Needs matplotlib (`pip install matplotlib`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("drawing a PNG needs matplotlib: pip install matplotlib") from e
+    ranks = sorted({e.rank for e in events})
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.2))
+    for e in events:
+        kind = _category(e.action)
+        ax.barh(e.rank, e.end - e.start, left=e.start, height=0.8,
+                color=_COLOURS.get(kind, "#a0a0a0"), edgecolor="white", linewidth=0.5)
+        if kind in _COLOURS:
+            ax.text((e.start + e.end) / 2, e.rank, str(Action.parse(e.action).microbatch),
+                    ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
