@@ -34,6 +34,7 @@ class ModelConfig:
     hidden: Optional[int] = None  # llama: feed-forward width
     tie_embeddings: Optional[bool] = None
     rope_theta: Optional[float] = None
+    vocab_pad_multiple: Optional[int] = None  # tables padded to a multiple of this (default 128; masked, exact)
 
 
 @dataclass
@@ -180,8 +181,11 @@ def _check_model_fits(cfg: Config, model) -> None:
         if value is not None and value % p.tp:
             raise ConfigError(f"model.{key}={value} is not divisible by parallel.tp={p.tp}")
     vocab = model_vocab(model)
-    if vocab % p.tp:
-        raise ConfigError(f"model.vocab_size={vocab} is not divisible by parallel.tp={p.tp}")
+    padded = getattr(model, "padded_vocab", vocab)  # the zoo's tables are padded (independently of tp)
+    if padded % p.tp:
+        shown = vocab if padded == vocab else (
+            f"{vocab}, padded to {padded} (a multiple of its vocab_pad_multiple={model.vocab_pad_multiple}),")
+        raise ConfigError(f"model.vocab_size={shown} is not divisible by parallel.tp={p.tp}")
     max_len = getattr(model, "max_seq_len", None)
     if max_len is not None and cfg.train.seq_len > max_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={max_len}")

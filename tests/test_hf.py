@@ -9,12 +9,18 @@ exactly and a fresh HF model loaded from it the same logits; and two SGD steps
 must follow HF's own training (losses and weights within 1e-5). pp=tp=1 runs in
 this process; one spawned world of 4 ranks runs (pp, dp, tp) = (1, 2, 2),
 (2, 1, 2) and (2, 2, 1) for every case.
+
+Every case pads the vocabulary: VOCAB=64 to the default multiple 128 (at tp=2
+rank 1's shard is all padding), and two cases with ODD=61 ids to a multiple of
+8 (64 rows, 3 of them padding). The padded logits must be -inf and the padded
+rows, zero on import, must still be zero after training (zero gradient).
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -31,59 +37,65 @@ from pipekit.testing import run_distributed  # noqa: E402
 
 TOL = 1e-5
 VOCAB, SEQ, BATCH = 64, 16, 4
+ODD, ODD_PAD_MULTIPLE = 61, 8  # 61 ids padded to 64 rows
 TRAIN_STEPS, LR = 2, 0.5
 LAYOUTS = [(1, 2, 2), (2, 1, 2), (2, 2, 1)]  # (pp, dp, tp) on 4 ranks
 
 
-def hf_config(family: str, tied: bool):
+def hf_config(family: str, tied: bool, vocab: int = VOCAB):
     if family == "gpt2":
-        return transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+        return transformers.GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                        tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None,
                                        attn_implementation="eager")
     # theta 10000 and head_dim 8: every rotary frequency turns noticeably over 16 positions
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    return transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                     rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied,
                                     attn_implementation="eager")
 
 
-def hf_model(family: str, tied: bool, seed: int = 0):
+def hf_model(family: str, tied: bool, vocab: int = VOCAB, seed: int = 0):
     torch.manual_seed(seed)
     cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.LlamaForCausalLM
-    model = cls(hf_config(family, tied)).eval()
+    model = cls(hf_config(family, tied, vocab)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     return model
 
 
-def fresh_hf_model(family: str, tied: bool, hf_sd: dict):
+def fresh_hf_model(family: str, tied: bool, hf_sd: dict, vocab: int = VOCAB):
     cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.LlamaForCausalLM
-    model = cls(hf_config(family, tied)).eval()
+    model = cls(hf_config(family, tied, vocab)).eval()
     model.load_state_dict(hf_sd, strict=True)
     return model
 
 
-CASES = [("gpt2", True), ("gpt2", False), ("llama", False), ("llama", True)]
-CASE_IDS = [f"{f}-{'tied' if t else 'untied'}" for f, t in CASES]
+CASES = [("gpt2", True, VOCAB), ("gpt2", False, VOCAB), ("llama", False, VOCAB), ("llama", True, VOCAB),
+         ("gpt2", True, ODD), ("llama", False, ODD)]
+CASE_IDS = [f"{f}-{'tied' if t else 'untied'}" + ("" if v == VOCAB else f"-v{v}") for f, t, v in CASES]
+ODD_IDS = [i for i in CASE_IDS if i.endswith(f"-v{ODD}")]
 
 
 class Case:
     """An HF model, its pipekit config and full state dict, a batch and HF's answers:
     logits and loss, then the losses and weights of TRAIN_STEPS SGD steps."""
 
-    def __init__(self, family: str, tied: bool):
-        self.family, self.tied = family, tied
-        self.model = hf_model(family, tied)
+    def __init__(self, family: str, tied: bool, vocab: int):
+        self.family, self.tied, self.vocab = family, tied, vocab
+        self.model = hf_model(family, tied, vocab)
         self.hf_sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.cfg = hf.config_from_hf(self.model.config)
+        if vocab == ODD:
+            self.cfg = with_overrides(self.cfg, vocab_pad_multiple=ODD_PAD_MULTIPLE)
         self.full = hf.from_hf_state_dict(family, self.hf_sd, self.cfg)
         gen = torch.Generator().manual_seed(1)
-        self.ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-        self.labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        self.ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
+        self.labels = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
         self.logits = hf_logits(self.model, self.ids)
         self.loss = F.cross_entropy(self.logits.flatten(0, 1), self.labels.flatten()).item()
-        self.train_losses, self.trained_sd = hf_train(fresh_hf_model(family, tied, self.hf_sd), self.ids, self.labels)
+        fresh = fresh_hf_model(family, tied, self.hf_sd, vocab)
+        self.train_losses, self.trained_sd = hf_train(fresh, self.ids, self.labels)
 
     def payload(self) -> tuple:
         """What a spawned worker needs (no transformers objects)."""
@@ -128,6 +140,7 @@ def run_case(payload: tuple, topo) -> dict:
     with HF, convert back, then train TRAIN_STEPS and compare with HF's training.
     Returns the differences and (first rank) the converted-back HF state dict."""
     family, cfg, full, hf_sd, ids, labels, ref_logits, ref_loss, ref_train_losses, ref_trained = payload
+    V, Vp = cfg.vocab_size, cfg.padded_vocab
     module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo)
     load_full_state_dict(module, full)
     opt = torch.optim.SGD(module.parameters(), lr=LR)
@@ -136,10 +149,12 @@ def run_case(payload: tuple, topo) -> dict:
     mine = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
     batch = (ids[mine], labels[mine])
     loss, out = engine.eval_batch(iter([batch]), return_outputs=True)
-    result = {"loss": abs(loss - ref_loss), "logits": None}
+    result = {"loss": abs(loss - ref_loss), "logits": None, "padded_logits": True}
     if out is not None:
-        assert out.shape == (shard, SEQ, VOCAB // topo.tp), out.shape
-        result["logits"] = max_diff(gather_from_tp(out, topo.tp_group), ref_logits[mine])
+        assert out.shape == (shard, SEQ, Vp // topo.tp), out.shape
+        logits = gather_from_tp(out, topo.tp_group)  # (shard, SEQ, Vp)
+        result["logits"] = max_diff(logits[..., :V], ref_logits[mine])
+        result["padded_logits"] = bool((logits[..., V:] == float("-inf")).all())
     gathered = full_state_dict(module)
     result["full_exact"] = same_state(gathered, full)
     back = hf.to_hf_state_dict(family, gathered, cfg)
@@ -148,7 +163,10 @@ def run_case(payload: tuple, topo) -> dict:
 
     losses = [engine.train_batch(iter([batch])) for _ in range(TRAIN_STEPS)]
     result["train_loss"] = max(abs(a - b) for a, b in zip(losses, ref_train_losses))
-    trained = hf.to_hf_state_dict(family, full_state_dict(module), cfg)
+    trained_full = full_state_dict(module)
+    result["padded_rows"] = max(trained_full[n][V:].abs().max().item() if Vp > V else 0.0
+                                for n in hf.vocab_tensor_names(cfg))  # zero on import, zero gradient since
+    trained = hf.to_hf_state_dict(family, trained_full, cfg)
     result["trained"] = max(max_diff(trained[k], ref_trained[k]) for k in ref_trained)
     return result
 
@@ -174,13 +192,15 @@ def check_result(case: Case, result: dict, where: str) -> None:
     assert result["loss"] <= TOL, f"{where}: loss differs from HF by {result['loss']:.3g}"
     if result["logits"] is not None:
         assert result["logits"] <= TOL, f"{where}: logits differ from HF by {result['logits']:.3g}"
+    assert result["padded_logits"], f"{where}: the logits of padded ids are not all -inf"
     assert result["full_exact"], f"{where}: full_state_dict does not give back the loaded weights exactly"
     assert result["hf_exact"], f"{where}: to_hf_state_dict does not give back HF's state dict exactly"
     if result["hf_sd"] is not None:
-        again = fresh_hf_model(case.family, case.tied, torch.load(io.BytesIO(result["hf_sd"])))
+        again = fresh_hf_model(case.family, case.tied, torch.load(io.BytesIO(result["hf_sd"])), case.vocab)
         assert max_diff(hf_logits(again, case.ids), case.logits) == 0.0, f"{where}: the round-tripped HF model differs"
     assert result["train_loss"] <= TOL, f"{where}: training losses differ from HF's by {result['train_loss']:.3g}"
     assert result["trained"] <= TOL, f"{where}: weights after training differ from HF's by {result['trained']:.3g}"
+    assert result["padded_rows"] == 0.0, f"{where}: padded vocab rows moved in training by {result['padded_rows']:.3g}"
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
@@ -222,7 +242,7 @@ def test_llama_rotary_needs_no_permutation(cases):
     module = pipekit.PipelineModule(model_specs(case.cfg))
     load_full_state_dict(module, full)
     with torch.no_grad():
-        assert max_diff(module(case.ids), case.logits) > 1e-3
+        assert max_diff(module(case.ids)[..., :VOCAB], case.logits) > 1e-3
 
 
 # ---- files and the CLI ---------------------------------------------------------------
@@ -287,6 +307,37 @@ def test_convert_to_bfloat16(cases, tmp_path, offline):
     assert all(torch.equal(full[k], case.full[k].to(torch.bfloat16)) for k in full)
     with pytest.raises(ValueError, match="from_hf"):
         hf.convert(pk, str(tmp_path / "x"), "sideways")
+
+
+def test_padded_vocab_files(cases, tmp_path, offline):
+    """61 ids in 64 rows: the pipekit tables carry 3 zero rows, HF's files and
+    from_pretrained see 61; a pipekit file keeps the multiple; a file from before
+    padding (no vocab_pad_multiple, 61-row tables) reads with the default multiple,
+    its tables padded with zero rows."""
+    for case_id in ODD_IDS:
+        case = cases[case_id]
+        assert case.cfg.padded_vocab == 64
+        for name in hf.vocab_tensor_names(case.cfg):
+            assert case.full[name].shape[0] == 64 and not case.full[name][ODD:].any(), name
+        out = tmp_path / case_id
+        hf.save_hf_checkpoint(case.family, case.full, case.cfg, str(out))
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
+        assert loaded.config.vocab_size == ODD and same_state(loaded.state_dict(), case.hf_sd)
+        assert max_diff(hf_logits(loaded, case.ids), case.logits) == 0.0
+
+        pk = str(tmp_path / f"{case_id}.pt")
+        hf.save_pipekit_file(case.family, case.cfg, case.full, pk)
+        family, cfg, full = hf.load_pipekit_file(pk)
+        assert (family, cfg) == (case.family, case.cfg) and same_state(full, case.full)
+
+        old = asdict(case.cfg)
+        old.pop("vocab_pad_multiple")
+        unpadded = {k: v[:ODD].clone() if k in hf.vocab_tensor_names(case.cfg) else v for k, v in case.full.items()}
+        torch.save({"family": case.family, "config": old, "state_dict": unpadded}, pk)
+        family, cfg, full = hf.load_pipekit_file(pk)
+        assert cfg == with_overrides(case.cfg, vocab_pad_multiple=128) and cfg.padded_vocab == 128
+        assert all(full[n].shape[0] == 128 and not full[n][ODD:].any() for n in hf.vocab_tensor_names(cfg))
+        assert same_state(hf.to_hf_state_dict(family, full, cfg), case.hf_sd)
 
 
 def test_reads_hub_style_gpt2_checkpoint(cases):

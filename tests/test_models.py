@@ -10,25 +10,34 @@ communicate on the meta device).
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import pipekit
-from pipekit.layers import VocabParallelCrossEntropy, tensor_parallel
+from pipekit.checkpoint import full_state_dict, load_full_state_dict
+from pipekit.layers import VocabParallelCrossEntropy, tensor_parallel, vocab_parallel_cross_entropy
 from pipekit.models import (
     FAMILIES,
     GPT2Config,
     LlamaConfig,
+    config_from_dict,
     count_params,
     flops_per_token,
     get_model,
     model_loss,
     model_specs,
+    padded_vocab,
     with_overrides,
 )
+from pipekit.models.hf import vocab_tensor_names
 from pipekit.spec import LayerSpec, TiedLayerSpec, build_layer
 
+ROOT = Path(__file__).resolve().parents[1]
 ALL_FLAVOURS = [(family, flavour) for family, fam in FAMILIES.items() for flavour in fam.flavours]
 
 
@@ -69,6 +78,33 @@ def test_bad_configs_are_named(call, match):
         call()
 
 
+def test_padded_vocab():
+    assert [padded_vocab(get_model("gpt2", vocab_size=v)) for v in (1, 128, 129, 50257)] == [128, 128, 256, 50304]
+    assert get_model("llama", vocab_size=61, vocab_pad_multiple=8).padded_vocab == 64
+    assert get_model("gpt2", vocab_size=61, vocab_pad_multiple=1).padded_vocab == 61
+    assert [get_model("llama", f).padded_vocab for f in ("2-7b", "3-8b")] == [32000, 128256]  # already multiples
+    with pytest.raises(ValueError, match="vocab_pad_multiple must be a positive int"):
+        get_model("gpt2", vocab_pad_multiple=0)
+
+
+def test_config_from_dict_without_vocab_pad_multiple():
+    """Files written before padding existed lack the field: the default applies."""
+    old = asdict(get_model("llama", vocab_size=61))
+    del old["vocab_pad_multiple"]
+    assert config_from_dict("llama", old) == get_model("llama", vocab_size=61, vocab_pad_multiple=128)
+
+
+def test_config_check_uses_the_padded_vocab():
+    from pipekit.config import ConfigError, load_config, model_config
+
+    cfg = load_config(str(ROOT / "configs/gpt2_124m.yaml"))  # 50,257 ids at tp=2
+    assert cfg.parallel.tp == 2 and model_config(cfg.model).vocab_size == 50257
+    message = ("model.vocab_size=50257, padded to 50304 (a multiple of its vocab_pad_multiple=128), "
+               "is not divisible by parallel.tp=5")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(str(ROOT / "configs/gpt2_1.5b.yaml"), ["parallel.tp=5"])
+
+
 # ---- sizes and FLOPs ---------------------------------------------------------------
 # Parameter counts of the published models (tied embeddings counted once), as
 # Hugging Face's `num_parameters()` reports them for the configs named in the zoo.
@@ -85,7 +121,12 @@ KNOWN_PARAMS = {
 
 @pytest.mark.parametrize("family,flavour", list(KNOWN_PARAMS))
 def test_count_params_of_published_sizes(family, flavour):
-    assert count_params(get_model(family, flavour)) == KNOWN_PARAMS[(family, flavour)]
+    """The published sizes are the unpadded models (`padded=False`); the default
+    counts the padded rows too, once per vocab table (GPT-2: 50,257 -> 50,304 rows)."""
+    cfg = get_model(family, flavour)
+    assert count_params(cfg, padded=False) == KNOWN_PARAMS[(family, flavour)]
+    tables = 1 if cfg.tie_embeddings else 2
+    assert count_params(cfg) - count_params(cfg, padded=False) == tables * (cfg.padded_vocab - cfg.vocab_size) * cfg.dim
 
 
 def meta_count(specs: list) -> int:
@@ -120,7 +161,8 @@ def test_count_params_matches_transformers():
 
 def test_flops_per_token():
     cfg = get_model("gpt2", "124m")
-    matmul_params = 124_439_808 - 1024 * 768  # the position table is a lookup; wte is also the head
+    # the position table is a lookup; wte is also the head, whose matmul computes the 50,304 - 50,257 padded rows too
+    matmul_params = 124_439_808 - 1024 * 768 + (50304 - 50257) * 768
     assert count_params(cfg, embedding_lookups=False) == matmul_params
     assert flops_per_token(cfg, 1024) == 6 * matmul_params + 12 * 12 * 768 * 1024
     llama = get_model("llama", "3-8b")  # untied: the input table is a lookup, the head a matmul
@@ -166,10 +208,11 @@ def run_all(specs: list, modules: list, x):
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_tp_shards_are_slices_of_the_one_process_model(family, tied):
+@pytest.mark.parametrize("vocab", [{}, {"vocab_size": 61, "vocab_pad_multiple": 8}], ids=["v256", "v61"])
+def test_tp_shards_are_slices_of_the_one_process_model(family, tied, vocab):
     """At tp=2 each rank's shard is its slice (along `tp_shard_dim`) of the tp=1
-    weights, and the logits come out split over the vocabulary."""
-    cfg = get_model(family, n_layers=2, tie_embeddings=tied)
+    weights (padded rows included), and the logits come out split over the padded vocabulary."""
+    cfg = get_model(family, n_layers=2, tie_embeddings=tied, **vocab)
     specs = model_specs(cfg)
     whole = build_all(specs)
     shards = [build_all(specs, StandInGroup(2, r)) for r in range(2)]
@@ -182,8 +225,9 @@ def test_tp_shards_are_slices_of_the_one_process_model(family, tied):
             if dim is None:
                 assert torch.equal(parts[1], full), f"entry {i} {name}: replicated but differs on rank 1"
     ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    assert run_all(specs, build_all(specs, StandInGroup(2, 1), device="meta"), ids).shape == (2, 8, cfg.vocab_size // 2)
-    assert run_all(specs, whole, torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, cfg.vocab_size)
+    shard = run_all(specs, build_all(specs, StandInGroup(2, 1), device="meta"), ids)
+    assert shard.shape == (2, 8, cfg.padded_vocab // 2)
+    assert run_all(specs, whole, torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, cfg.padded_vocab)
 
 
 def test_sequence_longer_than_position_table():
@@ -208,3 +252,63 @@ def test_tiny_flavour_trains(family):
     assert all(math.isfinite(x) for x in losses)
     assert abs(losses[0] - math.log(cfg.vocab_size)) < 0.5, losses[0]
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+# ---- vocabulary padding ------------------------------------------------------------
+def test_cross_entropy_with_minus_inf_logits():
+    """Masked (-inf) logits: the loss is F.cross_entropy's on the other columns, no NaN
+    forward or backward, and the masked columns get zero gradient."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 8, generator=gen, dtype=torch.float64)
+    logits[..., 6:] = float("-inf")
+    targets = torch.randint(0, 6, (3, 5), generator=gen)
+    targets[0, 0] = -100
+    x = logits.clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(x, targets, None)
+    loss.backward()
+    ref_x = logits[..., :6].clone().requires_grad_()
+    ref = F.cross_entropy(ref_x.flatten(0, 1), targets.flatten())
+    ref.backward()
+    assert torch.isfinite(loss) and abs(loss.item() - ref.item()) < 1e-12
+    assert torch.isfinite(x.grad).all() and not x.grad[..., 6:].any()
+    assert (x.grad[..., :6] - ref_x.grad).abs().max() < 1e-12
+
+
+def _strip(sd: dict, cfg) -> dict:
+    return {k: v[:cfg.vocab_size] if k in vocab_tensor_names(cfg) else v for k, v in sd.items()}
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_padded_model_is_the_unpadded_model(family, tied):
+    """61 ids in 64 rows (float64): the logits of the padded ids are -inf, the loss
+    and every gradient equal those of the same weights without padding, the padded
+    rows get zero gradient and do not move in an SGD step."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cfg = get_model(family, n_layers=1, dim=32, vocab_size=61, vocab_pad_multiple=8, tie_embeddings=tied)
+        padded = pipekit.PipelineModule(model_specs(cfg), seed=0)
+        plain_cfg = with_overrides(cfg, vocab_pad_multiple=1)
+        plain = pipekit.PipelineModule(model_specs(plain_cfg))
+        load_full_state_dict(plain, _strip(full_state_dict(padded), cfg))
+        ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(0))
+        losses = []
+        for module, c in ((padded, cfg), (plain, plain_cfg)):
+            logits = module(ids[:, :-1])
+            assert logits.shape[-1] == c.padded_vocab
+            losses.append(model_loss(c).build()(logits, ids[:, 1:]))
+            losses[-1].backward()
+        assert abs(losses[0].item() - losses[1].item()) < 1e-12
+        assert (padded(ids)[..., 61:] == float("-inf")).all()
+        grads = _strip({n: p.grad for n, p in padded.named_parameters()}, cfg)
+        for name, p in plain.named_parameters():
+            assert (grads[name] - p.grad).abs().max() < 1e-12, name
+        before = full_state_dict(padded)
+        torch.optim.SGD(padded.parameters(), lr=0.5).step()
+        after = full_state_dict(padded)
+        for name in vocab_tensor_names(cfg):
+            assert not dict(padded.named_parameters())[name].grad[61:].any(), name
+            assert torch.equal(after[name][61:], before[name][61:]) and not torch.equal(after[name], before[name])
+    finally:
+        torch.set_default_dtype(dtype)

@@ -3,7 +3,7 @@ conversion in `pipekit.models.hf`), and a tiny built-in language model
 (`toy_lm`) for demos and the engine's parity tests. Mixtral-style MoE joins
 with its own issue."""
 
-from .gpt2 import GPT2Config, gpt2_loss, gpt2_specs
+from .gpt2 import GPT2Config, gpt2_loss, gpt2_specs, padded_vocab
 from .llama import LlamaConfig, llama_loss, llama_specs
 from .registry import (
     FAMILIES,
@@ -25,6 +25,7 @@ __all__ = [
     "GPT2Config",
     "gpt2_specs",
     "gpt2_loss",
+    "padded_vocab",
     "LlamaConfig",
     "llama_specs",
     "llama_loss",

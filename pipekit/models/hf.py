@@ -18,11 +18,18 @@ With tied embeddings `lm_head.weight` is the token table: written into the
 HF state dict (as the same tensor, like `model.state_dict()`), left out of
 files, and not required on reading.
 
+Vocabulary padding: pipekit's token table and untied head have
+`padded_vocab(cfg)` rows (see gpt2.py). Import appends zero rows to HF's
+vocab_size rows; export drops the padded rows (whatever training left in
+them: they never affect the logits), so HF -> pipekit -> HF is exact.
+
 Files: `load_hf_checkpoint(dir)` reads config.json with model.safetensors,
 pytorch_model.bin or their sharded `*.index.json` forms; `save_hf_checkpoint`
 writes config.json + model.safetensors into a temporary directory and renames
 it into place, loadable offline by `transformers.AutoModelForCausalLM.from_pretrained`.
-A *pipekit file* is `torch.save({"family", "config": asdict(cfg), "state_dict"})`.
+A *pipekit file* is `torch.save({"family", "config": asdict(cfg), "state_dict"})`,
+its state dict padded; a file whose config predates `vocab_pad_multiple`
+(unpadded tables) is read with the default multiple and padded with zero rows.
 transformers is imported only by the functions that build HF config objects.
 """
 
@@ -140,6 +147,30 @@ def _llama_to_hf(sd: dict, cfg: LlamaConfig) -> dict:
     return out
 
 
+# ---- vocabulary padding --------------------------------------------------------
+def vocab_tensor_names(cfg) -> list[str]:
+    """The pipekit tensors with one row per token id: the token table, and the untied head."""
+    table = f"{_embed_prefix(cfg)}.wte.weight" if family_of(cfg) == "gpt2" else f"{_embed_prefix(cfg)}.weight"
+    return [table] if cfg.tie_embeddings else [table, f"layers.{cfg.n_layers + 2}.weight"]
+
+
+def _pad_vocab(sd: dict, cfg) -> dict:
+    """`sd` with its vocab tensors of exactly `vocab_size` rows grown to `padded_vocab(cfg)` by zero rows."""
+    out = dict(sd)
+    for name in vocab_tensor_names(cfg):
+        t = out.get(name)
+        if t is not None and t.shape[0] == cfg.vocab_size < cfg.padded_vocab:
+            out[name] = torch.cat([t, t.new_zeros(cfg.padded_vocab - cfg.vocab_size, *t.shape[1:])])
+    return out
+
+
+def _strip_vocab(sd: dict, cfg) -> dict:
+    """`sd` (padded, shapes checked) with its vocab tensors cut to `vocab_size` rows (copies)."""
+    if cfg.padded_vocab == cfg.vocab_size:
+        return sd
+    return {**sd, **{name: sd[name][: cfg.vocab_size].clone() for name in vocab_tensor_names(cfg)}}
+
+
 # ---- helpers -------------------------------------------------------------------
 def _take(hf: dict, name: str, used: set) -> torch.Tensor:
     if name not in hf:
@@ -192,18 +223,19 @@ _TO_HF: dict[str, Callable] = {"gpt2": _gpt2_to_hf, "llama": _llama_to_hf}
 
 
 def from_hf_state_dict(family: str, hf_sd: dict, cfg) -> dict[str, torch.Tensor]:
-    """A transformers state dict -> a pipekit full state dict for `cfg` (shapes checked)."""
+    """A transformers state dict -> a pipekit full state dict for `cfg` (vocab padded, shapes checked)."""
     _check_family(family, cfg)
-    out = _FROM_HF[family](hf_sd, cfg)
+    out = _pad_vocab(_FROM_HF[family](hf_sd, cfg), cfg)
     _check_shapes(out, cfg, family)
     return out
 
 
 def to_hf_state_dict(family: str, full_sd: dict, cfg) -> dict[str, torch.Tensor]:
-    """A pipekit full state dict -> the state dict of GPT2LMHeadModel / LlamaForCausalLM."""
+    """A pipekit full state dict (padded) -> the state dict of GPT2LMHeadModel / LlamaForCausalLM
+    (vocab_size rows: the padded ones dropped)."""
     _check_family(family, cfg)
     _check_shapes(full_sd, cfg, family)
-    return _TO_HF[family](full_sd, cfg)
+    return _TO_HF[family](_strip_vocab(full_sd, cfg), cfg)
 
 
 # ---- configs -------------------------------------------------------------------
@@ -400,7 +432,11 @@ def load_pipekit_file(path: str):
     obj = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(obj, dict) or not {"family", "config", "state_dict"} <= set(obj):
         raise ValueError(f"{path} is not a pipekit model file (a dict with 'family', 'config', 'state_dict')")
-    return obj["family"], config_from_dict(obj["family"], obj["config"]), obj["state_dict"]
+    cfg = config_from_dict(obj["family"], obj["config"])
+    sd = obj["state_dict"]
+    if "vocab_pad_multiple" not in obj["config"]:  # written before vocab padding: tables of vocab_size rows
+        sd = _pad_vocab(sd, cfg)
+    return obj["family"], cfg, sd
 
 
 def convert(src: str, dst: str, direction: str, *, overwrite: bool = False, dtype: torch.dtype | None = None) -> None:

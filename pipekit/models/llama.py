@@ -3,23 +3,26 @@
     [0]        embedding: VocabParallelEmbedding        ids (B, T) int64 -> hidden (B, T, D)
     [1..L]     LayerSpec(TransformerBlock, style="llama")           (B, T, D) -> (B, T, D)
     [L+1]      LayerSpec(RMSNorm)                                    (B, T, D) -> (B, T, D)
-    [L+2]      head: ColumnParallelLinear(D, V, bias=False)          (B, T, D) -> (B, T, V/tp)
+    [L+2]      head: VocabParallelHead(D, V)                         (B, T, D) -> (B, T, Vp/tp)
 
 Untied (the default, as in Llama-3 8B/70B) the embedding is `layers.0.weight`
 and the head `layers.{L+2}.weight`; with `tie_embeddings=True` both are one
 `TiedLayerSpec("embed")` (`tied.embed.weight`) and the head multiplies by the
-embedding's vocab shard. Rotary positions 0..T-1 are made inside attention
-from the sequence length (no position input travels between stages).
+embedding's vocab shard. The token table and the head have Vp =
+`padded_vocab(cfg)` rows and the padded ids' logits are -inf (see gpt2.py).
+Rotary positions 0..T-1 are made inside attention from the sequence length
+(no position input travels between stages).
 Limits: no Llama-3.1 rope frequency scaling, no KV cache.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
-from ..layers import ColumnParallelLinear, RMSNorm, TransformerBlock, VocabParallelCrossEntropy, VocabParallelEmbedding
+from ..layers import RMSNorm, TransformerBlock, VocabParallelCrossEntropy, VocabParallelEmbedding
 from ..spec import LayerSpec, TiedLayerSpec
-from .gpt2 import check_positive, vocab_logits
+from .gpt2 import VocabParallelHead, check_positive, padded_vocab, vocab_logits
 
 
 @dataclass
@@ -35,9 +38,17 @@ class LlamaConfig:
     rope_theta: float = 500000.0
     tie_embeddings: bool = False
     init_std: float = 0.02  # embedding and head; blocks use the layers' own init (0.02)
+    # The token table and the head get vocab_size rounded up to a multiple of this (1: no padding);
+    # the padded ids' logits are -inf. Independent of tp, which must divide the padded size.
+    vocab_pad_multiple: int = 128
+
+    @property
+    def padded_vocab(self) -> int:
+        return padded_vocab(self)
 
     def __post_init__(self):
-        check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden"))
+        check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden",
+                              "vocab_pad_multiple"))
         if self.dim % self.n_heads:
             raise ValueError(f"LlamaConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -65,14 +76,14 @@ FLAVOURS: dict[str, LlamaConfig] = {
 
 def llama_specs(cfg: LlamaConfig) -> list:
     """The spec list of `cfg` (see the module docstring for its layout and names)."""
+    rows = cfg.padded_vocab
     if cfg.tie_embeddings:
-        embed = TiedLayerSpec("embed", VocabParallelEmbedding, cfg.vocab_size, cfg.dim, init_std=cfg.init_std)
-        head = TiedLayerSpec("embed", VocabParallelEmbedding, cfg.vocab_size, cfg.dim, init_std=cfg.init_std,
-                             forward_fn=vocab_logits)
+        embed = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
+        head = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std,
+                             forward_fn=partial(vocab_logits, vocab_size=cfg.vocab_size))
     else:
-        embed = LayerSpec(VocabParallelEmbedding, cfg.vocab_size, cfg.dim, init_std=cfg.init_std)
-        head = LayerSpec(ColumnParallelLinear, cfg.dim, cfg.vocab_size, bias=False, gather_output=False,
-                         init_std=cfg.init_std)
+        embed = LayerSpec(VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
+        head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, rows, init_std=cfg.init_std)
     blocks = [
         LayerSpec(TransformerBlock, cfg.dim, cfg.n_heads, cfg.n_kv_heads, hidden=cfg.hidden, style="llama",
                   norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta)

@@ -93,14 +93,21 @@ def model_loss(cfg) -> LayerSpec:
     return FAMILIES[family_of(cfg)].loss(cfg)
 
 
-def count_params(cfg, *, embedding_lookups: bool = True) -> int:
+def count_params(cfg, *, embedding_lookups: bool = True, padded: bool = True) -> int:
     """Number of parameters of the whole model, tied ones counted once.
 
     With `embedding_lookups=False`, leaves out tables used only by lookup
     (GPT-2's position table, and the token table when it is not also the
     head): what FLOP estimates count. Computed in closed form from the
-    config (the tests check it against the spec list built on `meta`)."""
-    D, L, V = cfg.dim, cfg.n_layers, cfg.vocab_size
+    config (the tests check it against the spec list built on `meta`).
+
+    `padded=True` (the default) counts the token table and head with their
+    padded rows (`padded_vocab(cfg)`), as built, stored and optimised, and as
+    Megatron counts them; `padded=False` counts `vocab_size` rows: the size of
+    the unpadded model (what Hugging Face's `num_parameters()` and the papers
+    report, e.g. 124,439,808 for GPT-2 small, whose padded count is 36,096 more)."""
+    D, L = cfg.dim, cfg.n_layers
+    V = cfg.padded_vocab if padded else cfg.vocab_size
     head = 0 if cfg.tie_embeddings else V * D
     if isinstance(cfg, gpt2.GPT2Config):
         block = (4 * D * D + 4 * D) + (8 * D * D + 4 * D + D) + 2 * 2 * D  # attn, mlp, two LayerNorms
@@ -121,9 +128,10 @@ def count_params(cfg, *, embedding_lookups: bool = True) -> int:
 def flops_per_token(cfg, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward), for MFU.
 
-    6 * N (N: parameters that take part in matmuls: no lookup-only tables)
-    plus the attention scores and weighted sum, 12 * n_layers * dim * seq_len
-    (PaLM, Chowdhery et al. 2022, appendix B; counted without the causal
+    6 * N (N: parameters that take part in matmuls: no lookup-only tables;
+    the head with its padded rows, which the matmul computes, as Megatron
+    counts it) plus the attention scores and weighted sum,
+    12 * n_layers * dim * seq_len (PaLM, Chowdhery et al. 2022, appendix B; counted without the causal
     half-saving, as MFU reports conventionally do). Ignores norms,
     activations and softmax."""
     if seq_len < 1:
