@@ -225,3 +225,14 @@ def model_specs(model) -> list:
     from .models import model_specs as zoo_specs
 
     return zoo_specs(model)
+
+
+def model_loss(model):
+    """The loss of a typed model config: the toy's cross-entropy, or the zoo's (vocab-parallel) loss spec."""
+    from .models import toy
+
+    if isinstance(model, toy.ToyConfig):
+        return toy.lm_loss
+    from .models import model_loss as zoo_loss
+
+    return zoo_loss(model)

@@ -227,8 +227,8 @@ class PipelineEngine:
             if self.record_timeline:
                 self.timeline.append(TimelineEvent(self.topo.pp_rank, str(action), start - t0, time.perf_counter() - t0))
         comm.wait_all(self._posted, self.timeout)
-        leftover = [k for k, v in (*self._stash.items(), *self._inbox.items(), *self._grads.items()) if v is not None]
-        assert not leftover or not training, f"rank {self.topo.rank}: unconsumed activations/grads after the step: {leftover}"
+        leftover = [*self._stash, *self._inbox, *self._grads] if training else []
+        assert not leftover, f"rank {self.topo.rank}: unconsumed activations/grads after the step: {leftover}"
 
     def _failure_report(self, actions: list[Action], step: int, error: Exception) -> str:
         a = actions[step]
@@ -253,7 +253,7 @@ class PipelineEngine:
         if self._training:
             self._stash[(s, m)] = (x, out)
         if self.module.stage_rank(s + 1) == self.topo.pp_rank:
-            self._inbox[(s + 1, m)] = _leaf(out)
+            self._inbox[(s + 1, m)] = _leaf(out) if self._training else out
         else:
             self._outbox[(s, Kind.SEND_F, m)] = _all_tensors(out)
 

@@ -22,23 +22,13 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import atomic_save, full_state_dict
-from .config import Config, model_config, model_specs, model_vocab
+from .config import Config, model_config, model_loss, model_specs, model_vocab
 from .engine import PipelineEngine
 from .pipeline import PipelineModule
 from .topology import Topology, init_distributed
 
 
 # ---- building --------------------------------------------------------------
-def model_loss(model_cfg):
-    from .models import toy
-
-    if isinstance(model_cfg, toy.ToyConfig):
-        return toy.lm_loss
-    from .models import model_loss as zoo_loss
-
-    return zoo_loss(model_cfg)
-
-
 def lr_lambda(cfg: Config):
     """Multiplier of the peak lr at each step: linear warmup, then cosine to min_lr (or constant)."""
     o, steps = cfg.optimizer, cfg.train.steps
@@ -102,18 +92,17 @@ def data_dir(cfg: Config) -> str | None:
 def batches(cfg: Config, topo: Topology, split: str = "train", path: str | None = None):
     """This dp rank's (inputs, labels) batches: the same global batches in every layout."""
     t = cfg.train
+    seed = t.seed if split == "train" else t.seed + 1
     if path is None:
         from .models.toy import synthetic_batches
 
         vocab = model_vocab(model_config(cfg.model))
         shard = t.global_batch // topo.dp
         rows = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
-        seed = t.seed if split == "train" else t.seed + 1
         return ((x[rows], y[rows]) for x, y in synthetic_batches(vocab, t.global_batch, t.seq_len, seed=seed))
     from .data import BatchSampler, TokenDataset
 
     ds = TokenDataset(path, split)
-    seed = t.seed if split == "train" else t.seed + 1
     return BatchSampler(ds, t.global_batch, t.seq_len, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=seed)
 
 
