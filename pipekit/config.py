@@ -65,6 +65,21 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad_norm: Optional[float] = 1.0  # global L2 norm over all parallel groups (None: off)
+    name: str = "adamw"  # adamw | sgd
+    momentum: float = 0.0  # sgd only
+    zero_stage: int = 0  # 0: replicated; 1: optimizer state + master weights sharded over dp; 2: gradients too
+    bucket_mb: float = 25.0  # ZeRO-2 reduce-scatter bucket size, in MB of gradients
+
+
+@dataclass
+class Fp16Config:
+    """Loss scaling for train.precision=fp16, with DeepSpeed's knobs and meanings."""
+
+    loss_scale: float = 0.0  # 0: dynamic; > 0: this static scale
+    initial_scale_power: int = 16  # dynamic scaling starts at 2**this
+    loss_scale_window: int = 1000  # clean steps before the scale doubles
+    hysteresis: int = 2  # overflows tolerated before the scale halves
+    min_loss_scale: float = 1.0  # the scale never goes below this
 
 
 @dataclass
@@ -81,7 +96,10 @@ class TrainConfig:
     global_batch: Optional[int] = None  # = micro_batch * schedule.microbatches * parallel.dp (checked)
     seq_len: int = 128
     seed: int = 0
-    dtype: str = "float32"  # float32 | float64
+    dtype: str = "float32"  # float32 | float64: the dtype parameters are initialised (and kept) in
+    device: str = "auto"  # auto | cpu | cuda (auto: CUDA when every node has a GPU per local worker)
+    precision: str = "fp32"  # fp32 | bf16 | fp16: weights and activations; master weights stay fp32
+    compile: bool = False  # torch.compile each layer (transformer block) separately
 
 
 @dataclass
@@ -100,6 +118,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    fp16: Fp16Config = field(default_factory=Fp16Config)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -154,6 +173,11 @@ def check_config(cfg: Config) -> None:
     _check_choice("model.family", cfg.model.family, FAMILIES)
     _check_choice("train.dtype", t.dtype, ("float32", "float64"))
     _check_choice("optimizer.decay", cfg.optimizer.decay, ("cosine", "constant"))
+    _check_choice("optimizer.name", cfg.optimizer.name, ("adamw", "sgd"))
+    _check_choice("optimizer.zero_stage", cfg.optimizer.zero_stage, (0, 1, 2))
+    _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
+    _check_choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
+    _check_precision(cfg)
     want = t.micro_batch * s.microbatches * p.dp
     if t.global_batch != want:
         raise ConfigError(
@@ -166,6 +190,19 @@ def check_config(cfg: Config) -> None:
         build_schedule(s.name, p.pp, s.microbatches, s.chunks_per_rank)
     except ScheduleError as e:
         raise ConfigError(f"schedule: {e}") from e
+
+
+def _check_precision(cfg: Config) -> None:
+    t, f = cfg.train, cfg.fp16
+    if t.precision != "fp32" and t.dtype != "float32":
+        raise ConfigError(f"train.precision={t.precision} keeps float32 master weights, so it needs "
+                          f"train.dtype=float32 (got {t.dtype}); use train.precision=fp32 for {t.dtype}")
+    if cfg.optimizer.bucket_mb <= 0:
+        raise ConfigError(f"optimizer.bucket_mb must be > 0, got {cfg.optimizer.bucket_mb}")
+    for key, value, low in (("fp16.loss_scale", f.loss_scale, 0), ("fp16.loss_scale_window", f.loss_scale_window, 1),
+                            ("fp16.hysteresis", f.hysteresis, 1), ("fp16.min_loss_scale", f.min_loss_scale, 0)):
+        if value < low or (key == "fp16.min_loss_scale" and value == 0):
+            raise ConfigError(f"{key} must be {'> 0' if key == 'fp16.min_loss_scale' else f'>= {low}'}, got {value}")
 
 
 def _check_model_fits(cfg: Config, model) -> None:

@@ -18,6 +18,7 @@ gradients are those of the mean loss over the batch, as in one process.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from typing import Any, Iterator
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .optim import ZeroOptimizer
 from .pipeline import PipelineModule
 from .schedules import Action, Kind, Schedule, TimelineEvent, build_schedule, lower
 from .topology import DEFAULT_TIMEOUT
@@ -70,6 +72,15 @@ def _to_device(x, device: torch.device):
     return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
 
 
+def _cast_floats(x, dtype: torch.dtype | None):
+    """Cast the floating-point tensors of a tensor or tuple to `dtype` (None: unchanged)."""
+    if dtype is None:
+        return x
+    if isinstance(x, tuple):
+        return tuple(_cast_floats(t, dtype) for t in x)
+    return x.to(dtype) if x.is_floating_point() else x
+
+
 def _all_tensors(x) -> list[torch.Tensor]:
     return list(x) if isinstance(x, tuple) else [x]
 
@@ -109,6 +120,7 @@ class PipelineEngine:
         self.clip_grad_norm = clip_grad_norm
         self.lr_scheduler = lr_scheduler
         self.last_grad_norm: float | None = None
+        self.last_step_skipped = False
         self.topo = module.topology
         self.timeout = timeout
         if schedule != "interleaved_1f1b" and module.chunks_per_rank != 1:
@@ -135,7 +147,15 @@ class PipelineEngine:
             Kind.SEND_B: self._send_backward,
             Kind.RECV_B: self._recv_backward,
         }
-        self.tie_groups = self._make_tie_groups()
+        self.tie_groups = module.tie_groups
+        self.zero = isinstance(optimizer, ZeroOptimizer)
+        if optimizer is not None and module.precision != "fp32" and not self.zero:
+            raise ValueError(f"precision={module.precision!r} needs fp32 master weights: pass "
+                             f"optimizer=pipekit.optim.ZeroOptimizer(module, ...) (any stage) instead of "
+                             f"{type(optimizer).__name__}")
+        if self.zero and clip_grad_norm is not None:
+            optimizer.clip_grad_norm = clip_grad_norm
+        self._stage_params = {s: self._params_of_stage(s) for s in module.local_stages}
         self._io_meta: list | None = None
         self._io_key = None
 
@@ -144,20 +164,18 @@ class PipelineEngine:
         compute = [[a for a in self.schedule.compute_actions(r) if a.kind == Kind.F] for r in range(self.topo.pp)]
         return lower(compute, self.schedule.placement)[self.topo.pp_rank]
 
-    def _make_tie_groups(self) -> dict[str, Any]:
-        """One process group per (tied key, dp replica) spanning the pipeline ranks that hold the key.
-        Group creation is collective: every rank walks the same keys in the same order."""
-        groups = {}
-        for key, owners in sorted(self.module.tied_owners().items()):
-            if len(owners) < 2:
-                continue
-            for d in range(self.topo.dp):
-                for t in range(self.topo.tp):
-                    ranks = [self.topo.global_rank(r, d, t) for r in owners]
-                    group = dist.new_group(ranks)
-                    if self.topo.rank in ranks:
-                        groups[key] = group
-        return groups
+    def _params_of_stage(self, stage: int) -> list:
+        """The parameters a backward pass over `stage` gives gradients to (tied layers included)."""
+        from .spec import TiedLayerSpec
+
+        params = []
+        for i in self.module.stage_layers(stage):
+            spec = self.module.specs[i]
+            if isinstance(spec, TiedLayerSpec):
+                params += list(self.module.tied[spec.key].parameters())
+            elif str(i) in self.module.layers:
+                params += list(self.module.layers[str(i)].parameters())
+        return params
 
     def _stage_io(self, example_input) -> list:
         key = tuple((t.shape, t.dtype) for t in _all_tensors(example_input))
@@ -179,10 +197,16 @@ class PipelineEngine:
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
         self._run(self.actions, next(data_iter), training=True)
-        self._reduce_gradients()
-        self._clip_gradients()
-        self.optimizer.step()
-        if self.lr_scheduler is not None:
+        if self.zero:  # reduction, unscaling, overflow check and clipping happen inside
+            self.optimizer.step()
+            self.last_grad_norm = self.optimizer.last_grad_norm
+            self.last_step_skipped = self.optimizer.last_step_skipped
+        else:
+            self._reduce_gradients()
+            self._clip_gradients()
+            self.optimizer.step()
+            self.last_step_skipped = False
+        if self.lr_scheduler is not None and not self.last_step_skipped:
             self.lr_scheduler.step()
         return self._mean_loss()
 
@@ -205,6 +229,7 @@ class PipelineEngine:
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise TypeError(f"a batch must be a pair (inputs, labels), got {type(batch).__name__}")
         inputs, labels = (_to_device(x, self.topo.device) for x in batch)
+        inputs = _cast_floats(inputs, self.module.param_dtype)
         self._micro_in = split_microbatches(inputs, self.num_microbatches, "inputs")
         self._micro_labels = split_microbatches(labels, self.num_microbatches, "labels")
         self._io = self._stage_io(self._micro_in[0])
@@ -263,10 +288,12 @@ class PipelineEngine:
                 raise RuntimeError("training needs a loss; pass loss_fn=... to PipelineModule")
             self._outputs.append(out)
             return
-        loss = self.module.loss_fn(out, self._micro_labels[m])
+        loss = self.module.loss_fn(_cast_floats(out, torch.float32 if self.module.param_dtype else None),
+                                   self._micro_labels[m])
         self._losses.append(loss.detach())
         if self._training:
-            self._stash[(self.last_stage, m)] = (x, loss / self.num_microbatches)
+            scale = self.optimizer.loss_scale if self.zero else 1.0
+            self._stash[(self.last_stage, m)] = (x, loss * (scale / self.num_microbatches))
         else:
             self._outputs.append(out)
 
@@ -275,12 +302,14 @@ class PipelineEngine:
         if (s, m) not in self._stash:
             raise RuntimeError(f"backward of microbatch {m} on stage {s} before its forward")
         x, out = self._stash.pop((s, m))
-        if s == self.last_stage:
-            torch.autograd.backward(out)
-        else:
-            pairs = [(o, g) for o, g in zip(comm.float_entries(out), self._grads.pop((s, m))) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        passing = self.optimizer.backward_pass(self._stage_params[s]) if self.zero else contextlib.nullcontext()
+        with passing:
+            if s == self.last_stage:
+                torch.autograd.backward(out)
+            else:
+                pairs = [(o, g) for o, g in zip(comm.float_entries(out), self._grads.pop((s, m))) if o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if s == 0:
             return
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in comm.float_entries(x)]

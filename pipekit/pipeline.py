@@ -5,6 +5,15 @@ The spec list is cut into `pp * chunks_per_rank` virtual stages; virtual stage
 the layers of its own stages, each seeded by its global index, and names them
 by that index (`layers.7.weight`), so a parameter has the same name in every
 layout. Tied layers live under `tied.<key>` on every rank that uses them.
+
+Precision: `precision="bf16"` (or "fp16") builds every layer as in fp32, from
+the same seeded draws, then casts its floating-point parameters and buffers,
+so the layers' weights, activations and p2p messages are half precision; the
+fp32 master weights live in the optimizer (`pipekit.optim.ZeroOptimizer`).
+`compile=True` applies `torch.compile` to each layer module in place
+(`nn.Module.compile`, which keeps parameter names), one graph per transformer
+block as torchtitan does; the pipeline, its meta-device shape run and the
+stable names are untouched.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import re
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -51,6 +61,8 @@ class PipelineModule(nn.Module):
             in backward instead of keeping their activations (0: off).
         checkpoint_layers: regex on layer class names; matching layers are
             recomputed in backward one by one.
+        precision: "fp32" (the layers' dtype as built), "bf16" or "fp16".
+        compile: torch.compile every layer module (in place; names unchanged).
     """
 
     def __init__(
@@ -65,6 +77,8 @@ class PipelineModule(nn.Module):
         activation_checkpoint_interval: int = 0,
         checkpoint_layers: str | None = None,
         device: torch.device | str | None = None,
+        precision: str = "fp32",
+        compile: bool = False,
     ):
         super().__init__()
         self.specs = list(specs)
@@ -75,6 +89,10 @@ class PipelineModule(nn.Module):
             raise ValueError(f"chunks_per_rank must be >= 1, got {chunks_per_rank}")
         if activation_checkpoint_interval < 0:
             raise ValueError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is not one of {list(PRECISIONS)}")
+        self.precision = precision
+        self.compile = compile
         self.chunks_per_rank = chunks_per_rank
         self.num_stages = self.topology.pp * chunks_per_rank
         self.boundaries = partition_specs(self.specs, self.num_stages, partition)
@@ -92,19 +110,51 @@ class PipelineModule(nn.Module):
                     self._build(i)
             if isinstance(loss_fn, LayerSpec):
                 self.loss_fn = loss_fn.build(seed=seed, index=len(self.specs), device=self.device)
+        self.tie_groups = self._make_tie_groups()
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype layers are cast to (None: left as built)."""
+        return PRECISIONS[self.precision]
 
     # ---- construction -------------------------------------------------
     def _build(self, i: int) -> None:
         spec = self.specs[i]
         if isinstance(spec, TiedLayerSpec):
             if spec.key not in self.tied:
-                self.tied[spec.key] = build_layer(self.specs, i, seed=self.seed, device=self.device)
+                self.tied[spec.key] = self._finish(build_layer(self.specs, i, seed=self.seed, device=self.device))
         else:
             built = build_layer(self.specs, i, seed=self.seed, device=self.device)
             if isinstance(built, nn.Module):
-                self.layers[str(i)] = built
+                self.layers[str(i)] = self._finish(built)
             else:
                 self._funcs[i] = built
+
+    def _finish(self, layer: nn.Module, meta: bool = False) -> nn.Module:
+        """Cast a freshly built layer to the module's precision; compile it (not on meta)."""
+        if self.param_dtype is not None:
+            layer.to(self.param_dtype)
+        if self.compile and not meta and any(True for _ in layer.parameters()):
+            layer.compile()
+        return layer
+
+    def _make_tie_groups(self) -> dict[str, Any]:
+        """One process group per (tied key, dp replica, tp rank) spanning the pipeline ranks
+        that hold the key; this rank's group for each key it holds. Collective: every rank
+        walks the same keys in the same order."""
+        topo, groups = self.topology, {}
+        if not dist.is_initialized():
+            return groups
+        for key, owners in sorted(self.tied_owners().items()):
+            if len(owners) < 2:
+                continue
+            for d in range(topo.dp):
+                for t in range(topo.tp):
+                    ranks = [topo.global_rank(r, d, t) for r in owners]
+                    group = dist.new_group(ranks)
+                    if topo.rank in ranks:
+                        groups[key] = group
+        return groups
 
     def stage_layers(self, stage: int) -> range:
         """Global indices of the layers of virtual stage `stage`."""
@@ -189,12 +239,16 @@ class PipelineModule(nn.Module):
             for i, spec in enumerate(self.specs):
                 if isinstance(spec, TiedLayerSpec):
                     if spec.key not in tied:
-                        tied[spec.key] = build_layer(self.specs, i, seed=self.seed, device="meta")
+                        tied[spec.key] = self._finish(build_layer(self.specs, i, seed=self.seed, device="meta"), True)
                     cache[i] = tied[spec.key]
                 else:
-                    cache[i] = build_layer(self.specs, i, seed=self.seed, device="meta")
+                    layer = build_layer(self.specs, i, seed=self.seed, device="meta")
+                    cache[i] = self._finish(layer, True) if isinstance(layer, nn.Module) else layer
             object.__setattr__(self, "_meta_cache", cache)  # not a submodule: stays out of state_dict
         return self._meta_cache
+
+
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def to_meta(x):

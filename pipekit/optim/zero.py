@@ -1,0 +1,506 @@
+"""ZeroOptimizer: ZeRO stages 0, 1 and 2 over data-parallel groups, fp32 master weights.
+
+One class for one rank or many, for fp32 and for half-precision models; on one
+rank at stage 0 in fp32 it is exactly the wrapped torch optimizer.
+
+Layout. The trainable parameters are packed into flat *buckets*: one run of
+buckets per segment (a virtual pipeline stage, or a tied key, which must lay
+out the same way on every pipeline rank that holds it), per param group, and
+per "counted in the gradient norm" flag. A model parameter becomes a view into
+its bucket's parameter buffer (model dtype). Each bucket is padded to a
+multiple of its data-parallel group's size N and rank r owns the r-th of the N
+equal shards of every bucket, as Megatron's distributed optimizer does.
+
+State per rank, Ψ parameters, half-precision model, fp32 gradients:
+
+    stage 0   params 2Ψ   grads 4Ψ       master 4Ψ    Adam state 8Ψ
+    stage 1   params 2Ψ   grads 4Ψ       master 4Ψ/N  Adam state 8Ψ/N
+    stage 2   params 2Ψ   grads 4Ψ/N     master 4Ψ/N  Adam state 8Ψ/N   (+ buckets in flight)
+
+(`grad_dtype=` the model dtype halves the gradient column, giving the ZeRO
+paper's 16Ψ, 4Ψ + 12Ψ/N and 2Ψ + 14Ψ/N; an fp32 model keeps no separate
+master copy: its master shard is a view of its own parameters.)
+
+Communication per optimizer step, per bucket, over its dp group:
+
+    backward   a post-accumulate-grad hook adds each parameter's gradient into
+               its bucket (fp32) and frees it. Stage 2 only: after every
+               backward pass over a stage (every microbatch), each bucket of
+               that stage is reduce-scattered (async) as soon as it and every
+               bucket before it are complete, overlapping the rest of the
+               backward pass and the following pipeline actions; its shard is
+               added into the rank's fp32 gradient shard and the bucket freed.
+    step       stage 0: all-reduce; stage 1: reduce-scatter (in place). Then
+               tied segments are summed over their pipeline owners (on shards),
+               gradients are unscaled (1 / (N * loss scale)), an fp16 overflow
+               anywhere (all-reduce over the world) skips the step on every
+               rank, the global norm (each parameter once over dp, pp and tp)
+               is clipped, the wrapped optimizer steps the master shards, and
+               stages 1/2 all-gather the updated parameters.
+
+Expert seam: a param group may carry its own `dp_group` (experts sharded over
+ep ranks have a smaller data-parallel group); buckets, reductions, sharding
+and the norm follow each group's own dp group.
+
+Limit: every parameter is reduced every step, so one that got no gradient has
+a zero gradient (the wrapped optimizer sees 0, not None), unlike one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .scaler import LossScaler
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+_MB = 1 << 20
+
+
+@dataclass(eq=False)
+class Bucket:
+    """A flat run of parameters that share a dp group, a param group and a norm flag."""
+
+    params: list[nn.Parameter]
+    group_index: int
+    dp_group: Any
+    counted: bool  # included in the global gradient norm on this rank
+    segment: Any
+    param_buf: torch.Tensor = field(init=False)
+    offsets: dict = field(default_factory=dict)  # id(param) -> (start, numel)
+    grad_buf: torch.Tensor | None = None  # full bucket (stages 0, 1; stage 2 while in flight)
+    grad_shard: torch.Tensor | None = None  # stage 2: this rank's accumulated shard
+    master: torch.Tensor | None = None  # master weights: full (stage 0) or this rank's shard
+    arrived: int = 0
+    launched: bool = False
+
+    @property
+    def dp_size(self) -> int:
+        return dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.dp_group) if self.dp_group is not None else 0
+
+    @property
+    def shard(self) -> slice:
+        n = self.param_buf.numel() // self.dp_size
+        return slice(self.dp_rank * n, (self.dp_rank + 1) * n)
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """ZeRO over each parameter's data-parallel group; wraps a torch optimizer.
+
+    Args:
+        params: a PipelineModule (its dp group, stages, tied keys and tp
+            layout are used), an nn.Module, or parameters / param groups
+            (groups may set "dp_group").
+        optimizer: "adamw", "sgd" or a torch optimizer class, applied to the
+            master shards with each group's hyperparameters.
+        stage: 0 (replicated), 1 (master weights and optimizer state
+            sharded), 2 (gradients too, reduced during backward).
+        dp_group: the data-parallel group (default: the module's; None: no dp).
+        master_dtype: dtype of master weights and optimizer state (default:
+            float32, or the parameters' dtype when wider, e.g. float64).
+        grad_dtype: dtype gradients are accumulated and reduced in (same default).
+        bucket_mb: size of a bucket, in MB of gradients.
+        clip_grad_norm: clip the global gradient norm to this (None: off).
+        loss_scaler: a LossScaler for fp16 (None: no scaling, no overflow check).
+        module: the PipelineModule the param groups come from, when `params`
+            is a list of groups (weight decay on matrices only, say).
+        **defaults: the wrapped optimizer's hyperparameters (lr, betas, ...).
+    """
+
+    def __init__(self, params, optimizer: str | type = "adamw", *, stage: int = 0, dp_group=None,
+                 master_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
+                 bucket_mb: float = 25.0, clip_grad_norm: float | None = None,
+                 loss_scaler: LossScaler | None = None, module: nn.Module | None = None, **defaults):
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {stage}")
+        if isinstance(optimizer, str):
+            if optimizer not in OPTIMIZERS:
+                raise ValueError(f"optimizer={optimizer!r} is not one of {list(OPTIMIZERS)} (or pass a class)")
+            optimizer = OPTIMIZERS[optimizer]
+        self.module = params if isinstance(params, nn.Module) else module
+        topo = getattr(self.module, "topology", None)
+        if dp_group is None and topo is not None:
+            dp_group = topo.dp_group
+        groups = _param_groups(params)
+        super().__init__(groups, defaults)
+        self.stage, self.optimizer_class = stage, optimizer
+        wide = _widest([p for g in groups for p in g["params"]])
+        self.master_dtype, self.grad_dtype = master_dtype or wide, grad_dtype or wide
+        self.bucket_numel = max(1, int(bucket_mb * _MB) // self.grad_dtype.itemsize)
+        self.clip_grad_norm, self.loss_scaler = clip_grad_norm, loss_scaler
+        self.default_dp_group = dp_group
+        self.last_grad_norm: float | None = None
+        self.last_step_skipped = False
+        self.peak_inflight_bytes = 0
+        self._pending: list = []  # stage 2: (work, bucket) reductions in flight
+        self._current: list[Bucket] | None = None  # stage 2: buckets of the backward pass running now
+        self._dirty = False
+        self.buckets = self._make_buckets()
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.inner = self._make_inner()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+
+    # ---- construction -------------------------------------------------------
+    def _make_buckets(self) -> list[Bucket]:
+        segment_of, counted = _segments(self.module)
+        buckets: list[Bucket] = []
+        for gi, group in enumerate(self.param_groups):
+            dp_group = group.get("dp_group", self.default_dp_group)
+            runs: dict[tuple, list[nn.Parameter]] = {}
+            for p in group["params"]:
+                if p.requires_grad:
+                    runs.setdefault((segment_of(p), counted(p)), []).append(p)
+            for (segment, is_counted), params in sorted(runs.items(), key=lambda kv: str(kv[0])):
+                for chunk in _chunks(list(reversed(params)), self.bucket_numel):  # backward order
+                    buckets.append(self._make_bucket(chunk, gi, dp_group, is_counted, segment))
+        return buckets
+
+    def _make_bucket(self, params, gi, dp_group, counted, segment) -> Bucket:
+        b = Bucket(params, gi, dp_group, counted, segment)
+        n = sum(p.numel() for p in params)
+        size = math.ceil(max(n, 1) / b.dp_size) * b.dp_size
+        p0 = params[0]
+        b.param_buf = torch.zeros(size, dtype=p0.dtype, device=p0.device)
+        offset = 0
+        for p in params:
+            b.param_buf[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = b.param_buf[offset:offset + p.numel()].view_as(p)
+            b.offsets[id(p)] = (offset, p.numel())
+            offset += p.numel()
+        if self.stage < 2:
+            b.grad_buf = torch.zeros(size, dtype=self.grad_dtype, device=p0.device)
+        else:
+            b.grad_shard = torch.zeros(size // b.dp_size, dtype=self.grad_dtype, device=p0.device)
+        owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
+        b.master = owned if owned.dtype == self.master_dtype else owned.to(self.master_dtype)
+        return b
+
+    def _make_inner(self) -> torch.optim.Optimizer | None:
+        if not self.buckets:
+            return None
+        groups = [{**self._hyper(b.group_index), "params": [b.master]} for b in self.buckets]
+        return self.optimizer_class(groups)
+
+    def _hyper(self, gi: int) -> dict:
+        return {k: v for k, v in self.param_groups[gi].items() if k not in ("params", "dp_group")}
+
+    # ---- gradients ----------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: multiplied by the fp16 loss scale (if any)."""
+        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: move p.grad into its bucket (in grad_dtype) and free it."""
+        b = self._bucket_of[id(p)]
+        start, n = b.offsets[id(p)]
+        if b.grad_buf is None:  # stage 2: a bucket starts filling
+            b.grad_buf = torch.zeros_like(b.param_buf, dtype=self.grad_dtype)
+            self.peak_inflight_bytes = max(self.peak_inflight_bytes, self._inflight_bytes())
+        if b.launched:  # a second gradient in one pass (reentrant checkpointing): reduce again at the end
+            self._drain()
+            b.grad_buf, b.launched = torch.zeros_like(b.param_buf, dtype=self.grad_dtype), False
+        b.grad_buf[start:start + n].add_(p.grad.reshape(-1))
+        p.grad = None
+        self._dirty = True
+        if self.stage == 2 and self._current is not None and b in self._current:
+            b.arrived += 1
+            self._launch_ready()
+
+    @contextlib.contextmanager
+    def backward_pass(self, params: Iterable[nn.Parameter]):
+        """Wrap one backward pass that produces gradients for `params` (a stage and its
+        tied layers). Stage 2 reduces their buckets during and right after it; other
+        stages accumulate. Every dp rank must make the same sequence of calls."""
+        if self.stage != 2:
+            yield
+            return
+        self._drain()  # the previous pass's reductions overlapped the actions since; finish them
+        ids = {id(p) for p in params}
+        self._current = [b for b in self.buckets if any(id(p) in ids for p in b.params)]
+        for b in self._current:
+            b.arrived, b.launched = 0, False
+        try:
+            yield
+            for b in self._current:  # the rest (unused parameters' buckets too), in the fixed order
+                if not b.launched:
+                    self._launch(b)
+        finally:
+            self._current = None
+            self._dirty = False
+
+    def _launch_ready(self) -> None:
+        for b in self._current:
+            if b.launched:
+                continue
+            if b.arrived < len(b.params):
+                return
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        if b.grad_buf is None:
+            b.grad_buf = torch.zeros_like(b.param_buf, dtype=self.grad_dtype)
+        work = None
+        if b.dp_group is not None:
+            work = dist.reduce_scatter_tensor(b.grad_buf[b.shard], b.grad_buf, group=b.dp_group, async_op=True)
+        self._pending.append((work, b))
+        b.launched = True
+
+    def _drain(self) -> None:
+        """Stage 2: wait for the reductions in flight; add each into its shard; free the bucket."""
+        for work, b in self._pending:
+            if work is not None:
+                work.wait()
+            b.grad_shard.add_(b.grad_buf[b.shard])
+            b.grad_buf = None
+        self._pending.clear()
+
+    def _inflight_bytes(self) -> int:
+        return sum(b.grad_buf.numel() * b.grad_buf.element_size() for b in self.buckets if b.grad_buf is not None)
+
+    def _reduce(self) -> None:
+        """Reduce the step's gradients over each bucket's dp group; sum tied segments over pp."""
+        if self.stage == 2:
+            if self._dirty:  # a backward outside backward_pass (a plain training loop)
+                for b in self.buckets:
+                    self._launch(b)
+                self._dirty = False
+            self._drain()
+        else:
+            works = []
+            for b in self.buckets:
+                if b.dp_group is None:
+                    continue
+                if self.stage == 0:
+                    works.append(dist.all_reduce(b.grad_buf, group=b.dp_group, async_op=True))
+                else:
+                    works.append(dist.reduce_scatter_tensor(b.grad_buf[b.shard], b.grad_buf, group=b.dp_group,
+                                                            async_op=True))
+            for w in works:
+                w.wait()
+        tie_groups = getattr(self.module, "tie_groups", {})
+        for b in self.buckets:
+            if isinstance(b.segment, str) and b.segment in tie_groups:
+                dist.all_reduce(self._owned_grad(b), group=tie_groups[b.segment])
+
+    def _owned_grad(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced gradient for the part of `b` it updates."""
+        if self.stage == 2:
+            return b.grad_shard
+        return b.grad_buf if self.stage == 0 else b.grad_buf[b.shard]
+
+    # ---- the step -----------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        """Reduce, unscale, check overflow, clip, update the master weights, share them."""
+        if closure is not None:
+            raise ValueError("ZeroOptimizer.step does not take a closure")
+        self._reduce()
+        grads = []
+        for b in self.buckets:
+            g = self._owned_grad(b)
+            g = g if g.dtype == self.master_dtype else g.to(self.master_dtype)
+            g.mul_(1.0 / (b.dp_size * self.loss_scale))
+            b.master.grad = g
+            grads.append(g)
+        self.last_step_skipped = self._overflow(grads)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(self.last_step_skipped)
+        if self.last_step_skipped:
+            self.last_grad_norm = None
+            return None
+        self.last_grad_norm = self.grad_norm() if self.clip_grad_norm is not None else None
+        if self.last_grad_norm is not None and self.last_grad_norm > self.clip_grad_norm:
+            for g in grads:
+                g.mul_(self.clip_grad_norm / (self.last_grad_norm + 1e-6))
+        if self.inner is not None:
+            for b, inner_group in zip(self.buckets, self.inner.param_groups):
+                inner_group.update(self._hyper(b.group_index))
+            self.inner.step()
+        self._share_params()
+        return None
+
+    def _overflow(self, grads: list[torch.Tensor]) -> bool:
+        """True when any rank of the job holds an inf/NaN gradient (checked only with a loss scaler)."""
+        if self.loss_scaler is None:
+            return False
+        device = self.buckets[0].param_buf.device if self.buckets else _device(self.module)
+        bad = torch.zeros((), dtype=torch.float32, device=device)
+        for g in grads:
+            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return bool(bad.item())
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the unscaled, reduced gradients: each parameter once over dp,
+        pp and tp (tp-replicated ones on tp rank 0, tied ones on their first owner).
+        One all-reduce per distinct dp group (stages 1, 2), then one over pp and one over tp."""
+        device = self.buckets[0].param_buf.device if self.buckets else _device(self.module)
+        by_group: dict[Any, torch.Tensor] = {}
+        for b in self.buckets:
+            if b.counted:
+                key = b.dp_group if self.stage > 0 else None
+                part = by_group.setdefault(key, torch.zeros((), dtype=torch.float64, device=device))
+                part += b.master.grad.double().pow(2).sum()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for group, part in by_group.items():
+            if group is not None:
+                dist.all_reduce(part, group=group)
+            total += part
+        topo = getattr(self.module, "topology", None)
+        for group in (getattr(topo, "pp_group", None), getattr(topo, "tp_group", None)):
+            if group is not None:
+                dist.all_reduce(total, group=group)
+        return total.sqrt().item()
+
+    def _share_params(self) -> None:
+        """Write the updated master weights into the model's parameters (all-gather at stages 1, 2)."""
+        works = []
+        for b in self.buckets:
+            owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
+            if owned.data_ptr() != b.master.data_ptr():
+                owned.copy_(b.master)
+            if self.stage > 0 and b.dp_group is not None:
+                works.append(dist.all_gather_into_tensor(b.param_buf, owned.clone(), group=b.dp_group,
+                                                         async_op=True))
+        for w in works:
+            w.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for b in self.buckets:
+            for p in b.params:
+                p.grad = None
+            if b.grad_buf is not None and self.stage < 2:
+                b.grad_buf.zero_()
+            if b.grad_shard is not None:
+                b.grad_shard.zero_()
+            b.master.grad = None
+
+    # ---- introspection ------------------------------------------------------
+    def full_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """The accumulated (not yet reduced) gradient of `p` (stages 0, 1)."""
+        b = self._bucket_of[id(p)]
+        if b.grad_buf is None:
+            raise RuntimeError("stage 2 keeps no full gradient after its bucket is reduced")
+        start, n = b.offsets[id(p)]
+        return b.grad_buf[start:start + n].view_as(p)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients, master weights and optimizer state.
+        Stage 2's gradients include the largest set of buckets in flight seen so far."""
+        def nbytes(t):
+            return t.numel() * t.element_size() if t is not None else 0
+
+        params = sum(nbytes(b.param_buf) for b in self.buckets)
+        grads = sum(nbytes(b.grad_buf) if self.stage < 2 else nbytes(b.grad_shard) for b in self.buckets)
+        if self.stage == 2:
+            grads += self.peak_inflight_bytes
+        master = sum(nbytes(b.master) for b in self.buckets if not _is_view_of(b.master, b.param_buf))
+        state = 0
+        if self.inner is not None:
+            for s in self.inner.state.values():
+                state += sum(nbytes(v) for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
+        return {"params": params, "grads": grads, "master": master, "optimizer_state": state}
+
+    def state_dict(self) -> dict:
+        return {"inner": self.inner.state_dict() if self.inner else None,
+                "masters": [b.master.clone() for b in self.buckets],
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+                "param_groups": [self._hyper(i) for i in range(len(self.param_groups))]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load a state saved by the same layout (layout-free checkpoints are their own issue)."""
+        if self.inner is not None:
+            self.inner.load_state_dict(state["inner"])
+        for b, m in zip(self.buckets, state["masters"]):
+            b.master.copy_(m)
+        self._share_params()
+        if self.loss_scaler is not None and state.get("loss_scaler"):
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        for g, h in zip(self.param_groups, state["param_groups"]):
+            g.update(h)
+
+
+# ---- helpers -----------------------------------------------------------------
+def _param_groups(params) -> list[dict]:
+    """Param groups (at least one, possibly empty: a stage may have no parameters)."""
+    if isinstance(params, nn.Module):
+        return [{"params": [p for p in params.parameters() if p.requires_grad]}]
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        return [{**g, "params": list(g["params"])} for g in params]
+    return [{"params": params}]
+
+
+def _widest(params: list[torch.Tensor]) -> torch.dtype:
+    """float32, or the parameters' own float dtype when it is wider (float64)."""
+    dtype = torch.float32
+    for p in params:
+        dtype = torch.promote_types(dtype, p.dtype)
+    return dtype
+
+
+def _chunks(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
+    """Consecutive runs of parameters of at most `limit` elements (a bigger one alone)."""
+    out, run, size = [], [], 0
+    for p in params:
+        if run and size + p.numel() > limit:
+            out.append(run)
+            run, size = [], 0
+        run.append(p)
+        size += p.numel()
+    if run:
+        out.append(run)
+    return out
+
+
+def _segments(module) -> tuple[Callable, Callable]:
+    """segment_of(p) and counted(p) for a PipelineModule (else one segment, all counted).
+
+    Segments: the virtual stage holding a layer, or the tied key (a string) for
+    a tied layer, whose buckets must match on every pipeline rank holding it.
+    Counted: tp-replicated parameters only on tp rank 0, tied ones only on
+    their first owner, so the global norm counts every parameter once."""
+    if module is None or not hasattr(module, "stage_layers"):
+        return (lambda p: 0), (lambda p: True)
+    topo = module.topology
+    first_owner = {k: owners[0] for k, owners in module.tied_owners().items()}
+    segment, counted = {}, {}
+    for stage in module.local_stages:
+        for i in module.stage_layers(stage):
+            if str(i) in module.layers:
+                for p in module.layers[str(i)].parameters():
+                    segment[id(p)] = stage
+    for key, layer in module.tied.items():
+        for p in layer.parameters():
+            segment[id(p)] = key
+    for name, p in module.named_parameters():
+        replicated_off_zero = getattr(p, "tp_shard_dim", None) is None and topo.tp_rank != 0
+        not_first = name.startswith("tied.") and first_owner[name.split(".")[1]] != topo.pp_rank
+        counted[id(p)] = not (replicated_off_zero or not_first)
+        segment.setdefault(id(p), "other")
+    return (lambda p: segment.get(id(p), "other")), (lambda p: counted.get(id(p), True))
+
+
+def _is_view_of(t: torch.Tensor, base: torch.Tensor) -> bool:
+    start, end = base.data_ptr(), base.data_ptr() + base.numel() * base.element_size()
+    return start <= t.data_ptr() < end
+
+
+def _device(module) -> torch.device:
+    topo = getattr(module, "topology", None)
+    return topo.device if topo is not None else torch.device("cpu")

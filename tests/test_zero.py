@@ -1,0 +1,203 @@
+"""ZeRO stages 0-2 with fp32 master weights: every layout trains the one-process model.
+
+Each layout trains a tiny GPT-2 (tied embedding/head, float64) for 5 AdamW
+steps with global-norm clipping through `ZeroOptimizer`, and every rank
+checks every local weight (a tp shard against its slice) and the clipping
+norm against `torch.optim.AdamW` + `clip_grad_norm_` on one plain
+`nn.Sequential`, within 1e-10. Buckets are made tiny so that every stage has
+several and stage 2's in-order, during-backward reduce-scatters are exercised.
+A toy model whose second of four pipeline stages is a lone parameterless
+function checks that a rank with nothing to optimise still joins the norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import pipekit
+from pipekit.models import get_model, model_loss, model_specs
+from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
+from pipekit.optim import LossScaler, ZeroOptimizer
+from pipekit.testing import reference_model, reference_name, run_distributed
+
+TOL = 1e-10
+SEED, STEPS, BATCH, SEQ, CLIP, LR, WD = 7, 5, 8, 6, 0.3, 2e-2, 0.1
+GPT = dict(vocab_size=32, max_seq_len=16, n_layers=3, dim=16, n_heads=4)
+TINY_BUCKETS = 0.002  # MB: a few hundred float64 elements per bucket
+
+# (pp, dp, tp, zero stage, microbatches)
+LAYOUTS = {
+    2: [(1, 2, 1, 0, 2), (1, 2, 1, 1, 2), (1, 2, 1, 2, 2)],
+    4: [(1, 4, 1, 1, 2), (1, 4, 1, 2, 2), (2, 2, 1, 1, 4), (2, 2, 1, 2, 4), (1, 2, 2, 1, 2), (1, 2, 2, 2, 2)],
+    8: [(2, 4, 1, 2, 2), (2, 2, 2, 1, 2), (2, 2, 2, 2, 2)],
+}
+
+
+def _slice(full: torch.Tensor, p: torch.Tensor, topo) -> torch.Tensor:
+    dim = getattr(p, "tp_shard_dim", None)
+    return full if dim is None else full.chunk(topo.tp, dim=dim)[topo.tp_rank]
+
+
+def _gpt_batches():
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(STEPS):
+        ids = torch.randint(0, GPT["vocab_size"], (BATCH, SEQ + 1), generator=gen)
+        yield ids[:, :-1], ids[:, 1:]
+
+
+def _decay_groups(module):
+    params = [p for p in module.parameters()]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def train_and_compare(specs, loss, ref_loss_fn, batches, *, pp, dp, tp, stage, microbatches, optimizer="adamw",
+                      partition="parameters", **hyper) -> dict:
+    """Train `specs` at a layout with ZeroOptimizer and the reference with the torch optimizer."""
+    torch.set_default_dtype(torch.float64)
+    topo = pipekit.Topology(pp=pp, dp=dp, tp=tp)
+    module = pipekit.PipelineModule(specs, loss_fn=loss, topology=topo, seed=SEED, partition=partition)
+    opt = ZeroOptimizer(_decay_groups(module), optimizer, module=module, stage=stage, bucket_mb=TINY_BUCKETS,
+                        lr=LR, **hyper)
+    engine = pipekit.PipelineEngine(module, optimizer=opt, num_microbatches=microbatches, clip_grad_norm=CLIP)
+    ref = reference_model(specs, SEED)
+    torch_opt = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    ref_opt = torch_opt(_decay_groups(ref), lr=LR, **hyper)
+    ref_params = dict(ref.named_parameters())
+    pairs = {n: (p, ref_params[reference_name(n, specs)]) for n, p in module.named_parameters()}
+    worst = {"loss": 0.0, "weight": 0.0, "grad_norm": 0.0}
+    rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
+    for x, y in batches():
+        got = engine.train_batch(iter([(x[rows], y[rows])]))
+        ref_opt.zero_grad()
+        want = ref_loss_fn(ref(x), y)
+        want.backward()
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
+        ref_opt.step()
+        worst["loss"] = max(worst["loss"], abs(got - want.item()))
+        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - norm))
+    for p, r in pairs.values():
+        worst["weight"] = max(worst["weight"], (p.detach() - _slice(r.detach(), p, topo)).abs().max().item())
+    return worst
+
+
+def gpt_layout(pp, dp, tp, stage, microbatches) -> dict:
+    cfg = get_model("gpt2", "tiny", **GPT)
+    return train_and_compare(model_specs(cfg), model_loss(cfg), model_loss(cfg).build(), _gpt_batches,
+                             pp=pp, dp=dp, tp=tp, stage=stage, microbatches=microbatches)
+
+
+def _toy_batches():
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(STEPS):
+        x = torch.randint(0, 24, (BATCH, SEQ), generator=gen)
+        yield x, (5 * x + 3) % 24
+
+
+def toy_parameterless_stage(stage) -> dict:
+    """pp=4 with stage 1 = the lone `drop_positions` function: no parameters on rank 1."""
+    specs = toy_lm(ToyConfig(vocab=24, dim=8, wide_dim=12, blocks=2))
+    return train_and_compare(specs, lm_loss, lm_loss, _toy_batches, pp=4, dp=1, tp=1, stage=stage, microbatches=4,
+                             partition=[0, 8, 9, 10, 11])
+
+
+def sgd_layout(stage) -> dict:
+    cfg = get_model("gpt2", "tiny", **GPT)
+    return train_and_compare(model_specs(cfg), model_loss(cfg), model_loss(cfg).build(), _gpt_batches,
+                             pp=1, dp=2, tp=1, stage=stage, microbatches=2, optimizer="sgd", momentum=0.9)
+
+
+def run_world(world: int) -> list:
+    out = [gpt_layout(*layout) for layout in LAYOUTS[world]]
+    if world == 2:
+        out += [sgd_layout(1), sgd_layout(2)]
+    if world == 4:
+        out += [toy_parameterless_stage(1), toy_parameterless_stage(2)]
+    return out
+
+
+def _names(world: int) -> list[str]:
+    names = [f"(pp, dp, tp)={layout[:3]} ZeRO-{layout[3]}" for layout in LAYOUTS[world]]
+    if world == 2:
+        names += ["SGD ZeRO-1", "SGD ZeRO-2"]
+    if world == 4:
+        names += ["parameterless stage ZeRO-1", "parameterless stage ZeRO-2"]
+    return names
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_zero_stages_train_the_single_process_model(world):
+    for rank, results in enumerate(run_distributed(run_world, world, world, timeout=600)):
+        for name, worst in zip(_names(world), results):
+            for what, diff in worst.items():
+                assert diff <= TOL, f"rank {rank}, {name}: {what} differs by {diff:.3g}"
+
+
+def test_one_rank_zero_is_plain_adamw_in_a_plain_loop():
+    """No pipeline, no process group: ZeroOptimizer over an nn.Module in a hand-written loop."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+    ref.load_state_dict(model.state_dict())
+    for stage in (0, 1, 2):
+        m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+        m.load_state_dict(model.state_dict())
+        r = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+        r.load_state_dict(model.state_dict())
+        opt = ZeroOptimizer(m, "adamw", stage=stage, lr=0.1, weight_decay=0.3, clip_grad_norm=0.5)
+        ref_opt = torch.optim.AdamW(r.parameters(), lr=0.1, weight_decay=0.3)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            x = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+            ref_opt.zero_grad()
+            r(x).square().mean().backward()
+            norm = torch.nn.utils.clip_grad_norm_(r.parameters(), 0.5).item()
+            ref_opt.step()
+            assert abs(opt.last_grad_norm - norm) <= TOL
+        for a, b in zip(m.parameters(), r.parameters()):
+            assert (a - b).abs().max().item() <= TOL, f"stage {stage}"
+        assert opt.master_dtype == torch.float64  # float64 models keep float64 masters: no precision lost
+
+
+def test_master_weights_are_float32_for_a_bf16_model():
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    opt = ZeroOptimizer(model, "adamw", stage=0, lr=1e-3)
+    assert model.weight.dtype == torch.bfloat16
+    assert all(b.master.dtype == torch.float32 for b in opt.buckets)
+    mem = opt.memory_bytes()
+    n = 8 * 4 + 4
+    assert mem["params"] == 2 * n and mem["master"] == 4 * n and mem["grads"] == 4 * n
+
+
+def test_loss_scaler_follows_deepspeed_hysteresis_and_window():
+    s = LossScaler(initial_scale_power=4, scale_window=3, hysteresis=2, min_scale=2.0)
+    s.update(True)
+    assert s.scale == 16  # the first overflow uses up the tolerance
+    s.update(True)
+    assert s.scale == 8
+    s.update(True)
+    assert s.scale == 4
+    for _ in range(3):
+        s.update(False)
+    assert s.scale == 8 and s.tolerance == 2
+    for _ in range(5):
+        s.update(True)
+    assert s.scale == 2.0  # never below min_loss_scale
+    assert s.skipped_steps == 8
+    assert LossScaler(static_scale=128.0).scale == 128.0
+    with pytest.raises(ValueError, match="hysteresis must be >= 1, got 0"):
+        LossScaler(hysteresis=0)
+
+
+def test_bad_stage_and_optimizer_are_named():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="ZeRO stage must be 0, 1 or 2, got 3"):
+        ZeroOptimizer(model, stage=3)
+    with pytest.raises(ValueError, match="'lamb' is not one of"):
+        ZeroOptimizer(model, "lamb")
