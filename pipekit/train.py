@@ -24,8 +24,9 @@ import torch.distributed as dist
 from .checkpoint import atomic_save, full_state_dict
 from .config import Config, model_config, model_loss, model_specs, model_vocab
 from .engine import PipelineEngine
+from .optim import LossScaler, ZeroOptimizer
 from .pipeline import PipelineModule
-from .topology import Topology, init_distributed
+from .topology import Topology, fell_back, init_distributed, local_workers, resolve_device
 
 
 # ---- building --------------------------------------------------------------
@@ -45,15 +46,20 @@ def lr_lambda(cfg: Config):
     return at
 
 
-def make_optimizer(module: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; matrices decay, vectors (biases, norms) do not, as in nanoGPT and Megatron."""
+def make_optimizer(module: PipelineModule, cfg: Config) -> ZeroOptimizer:
+    """AdamW (or SGD) under ZeRO stage `optimizer.zero_stage`, with fp32 master weights and,
+    for fp16, a loss scaler; matrices decay, vectors (biases, norms) do not, as in nanoGPT
+    and Megatron."""
     o = cfg.optimizer
     params = [p for p in module.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    hyper = {"betas": (o.beta1, o.beta2), "eps": o.eps} if o.name == "adamw" else {"momentum": o.momentum}
+    scaler = LossScaler.from_config(cfg.fp16) if cfg.train.precision == "fp16" else None
+    return ZeroOptimizer(groups, o.name, module=module, stage=o.zero_stage, bucket_mb=o.bucket_mb,
+                         loss_scaler=scaler, lr=o.lr, **hyper)
 
 
 def build(cfg: Config, topo: Topology) -> PipelineEngine:
@@ -68,6 +74,8 @@ def build(cfg: Config, topo: Topology) -> PipelineEngine:
         chunks_per_rank=s.chunks_per_rank,
         activation_checkpoint_interval=s.activation_checkpoint_interval,
         checkpoint_layers=s.checkpoint_layers,
+        precision=cfg.train.precision,
+        compile=cfg.train.compile,
     )
     opt = make_optimizer(module, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
@@ -121,29 +129,84 @@ def check_vocab(cfg: Config, path: str | None) -> None:
 
 
 # ---- throughput figures ----------------------------------------------------
-_GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
+# Dense (not 2:4-sparse) tensor-core peaks of one GPU in TFLOP/s, from NVIDIA's data sheets:
+# (bf16/fp16, tf32). Matched in order as whole words of torch.cuda.get_device_name, so
+# "H100 PCIe" comes before "H100" (SXM), and "A10" does not match "A100". V100 has no bf16
+# or tf32 tensor cores: its figures are fp16 and plain fp32.
+_GPU_PEAK_TFLOPS = (
+    ("B200", 2250.0, 1100.0),
+    ("GH200", 989.0, 494.0),
+    ("H200", 989.0, 494.0),
+    ("H100 PCIe", 756.0, 378.0),
+    ("H100", 989.0, 494.0),
+    ("H800", 989.0, 494.0),
+    ("A100", 312.0, 156.0),
+    ("A800", 312.0, 156.0),
+    ("L40S", 362.0, 183.0),
+    ("L4", 121.0, 60.0),
+    ("A10", 125.0, 62.5),
+    ("V100", 125.0, 15.7),
+)
 
 
-def peak_flops_per_device(cfg: Config, topo: Topology) -> float:
-    """Dense peak FLOP/s of one device: configured, looked up (bf16 tensor-core figures), or,
-    on the CPU, measured: the best of five 0.1 s single-thread float32 512x512 matmul runs
-    (the best, so a neighbour busy starting up does not lower the peak)."""
+def peak_flops_per_device(cfg: Config, topo: Topology) -> tuple[float | None, str]:
+    """(Dense peak FLOP/s of one device, how it was found), for MFU.
+
+    In order: `logging.peak_tflops`; on CUDA, the card's figure for `train.precision`
+    (bf16/fp16: tensor-core dense peak; fp32: the TF32 dense peak, which matmuls reach
+    only with TF32 enabled, torch.set_float32_matmul_precision("high"); float64 is not
+    modelled), or None for a card not in the table (MFU is then reported as n/a); on the
+    CPU, measured once per run by `_measured_cpu_peak` (collective: every rank calls it).
+    """
     if cfg.logging.peak_tflops:
-        return cfg.logging.peak_tflops * 1e12
+        return cfg.logging.peak_tflops * 1e12, "logging.peak_tflops"
     if topo.device.type == "cuda":
-        name = torch.cuda.get_device_name(topo.device)
-        for key, tflops in _GPU_PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12
-    n, best = 512, 0.0
-    a, b = torch.randn(n, n, dtype=torch.float32), torch.randn(n, n, dtype=torch.float32)
-    for _ in range(5):
-        reps, start = 0, time.perf_counter()
-        while time.perf_counter() - start < 0.1:
-            a @ b
-            reps += 1
-        best = max(best, 2 * n**3 * reps / (time.perf_counter() - start))
-    return best
+        return _gpu_peak(torch.cuda.get_device_name(topo.device), cfg.train.precision)
+    return _measured_cpu_peak(topo), "measured on rank 0: the fastest of ~1 s of single-thread fp32 512x512 matmuls"
+
+
+def _gpu_peak(name: str, precision: str) -> tuple[float | None, str]:
+    """The table's peak of the GPU called `name` at `precision`, or None naming the card."""
+    import re
+
+    for key, half, tf32 in _GPU_PEAK_TFLOPS:
+        if re.search(rf"\b{key}\b", name):
+            kind = "tf32" if precision == "fp32" else precision
+            return (tf32 if precision == "fp32" else half) * 1e12, f"{name}, {kind} dense (data sheet)"
+    return None, f"unknown GPU {name!r}: set logging.peak_tflops for MFU"
+
+
+def _measured_cpu_peak(topo: Topology, seconds: float = 1.0, n: int = 512) -> float:
+    """Single-thread fp32 FLOP/s of one core, measured by rank 0 while the other ranks wait
+    at a barrier and then receive it (collective on the default group when there is one).
+
+    Each n x n matmul is timed alone for `seconds`, and the fastest counts: other processes
+    and a busy SMT sibling only ever slow a matmul down, so the fastest of ~100 is steady
+    from run to run where a median follows the machine's load (on the 2-core development VM
+    under load 4: best 61-74 GFLOP/s over six rounds, median 18-28). Limit: a core that is
+    never free during the whole second is measured low.
+    """
+    grouped = topo.world_size > 1 and dist.is_initialized()
+    if grouped:
+        dist.barrier()
+    peak = [0.0]
+    if topo.rank == 0:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            a, b = torch.randn(n, n, dtype=torch.float32), torch.randn(n, n, dtype=torch.float32)
+            a @ b  # warm-up: first-call set-up is not compute
+            best, start = math.inf, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                t0 = time.perf_counter()
+                a @ b
+                best = min(best, time.perf_counter() - t0)
+            peak[0] = 2 * n**3 / best
+        finally:
+            torch.set_num_threads(threads)
+    if grouped:
+        dist.broadcast_object_list(peak, src=0)
+    return peak[0]
 
 
 def flops_per_token(model_cfg, seq_len: int, n_params: int) -> float:
@@ -158,14 +221,15 @@ def flops_per_token(model_cfg, seq_len: int, n_params: int) -> float:
 # ---- the loop ----------------------------------------------------------------
 def train(cfg: Config) -> dict:
     """Run the whole job on this worker; returns a summary (the same on every rank)."""
+    device, reason = resolve_device(cfg.train.device, local_workers(cfg.world_size))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.world_size > 1:
-        init_distributed()
+        init_distributed(device=device)
     torch.set_default_dtype(getattr(torch, cfg.train.dtype))
-    topo = Topology(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp)
+    topo = Topology(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp, device=device)
     path = data_dir(cfg)
     check_vocab(cfg, path)
     engine = build(cfg, topo)
-    log = Logger(cfg, topo, engine)
+    log = Logger(cfg, topo, engine, notice=reason if fell_back(cfg.train.device, device) else None)
     train_data = batches(cfg, topo, "train", path)
     for step in range(1, cfg.train.steps + 1):
         lr = engine.optimizer.param_groups[0]["lr"]
@@ -250,12 +314,15 @@ def save_weights(cfg: Config, topo: Topology, engine: PipelineEngine, data_path:
 class Logger:
     """Rank 0's progress bar, metrics.jsonl, TensorBoard events and summary table."""
 
-    def __init__(self, cfg: Config, topo: Topology, engine: PipelineEngine):
+    def __init__(self, cfg: Config, topo: Topology, engine: PipelineEngine, notice: str | None = None):
         self.cfg, self.engine, self.active = cfg, engine, topo.rank == 0
+        self.device, self.notice = topo.device.type, notice
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         n_params = _count_params(engine)
         self.flops_per_token = flops_per_token(model_config(cfg.model), cfg.train.seq_len, n_params)
-        self.peak = peak_flops_per_device(cfg, topo) * _devices(topo)
+        self.device_peak, self.peak_source = peak_flops_per_device(cfg, topo)
+        self.devices = _devices(topo)
+        self.peak = self.device_peak * self.devices if self.device_peak else None
         self.n_params = n_params
         self.history: list[dict] = []
         self.start = time.perf_counter()
@@ -277,7 +344,10 @@ class Logger:
         p = self.cfg.parallel
         self._print(f"{self.cfg.model.family}/{self.cfg.model.flavour}: {self.n_params / 1e6:.2f} M parameters, "
                     f"pp={p.pp} dp={p.dp} tp={p.tp}, schedule {self.cfg.schedule.name}, "
-                    f"{self.tokens_per_step:,} tokens per step")
+                    f"{self.tokens_per_step:,} tokens per step, on {self.device}")
+        for line in (self.notice, None if self.peak else f"MFU: {self.peak_source}"):
+            if line:
+                self._print(line)
 
     def _print(self, text: str) -> None:
         if self.bar is not None:
@@ -299,7 +369,8 @@ class Logger:
         tps = self.tokens_per_step * step / elapsed
         rec = {"step": step, "loss": loss, "lr": lr,
                "grad_norm": self.engine.last_grad_norm, "tokens_per_s": tps,
-               "mfu": tps * self.flops_per_token / self.peak, "elapsed_s": elapsed}
+               "skipped": self.engine.last_step_skipped, "loss_scale": self.engine.optimizer.loss_scale,
+               "mfu": tps * self.flops_per_token / self.peak if self.peak else None, "elapsed_s": elapsed}
         if val is not None:
             rec["val_loss"] = val
         self.history.append(rec)
@@ -307,15 +378,19 @@ class Logger:
             return
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{rec['mfu']:.1%}")
-        if step % self.cfg.logging.log_every == 0 or val is not None or step in (1, self.cfg.train.steps):
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mfu=_percent(rec["mfu"]))
+        if rec["skipped"]:
+            self._print(f"step {step}: fp16 gradient overflow on some rank; the step was skipped on every rank, "
+                        f"loss scale now {rec['loss_scale']:g}")
+        if (step % self.cfg.logging.log_every == 0 or val is not None or rec["skipped"]
+                or step in (1, self.cfg.train.steps)):
             self._record(rec)
 
     def _record(self, rec: dict) -> None:
         val = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
         if self.bar is None or not self.bar.disable:
             self._print(f"step {rec['step']:5d}  loss {rec['loss']:.4f}{val}  lr {rec['lr']:.2e}  "
-                        f"{rec['tokens_per_s']:,.0f} tok/s  mfu {rec['mfu']:.1%}")
+                        f"{rec['tokens_per_s']:,.0f} tok/s  mfu {_percent(rec['mfu'])}")
         if self.file:
             self.file.write(json.dumps(rec) + "\n")
             self.file.flush()
@@ -331,8 +406,10 @@ class Logger:
             "steps": len(h), "seconds": h[-1]["elapsed_s"], "tokens": self.tokens_per_step * len(h),
             "first_loss": h[0]["loss"], "final_loss": h[-1]["loss"], "final_val_loss": vals[-1] if vals else None,
             "tokens_per_s": h[-1]["tokens_per_s"], "mfu": h[-1]["mfu"], "params": self.n_params,
+            "peak_flops_per_device": self.device_peak, "peak_source": self.peak_source, "devices": self.devices,
             "pp": self.cfg.parallel.pp, "dp": self.cfg.parallel.dp, "tp": self.cfg.parallel.tp,
-            "schedule": self.cfg.schedule.name,
+            "schedule": self.cfg.schedule.name, "skipped_steps": sum(bool(r["skipped"]) for r in h),
+            "precision": self.cfg.train.precision, "zero_stage": self.cfg.optimizer.zero_stage,
         }
         if self.active:
             if self.bar is not None:
@@ -349,13 +426,16 @@ class Logger:
 def summary_table(s: dict) -> str:
     rows = [
         ("layout", f"pp={s['pp']} dp={s['dp']} tp={s['tp']} ({s['schedule']})"),
+        ("precision", f"{s['precision']}, ZeRO stage {s['zero_stage']}"
+                      + (f", {s['skipped_steps']} steps skipped (fp16 overflow)" if s["skipped_steps"] else "")),
         ("parameters", f"{s['params'] / 1e6:.2f} M"),
         ("steps", f"{s['steps']} ({s['tokens']:,} tokens)"),
         ("time", f"{s['seconds']:.1f} s training (validation not counted)"),
         ("train loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"),
         ("val loss", "-" if s["final_val_loss"] is None else f"{s['final_val_loss']:.4f}"),
         ("throughput", f"{s['tokens_per_s']:,.0f} tokens/s"),
-        ("MFU", f"{s['mfu']:.1%}"),
+        ("peak", _peak_text(s)),
+        ("MFU", _percent(s["mfu"])),
     ]
     width = max(len(k) for k, _ in rows)
     line = "-" * (width + 40)
@@ -377,9 +457,24 @@ def _count_params(engine: PipelineEngine) -> int:
 
 
 def _devices(topo: Topology) -> int:
+    """Devices the job computes on: one GPU per rank; on the CPU, the cores its ranks' threads
+    can occupy (min(ranks x torch threads, cores)), since the CPU peak is one core's."""
     if topo.device.type == "cuda":
         return topo.world_size
-    return min(topo.world_size, os.cpu_count() or 1)
+    return min(topo.world_size * torch.get_num_threads(), os.cpu_count() or 1)
+
+
+def _percent(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def _peak_text(s: dict) -> str:
+    """The summary's peak row: the per-device figure, the device count, and where it came from."""
+    peak = s.get("peak_flops_per_device")
+    if not peak:
+        return f"n/a ({s.get('peak_source')})"
+    figure = f"{peak / 1e12:,.1f} TFLOP/s" if peak >= 1e12 else f"{peak / 1e9:,.1f} GFLOP/s"
+    return f"{figure} per device x {s['devices']} ({s['peak_source']})"
 
 
 def _tensorboard(out_dir: str):
