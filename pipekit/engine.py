@@ -12,6 +12,15 @@ One optimizer step (`train_batch`) is:
 4. step the optimizer and return the mean microbatch loss, the same on
    every rank.
 
+With a `pipekit.optim.ZeroOptimizer` the optimizer owns step 3 and the
+clipping: each backward pass runs inside `optimizer.backward_pass(...)` (so
+ZeRO-2 reduce-scatters during backward), the loss is multiplied by its loss
+scale (fp16), and `optimizer.step()` reduces, unscales, checks for overflow
+(a skipped step does not advance the LR schedule), clips and updates. A
+half-precision module (`precision="bf16"`) needs it, for fp32 master
+weights; float inputs are cast to the module's dtype and the last stage's
+outputs to fp32 before the loss.
+
 The loss of each microbatch is divided by M before its backward, so the
 gradients are those of the mean loss over the batch, as in one process.
 """
