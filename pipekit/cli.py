@@ -26,8 +26,14 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"pipekit train: {e}", file=sys.stderr)
         return 2
+    device = _device(cfg)
+    if device is None:
+        return 2
     if cfg.world_size > 1 and "RANK" not in os.environ:
-        return _launch(cfg.world_size, ["train", *([args.config] if args.config else []), *args.overrides])
+        # The workers take this process's answer: after auto -> cpu with a GPU visible they must
+        # not resolve again (each would call set_device on an ordinal that is not there).
+        argv = ["train", *([args.config] if args.config else []), *args.overrides, f"train.device={device}"]
+        return _launch(cfg.world_size, argv)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
         print(f"pipekit train: torchrun started {os.environ['WORLD_SIZE']} workers but the config asks for "
               f"pp*dp*tp = {cfg.world_size}", file=sys.stderr)
@@ -42,6 +48,22 @@ def _train(args: argparse.Namespace) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _device(cfg) -> str | None:
+    """"cuda" or "cpu" for this node's workers, or None after printing why the requested device
+    cannot be had. Prints the notice when auto fell back to the CPU although a GPU is visible
+    (here, once, for workers this command launches; `train()` prints it otherwise)."""
+    from .topology import fell_back, local_workers, resolve_device
+
+    try:
+        device, reason = resolve_device(cfg.train.device, local_workers(cfg.world_size))
+    except ValueError as e:
+        print(f"pipekit train: {e}", file=sys.stderr)
+        return None
+    if fell_back(cfg.train.device, device) and cfg.world_size > 1 and "RANK" not in os.environ:
+        print(f"pipekit: {reason}", flush=True)
+    return device
 
 
 def _launch(nproc: int, argv: list[str]) -> int:

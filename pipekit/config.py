@@ -178,6 +178,7 @@ def check_config(cfg: Config) -> None:
     _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
     _check_choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
     _check_precision(cfg)
+    _check_device(cfg)
     want = t.micro_batch * s.microbatches * p.dp
     if t.global_batch != want:
         raise ConfigError(
@@ -203,6 +204,23 @@ def _check_precision(cfg: Config) -> None:
                             ("fp16.hysteresis", f.hysteresis, 1), ("fp16.min_loss_scale", f.min_loss_scale, 0)):
         if value < low or (key == "fp16.min_loss_scale" and value == 0):
             raise ConfigError(f"{key} must be {'> 0' if key == 'fp16.min_loss_scale' else f'>= {low}'}, got {value}")
+
+
+def _check_device(cfg: Config) -> None:
+    """train.device=cuda needs a GPU per worker on this node, known before any worker starts.
+
+    Workers on this node: torchrun's LOCAL_WORLD_SIZE when set (inside a worker, or
+    a multi-node launch), else pp*dp*tp (`pipekit train` starts them all here).
+    "auto" never fails: it falls back to the CPU. Imports torch only for "cuda".
+    """
+    if cfg.train.device != "cuda":
+        return
+    from .topology import local_workers, resolve_device
+
+    try:
+        resolve_device("cuda", local_workers(cfg.world_size))
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _check_model_fits(cfg: Config, model) -> None:

@@ -26,11 +26,22 @@ def _triton_usable(cuda: bool) -> str:
     return "no (no CUDA device; set TRITON_INTERPRET=1 to run kernels in the interpreter)"
 
 
+def auto_device_text(gpus: int) -> str:
+    """What `train.device=auto` gives on a node with `gpus` visible GPUs (see resolve_device)."""
+    from pipekit.topology import resolve_device
+
+    device, _ = resolve_device("auto", 1, gpus)
+    if device == "cpu":
+        return "cpu with gloo (no CUDA device visible)"
+    return f"cuda with NCCL for up to {gpus} worker{'s' if gpus > 1 else ''} per node; cpu with gloo beyond that"
+
+
 def report() -> list[tuple[str, str]]:
     import torch
     import torch.distributed as dist
 
     import pipekit
+    from pipekit.topology import count_visible_gpus
 
     cuda = torch.cuda.is_available()
     rows = [
@@ -40,6 +51,7 @@ def report() -> list[tuple[str, str]]:
         ("CUDA devices", ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if cuda else "none"),
         ("NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda and dist.is_nccl_available() else "not available"),
         ("gloo", "available" if dist.is_gloo_available() else "not available"),
+        ("train.device=auto picks", auto_device_text(count_visible_gpus())),
         ("CPU cores", str(os.cpu_count())),
         ("triton", _version("triton") or "not installed"),
         ("Triton kernels usable", _triton_usable(cuda)),

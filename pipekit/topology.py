@@ -5,6 +5,10 @@ one stage replica are neighbours, then its data-parallel replicas
 (rank = (pp_rank * dp + dp_rank) * tp + tp_rank), the order Megatron uses to
 keep the chattiest collectives (tp) within a node. Expert parallelism joins
 as a further dimension later.
+
+Devices: one GPU per worker or none. `resolve_device` decides from the
+number of visible GPUs and of workers on this node, before any group exists;
+`init_distributed` and `Topology` follow its answer.
 """
 
 from __future__ import annotations
@@ -42,16 +46,74 @@ def grid_sizes(world_size: int, pp: int, dp: int | None = None, tp: int = 1) -> 
     return pp, dp, tp
 
 
-def init_distributed(backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def count_visible_gpus() -> int:
+    """CUDA devices this process can see (after CUDA_VISIBLE_DEVICES); 0 when CUDA is not available."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_workers(default: int = 1) -> int:
+    """Workers on this node: torchrun's LOCAL_WORLD_SIZE when set, else `default`
+    (1 for a plain process; the whole world for a single-node launch not yet started)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", default))
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def resolve_device(requested: str, local_workers: int, visible_gpus: int | None = None) -> tuple[str, str]:
+    """("cuda" or "cpu", a one-line reason) for `local_workers` workers on a node with
+    `visible_gpus` GPUs (None: count them; 0 without CUDA). Pure given the counts.
+
+    The plan is one GPU per worker or none at all: "auto" takes CUDA only when every
+    local worker gets its own GPU, else the CPU with gloo; "cuda" with too few GPUs
+    raises ValueError naming both counts and the ways out; "cpu" always gives the CPU.
+    Limit: only counts are compared (not memory, not whether the GPUs are busy).
+    """
+    if requested not in DEVICES:
+        raise ValueError(f"device {requested!r} is not one of {list(DEVICES)}")
+    if local_workers < 1:
+        raise ValueError(f"local_workers must be >= 1, got {local_workers}")
+    gpus = count_visible_gpus() if visible_gpus is None else visible_gpus
+    counts = f"{_plural(gpus, 'GPU')} visible for {_plural(local_workers, 'local worker')}"
+    if requested == "cpu":
+        return "cpu", f"train.device=cpu: using the CPU with gloo ({counts})"
+    if gpus >= local_workers:
+        return "cuda", f"{requested}: {counts}; one GPU per worker with NCCL"
+    if requested == "cuda":
+        way_out = (f"run at most {_plural(gpus, 'worker')} per node (smaller pp*dp*tp, or spread them over more "
+                   "nodes), or set train.device=cpu") if gpus else "set train.device=cpu, or run on nodes with GPUs"
+        raise ValueError(f"train.device=cuda needs a GPU per local worker, but {counts}; {way_out}")
+    if gpus == 0:
+        return "cpu", "auto: no CUDA device visible; using the CPU with gloo"
+    return "cpu", (f"auto: {counts}; using the CPU with gloo (set parallel sizes so each node has a GPU per "
+                   "worker, or train.device=cpu to silence this)")
+
+
+def fell_back(requested: str, device: str) -> bool:
+    """Whether "auto" chose the CPU although some GPU is visible: the case worth a notice."""
+    return requested == "auto" and device == "cpu" and count_visible_gpus() > 0
+
+
+def init_distributed(
+    backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT, device: str = "auto"
+) -> None:
     """Initialise the default process group from torchrun's environment if it is not up yet.
 
-    gloo on CPU, NCCL when CUDA is available (override with `backend`).
+    The device comes from `resolve_device(device, LOCAL_WORLD_SIZE)`: NCCL and
+    `torch.cuda.set_device(LOCAL_RANK)` for CUDA, gloo for the CPU (`backend`
+    overrides the backend; an explicit "nccl" still sets the CUDA device). Does
+    nothing when a group is already up, or without torchrun's RANK and
+    WORLD_SIZE (one plain process needs no group: `Topology()` works without).
     """
-    if dist.is_initialized():
+    if dist.is_initialized() or not {"RANK", "WORLD_SIZE"} <= os.environ.keys():
         return
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    kind, _ = resolve_device(device, local_workers())
+    backend = backend or ("nccl" if kind == "cuda" else "gloo")
+    if kind == "cuda" or backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend=backend, timeout=timeout)
 
@@ -63,16 +125,23 @@ class Topology:
     default process group, except for one plain process (pp=dp=tp=1), which
     needs none; every rank must construct it (group creation is collective).
     Groups of size 1 are None.
+
+    `device` is "auto", "cpu" or "cuda" (`device_type` is an older alias). With a
+    process group, "auto" (or None) follows the backend: CUDA for NCCL, else the
+    CPU. A plain process resolves "auto" with `resolve_device` (its GPU when it
+    has one); None keeps it on the CPU, the library default (`pipekit train`
+    always passes `train.device`).
     """
 
-    def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1, device_type: str | None = None):
+    def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1, device_type: str | None = None,
+                 device: str | None = None):
+        device = _one_device_arg(device, device_type)
         if not dist.is_initialized():
-            self._init_single(pp, dp, tp, device_type)
+            self._init_single(pp, dp, tp, device)
             return
         self.world_size = dist.get_world_size()
         self.pp, self.dp, self.tp = grid_sizes(self.world_size, pp, dp, tp)
-        if device_type is None:
-            device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = _group_device(device)
         self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         self.mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
         self.rank = dist.get_rank()
@@ -83,7 +152,7 @@ class Topology:
             for name, size in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp))
         )
 
-    def _init_single(self, pp: int, dp: int | None, tp: int, device_type: str | None) -> None:
+    def _init_single(self, pp: int, dp: int | None, tp: int, device: str | None) -> None:
         """One plain process, no process groups: what `PipelineModule(topology=None)` uses."""
         if (pp, dp or 1, tp) != (1, 1, 1):
             raise RuntimeError(
@@ -93,7 +162,8 @@ class Topology:
         self.world_size = self.pp = self.dp = self.tp = 1
         self.rank = self.pp_rank = self.dp_rank = self.tp_rank = 0
         self.mesh = self.pp_group = self.dp_group = self.tp_group = None
-        self.device = torch.device(device_type or "cpu")
+        kind = "cpu" if device is None else resolve_device(device, local_workers())[0]
+        self.device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
     def global_rank(self, pp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
         """Global rank at a grid coordinate; dp_rank and tp_rank default to this rank's."""
@@ -106,3 +176,22 @@ class Topology:
             f"Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}, rank={self.rank} -> "
             f"pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, tp_rank={self.tp_rank})"
         )
+
+
+def _one_device_arg(device: str | None, device_type: str | None) -> str | None:
+    """`device`, or its alias `device_type`; both given must agree."""
+    if device is not None and device_type is not None and device != device_type:
+        raise ValueError(f"Topology got device={device!r} and device_type={device_type!r}; "
+                         "pass one of them (device_type is an alias of device)")
+    device = device if device is not None else device_type
+    if device is not None and device not in DEVICES:
+        raise ValueError(f"device {device!r} is not one of {list(DEVICES)}")
+    return device
+
+
+def _group_device(device: str | None) -> str:
+    """The device type of a rank in a process group: the backend's for None or "auto"
+    (CUDA for NCCL, else the CPU); "cuda" is checked against this node's GPUs."""
+    if device in (None, "auto"):
+        return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return resolve_device(device, local_workers())[0]
