@@ -165,6 +165,7 @@ class PipelineEngine:
         if self.zero and clip_grad_norm is not None:
             optimizer.clip_grad_norm = clip_grad_norm
         self._stage_params = {s: self._params_of_stage(s) for s in module.local_stages}
+        self._final_params = self._params_final_after()
         self._io_meta: list | None = None
         self._io_key = None
 
@@ -185,6 +186,24 @@ class PipelineEngine:
             elif str(i) in self.module.layers:
                 params += list(self.module.layers[str(i)].parameters())
         return params
+
+    def _params_final_after(self) -> dict[tuple[int, int], list]:
+        """(stage, microbatch) of a backward action -> the parameters whose gradients are
+        complete for the step once it has run (its stage's last backward, or for a layer
+        used by two local stages, the later of theirs)."""
+        last = {}
+        for i, a in enumerate(self.actions):
+            if a.kind in (Kind.B, Kind.BW):
+                last[a.stage] = (i, a.microbatch)
+        final_at: dict[int, tuple] = {}
+        for s, params in self._stage_params.items():
+            for p in params:
+                if s in last and (id(p) not in final_at or last[s][0] > final_at[id(p)][1][0]):
+                    final_at[id(p)] = (p, last[s], s)
+        out: dict[tuple[int, int], list] = {}
+        for p, (_, mb), s in final_at.values():
+            out.setdefault((s, mb), []).append(p)
+        return out
 
     def _stage_io(self, example_input) -> list:
         key = tuple((t.shape, t.dtype) for t in _all_tensors(example_input))
@@ -311,7 +330,8 @@ class PipelineEngine:
         if (s, m) not in self._stash:
             raise RuntimeError(f"backward of microbatch {m} on stage {s} before its forward")
         x, out = self._stash.pop((s, m))
-        passing = self.optimizer.backward_pass(self._stage_params[s]) if self.zero else contextlib.nullcontext()
+        passing = (self.optimizer.backward_pass(self._stage_params[s], self._final_params.get((s, m), ()))
+                   if self.zero else contextlib.nullcontext())
         with passing:
             if s == self.last_stage:
                 torch.autograd.backward(out)

@@ -28,10 +28,12 @@ SEED, STEPS, BATCH, SEQ, CLIP, LR, WD = 7, 5, 8, 6, 0.3, 2e-2, 0.1
 GPT = dict(vocab_size=32, max_seq_len=16, n_layers=3, dim=16, n_heads=4)
 TINY_BUCKETS = 0.002  # MB: a few hundred float64 elements per bucket
 
-# (pp, dp, tp, zero stage, microbatches)
+# (pp, dp, tp, zero stage, microbatches[, chunks per rank: interleaved 1F1B])
 LAYOUTS = {
-    2: [(1, 2, 1, 0, 2), (1, 2, 1, 1, 2), (1, 2, 1, 2, 2)],
-    4: [(1, 4, 1, 1, 2), (1, 4, 1, 2, 2), (2, 2, 1, 1, 4), (2, 2, 1, 2, 4), (1, 2, 2, 1, 2), (1, 2, 2, 2, 2)],
+    2: [(1, 2, 1, 0, 2), (1, 2, 1, 1, 2), (1, 2, 1, 2, 2),
+        (1, 2, 1, 0, 2, 2), (1, 2, 1, 1, 2, 2)],  # pp=1 x 2 chunks: the tied pair in two stages of one rank
+    4: [(1, 4, 1, 1, 2), (1, 4, 1, 2, 2), (2, 2, 1, 1, 4), (2, 2, 1, 2, 4), (1, 2, 2, 1, 2), (1, 2, 2, 2, 2),
+        (2, 2, 1, 1, 4, 2)],
     8: [(2, 4, 1, 2, 2), (2, 2, 2, 1, 2), (2, 2, 2, 2, 2)],
 }
 
@@ -54,15 +56,17 @@ def _decay_groups(module):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def train_and_compare(specs, loss, ref_loss_fn, batches, *, pp, dp, tp, stage, microbatches, optimizer="adamw",
-                      partition="parameters", **hyper) -> dict:
+def train_and_compare(specs, loss, ref_loss_fn, batches, *, pp, dp, tp, stage, microbatches, chunks=1,
+                      optimizer="adamw", partition="parameters", **hyper) -> dict:
     """Train `specs` at a layout with ZeroOptimizer and the reference with the torch optimizer."""
     torch.set_default_dtype(torch.float64)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp)
-    module = pipekit.PipelineModule(specs, loss_fn=loss, topology=topo, seed=SEED, partition=partition)
+    module = pipekit.PipelineModule(specs, loss_fn=loss, topology=topo, seed=SEED, partition=partition,
+                                    chunks_per_rank=chunks)
     opt = ZeroOptimizer(_decay_groups(module), optimizer, module=module, stage=stage, bucket_mb=TINY_BUCKETS,
                         lr=LR, **hyper)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, num_microbatches=microbatches, clip_grad_norm=CLIP)
+    engine = pipekit.PipelineEngine(module, optimizer=opt, num_microbatches=microbatches, clip_grad_norm=CLIP,
+                                    schedule="interleaved_1f1b" if chunks > 1 else "1f1b")
     ref = reference_model(specs, SEED)
     torch_opt = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
     ref_opt = torch_opt(_decay_groups(ref), lr=LR, **hyper)
@@ -84,10 +88,10 @@ def train_and_compare(specs, loss, ref_loss_fn, batches, *, pp, dp, tp, stage, m
     return worst
 
 
-def gpt_layout(pp, dp, tp, stage, microbatches) -> dict:
+def gpt_layout(pp, dp, tp, stage, microbatches, chunks=1) -> dict:
     cfg = get_model("gpt2", "tiny", **GPT)
     return train_and_compare(model_specs(cfg), model_loss(cfg), model_loss(cfg).build(), _gpt_batches,
-                             pp=pp, dp=dp, tp=tp, stage=stage, microbatches=microbatches)
+                             pp=pp, dp=dp, tp=tp, stage=stage, microbatches=microbatches, chunks=chunks)
 
 
 def _toy_batches():
@@ -120,7 +124,8 @@ def run_world(world: int) -> list:
 
 
 def _names(world: int) -> list[str]:
-    names = [f"(pp, dp, tp)={layout[:3]} ZeRO-{layout[3]}" for layout in LAYOUTS[world]]
+    names = [f"(pp, dp, tp)={layout[:3]} ZeRO-{layout[3]} chunks={layout[5] if len(layout) > 5 else 1}"
+             for layout in LAYOUTS[world]]
     if world == 2:
         names += ["SGD ZeRO-1", "SGD ZeRO-2"]
     if world == 4:

@@ -114,13 +114,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         loss_scaler: a LossScaler for fp16 (None: no scaling, no overflow check).
         module: the PipelineModule the param groups come from, when `params`
             is a list of groups (weight decay on matrices only, say).
+        max_inflight: stage 2 keeps at most this many reduced buckets in flight.
         **defaults: the wrapped optimizer's hyperparameters (lr, betas, ...).
     """
 
     def __init__(self, params, optimizer: str | type = "adamw", *, stage: int = 0, dp_group=None,
                  master_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
                  bucket_mb: float = 25.0, clip_grad_norm: float | None = None,
-                 loss_scaler: LossScaler | None = None, module: nn.Module | None = None, **defaults):
+                 loss_scaler: LossScaler | None = None, module: nn.Module | None = None, max_inflight: int = 2,
+                 **defaults):
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {stage}")
         if isinstance(optimizer, str):
@@ -138,6 +140,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.master_dtype, self.grad_dtype = master_dtype or wide, grad_dtype or wide
         self.bucket_numel = max(1, int(bucket_mb * _MB) // self.grad_dtype.itemsize)
         self.clip_grad_norm, self.loss_scaler = clip_grad_norm, loss_scaler
+        self.max_inflight = max_inflight
         self.default_dp_group = dp_group
         self.last_grad_norm: float | None = None
         self.last_step_skipped = False
@@ -207,40 +210,52 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Post-accumulate-grad hook: move p.grad into its bucket (in grad_dtype) and free it."""
         b = self._bucket_of[id(p)]
         start, n = b.offsets[id(p)]
+        if b.launched:  # a gradient after its bucket was reduced
+            if self.stage < 2:
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(p.shape)} got a gradient after its bucket was reduced: a backward "
+                    "pass after the one marked final for it, or reentrant checkpointing firing its hook twice; "
+                    "use non-reentrant checkpointing (PipelineModule's own), or ZeRO stage 2")
+            self._drain()  # stage 2: reduce again at the end of the pass
+            b.launched, b.arrived = False, 0
         if b.grad_buf is None:  # stage 2: a bucket starts filling
             b.grad_buf = torch.zeros_like(b.param_buf, dtype=self.grad_dtype)
             self.peak_inflight_bytes = max(self.peak_inflight_bytes, self._inflight_bytes())
-        if b.launched:  # a second gradient in one pass (reentrant checkpointing): reduce again at the end
-            self._drain()
-            b.grad_buf, b.launched = torch.zeros_like(b.param_buf, dtype=self.grad_dtype), False
         b.grad_buf[start:start + n].add_(p.grad.reshape(-1))
         p.grad = None
         self._dirty = True
-        if self.stage == 2 and self._current is not None and b in self._current:
+        if self._current is not None and b in self._current:
             b.arrived += 1
             self._launch_ready()
 
     @contextlib.contextmanager
-    def backward_pass(self, params: Iterable[nn.Parameter]):
-        """Wrap one backward pass that produces gradients for `params` (a stage and its
-        tied layers). Stage 2 reduces their buckets during and right after it; other
-        stages accumulate. Every dp rank must make the same sequence of calls."""
-        if self.stage != 2:
-            yield
-            return
-        self._drain()  # the previous pass's reductions overlapped the actions since; finish them
-        ids = {id(p) for p in params}
-        self._current = [b for b in self.buckets if any(id(p) in ids for p in b.params)]
-        for b in self._current:
+    def backward_pass(self, params: Iterable[nn.Parameter], final: Iterable[nn.Parameter] = ()):
+        """Wrap one backward pass that produces gradients for `params` (a stage and its tied
+        layers); `final`: those of them whose gradients are complete for this step after it.
+
+        Stage 2 reduces (and frees) every bucket of `params` during and right after each
+        pass; stages 0 and 1 reduce the buckets made only of `final` parameters during
+        their last pass, so the reduction overlaps the rest of backward. A bucket is
+        launched when it and every bucket before it in a fixed order are complete; those
+        left (holding parameters that got no gradient) are launched after the pass in the
+        same order. Every dp rank must make the same sequence of calls."""
+        ids = {id(p) for p in (params if self.stage == 2 else final)}
+        if self.stage == 2:
+            self._drain()  # the previous pass's reductions overlapped the actions since; finish them
+            current = [b for b in self.buckets if any(id(p) in ids for p in b.params)]
+        else:
+            current = [b for b in self.buckets if not b.launched and all(id(p) in ids for p in b.params)]
+        self._current = current
+        for b in current:
             b.arrived, b.launched = 0, False
         try:
             yield
-            for b in self._current:  # the rest (unused parameters' buckets too), in the fixed order
+            for b in current:
                 if not b.launched:
                     self._launch(b)
         finally:
             self._current = None
-            self._dirty = False
+            self._dirty = self.stage < 2 and self._dirty
 
     def _launch_ready(self) -> None:
         for b in self._current:
@@ -251,46 +266,47 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._launch(b)
 
     def _launch(self, b: Bucket) -> None:
+        """Start reducing bucket `b` over its dp group: all-reduce (stage 0) or
+        reduce-scatter into its own shard (stages 1, 2). Stage 2 keeps at most
+        `max_inflight` buckets in flight, finishing the oldest first."""
         if b.grad_buf is None:
             b.grad_buf = torch.zeros_like(b.param_buf, dtype=self.grad_dtype)
         work = None
         if b.dp_group is not None:
-            work = dist.reduce_scatter_tensor(b.grad_buf[b.shard], b.grad_buf, group=b.dp_group, async_op=True)
+            if self.stage == 0:
+                work = dist.all_reduce(b.grad_buf, group=b.dp_group, async_op=True)
+            else:
+                work = _reduce_scatter(b.grad_buf, b.shard, b.dp_group)
         self._pending.append((work, b))
         b.launched = True
+        while self.stage == 2 and len(self._pending) > self.max_inflight:
+            self._finish(*self._pending.pop(0))
 
-    def _drain(self) -> None:
-        """Stage 2: wait for the reductions in flight; add each into its shard; free the bucket."""
-        for work, b in self._pending:
-            if work is not None:
-                work.wait()
+    def _finish(self, work, b: Bucket) -> None:
+        if work is not None:
+            work.wait()
+        if self.stage == 2:  # add the reduced shard into this rank's gradient shard; free the bucket
             b.grad_shard.add_(b.grad_buf[b.shard])
             b.grad_buf = None
+
+    def _drain(self) -> None:
+        """Wait for every reduction in flight."""
+        for work, b in self._pending:
+            self._finish(work, b)
         self._pending.clear()
 
     def _inflight_bytes(self) -> int:
         return sum(b.grad_buf.numel() * b.grad_buf.element_size() for b in self.buckets if b.grad_buf is not None)
 
     def _reduce(self) -> None:
-        """Reduce the step's gradients over each bucket's dp group; sum tied segments over pp."""
-        if self.stage == 2:
-            if self._dirty:  # a backward outside backward_pass (a plain training loop)
-                for b in self.buckets:
-                    self._launch(b)
-                self._dirty = False
-            self._drain()
-        else:
-            works = []
+        """Finish reducing the step's gradients over each bucket's dp group (launching what
+        no backward pass launched: a plain training loop); sum tied segments over pp."""
+        if self.stage < 2 or self._dirty:
             for b in self.buckets:
-                if b.dp_group is None:
-                    continue
-                if self.stage == 0:
-                    works.append(dist.all_reduce(b.grad_buf, group=b.dp_group, async_op=True))
-                else:
-                    works.append(dist.reduce_scatter_tensor(b.grad_buf[b.shard], b.grad_buf, group=b.dp_group,
-                                                            async_op=True))
-            for w in works:
-                w.wait()
+                if self.stage == 2 or not b.launched:
+                    self._launch(b)
+            self._dirty = False
+        self._drain()
         tie_groups = getattr(self.module, "tie_groups", {})
         for b in self.buckets:
             if isinstance(b.segment, str) and b.segment in tie_groups:
@@ -375,8 +391,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if owned.data_ptr() != b.master.data_ptr():
                 owned.copy_(b.master)
             if self.stage > 0 and b.dp_group is not None:
-                works.append(dist.all_gather_into_tensor(b.param_buf, owned.clone(), group=b.dp_group,
-                                                         async_op=True))
+                works += _all_gather(b.param_buf, b.dp_size, b.dp_group)
         for w in works:
             w.wait()
 
@@ -386,6 +401,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 p.grad = None
             if b.grad_buf is not None and self.stage < 2:
                 b.grad_buf.zero_()
+            b.launched = False
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
             b.master.grad = None
@@ -494,6 +510,30 @@ def _segments(module) -> tuple[Callable, Callable]:
         counted[id(p)] = not (replicated_off_zero or not_first)
         segment.setdefault(id(p), "other")
     return (lambda p: segment.get(id(p), "other")), (lambda p: counted.get(id(p), True))
+
+
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _reduce_scatter(buf: torch.Tensor, shard: slice, group):
+    """Sum `buf` over `group` into this rank's `buf[shard]` (async). On gloo, whose
+    reduce-scatter is emulated and measured slower than its all-reduce, an all-reduce
+    (the whole bucket is summed; only the shard is read)."""
+    if _is_gloo(group):
+        return dist.all_reduce(buf, group=group, async_op=True)
+    return dist.reduce_scatter_tensor(buf[shard], buf, group=group, async_op=True)
+
+
+def _all_gather(buf: torch.Tensor, n: int, group) -> list:
+    """Fill `buf` with every rank's shard (async works). On gloo, one broadcast per shard
+    from its owner (measured faster there than all_gather_into_tensor)."""
+    size = buf.numel() // n
+    if _is_gloo(group):
+        return [dist.broadcast(buf[r * size:(r + 1) * size], src=dist.get_global_rank(group, r), group=group,
+                               async_op=True) for r in range(n)]
+    me = dist.get_rank(group)
+    return [dist.all_gather_into_tensor(buf, buf[me * size:(me + 1) * size].clone(), group=group, async_op=True)]
 
 
 def _is_view_of(t: torch.Tensor, base: torch.Tensor) -> bool:
