@@ -24,19 +24,27 @@ master copy: its master shard is a view of its own parameters.)
 Communication per optimizer step, per bucket, over its dp group:
 
     backward   a post-accumulate-grad hook adds each parameter's gradient into
-               its bucket (fp32) and frees it. Stage 2 only: after every
-               backward pass over a stage (every microbatch), each bucket of
-               that stage is reduce-scattered (async) as soon as it and every
-               bucket before it are complete, overlapping the rest of the
-               backward pass and the following pipeline actions; its shard is
-               added into the rank's fp32 gradient shard and the bucket freed.
-    step       stage 0: all-reduce; stage 1: reduce-scatter (in place). Then
-               tied segments are summed over their pipeline owners (on shards),
-               gradients are unscaled (1 / (N * loss scale)), an fp16 overflow
-               anywhere (all-reduce over the world) skips the step on every
-               rank, the global norm (each parameter once over dp, pp and tp)
-               is clipped, the wrapped optimizer steps the master shards, and
-               stages 1/2 all-gather the updated parameters.
+               its bucket (at stages 0/1 in the parameters' dtype, `p.grad`
+               is a view of the bucket and autograd accumulates in place).
+               Buckets are reduced in a fixed order, each as soon as it and
+               every bucket before it are complete, so the reduction overlaps
+               the rest of backward: stages 0/1 during the last backward pass
+               of the bucket's stage (all-reduce; reduce-scatter into the own
+               shard), stage 2 during every pass (every microbatch: the
+               reduced shard is added into the rank's gradient shard and the
+               bucket freed, at most `max_inflight` buckets in flight).
+    step       tied segments are summed over their pipeline owners (on
+               shards), gradients are unscaled (1 / (N * loss scale)), an fp16
+               overflow anywhere (all-reduce over the world) skips the step
+               on every rank, the global norm (each parameter once over dp, pp
+               and tp) is clipped, the wrapped optimizer steps the master
+               shards, and stages 1/2 all-gather the updated parameters.
+
+On gloo, whose reduce-scatter and all-gather measured slower than its
+all-reduce and broadcasts, a reduce-scatter is an all-reduce (only the shard is
+read) and an all-gather is one broadcast per shard; NCCL gets the real ones.
+Stage 2 trades memory for traffic: microbatch m's gradients are reduced
+before microbatch m+1's backward, M reductions per step where stages 0/1 do one.
 
 Expert seam: a param group may carry its own `dp_group` (experts sharded over
 ep ranks have a smaller data-parallel group); buckets, reductions, sharding
@@ -163,7 +171,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.requires_grad:
                     runs.setdefault((segment_of(p), counted(p)), []).append(p)
-            for (segment, is_counted), params in sorted(runs.items(), key=lambda kv: str(kv[0])):
+            # Launch order: stages before tied keys (an input embedding's gradient arrives last),
+            # each run's parameters reversed (backward visits layers last to first).
+            order = sorted(runs.items(), key=lambda kv: (isinstance(kv[0][0], str), str(kv[0])))
+            for (segment, is_counted), params in order:
                 for chunk in _chunks(list(reversed(params)), self.bucket_numel):  # backward order
                     buckets.append(self._make_bucket(chunk, gi, dp_group, is_counted, segment))
         return buckets
@@ -221,8 +232,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if b.grad_buf is None:  # stage 2: a bucket starts filling
             b.grad_buf = torch.zeros_like(b.param_buf, dtype=self.grad_dtype)
             self.peak_inflight_bytes = max(self.peak_inflight_bytes, self._inflight_bytes())
-        b.grad_buf[start:start + n].add_(p.grad.reshape(-1))
-        p.grad = None
+        if p.grad.data_ptr() != b.grad_buf[start:].data_ptr():  # not already accumulated in place
+            b.grad_buf[start:start + n].add_(p.grad.reshape(-1))
+            p.grad = None
         self._dirty = True
         if self._current is not None and b in self._current:
             b.arrived += 1
@@ -337,6 +349,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.loss_scaler.update(self.last_step_skipped)
         if self.last_step_skipped:
             self.last_grad_norm = None
+            for b in self.buckets:
+                b.master.grad = None
             return None
         self.last_grad_norm = self.grad_norm() if self.clip_grad_norm is not None else None
         if self.last_grad_norm is not None and self.last_grad_norm > self.clip_grad_norm:
@@ -347,6 +361,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 inner_group.update(self._hyper(b.group_index))
             self.inner.step()
         self._share_params()
+        for b in self.buckets:  # a converted (bf16 -> fp32) gradient copy is not kept between steps
+            b.master.grad = None
         return None
 
     def _overflow(self, grads: list[torch.Tensor]) -> bool:
@@ -396,15 +412,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
             w.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the step's gradients. At stages 0 and 1, when gradients are kept in the
+        parameters' own dtype, each `p.grad` becomes a view of its bucket, so autograd
+        accumulates into the bucket in place (no copy in the hook)."""
         for b in self.buckets:
-            for p in b.params:
-                p.grad = None
             if b.grad_buf is not None and self.stage < 2:
                 b.grad_buf.zero_()
+            for p in b.params:
+                p.grad = self._grad_view(b, p) if self.stage < 2 and b.grad_buf.dtype == p.dtype else None
             b.launched = False
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
             b.master.grad = None
+
+    @staticmethod
+    def _grad_view(b: Bucket, p: nn.Parameter) -> torch.Tensor:
+        start, n = b.offsets[id(p)]
+        return b.grad_buf[start:start + n].view_as(p)
 
     # ---- introspection ------------------------------------------------------
     def full_grad(self, p: nn.Parameter) -> torch.Tensor:
