@@ -400,16 +400,45 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return total.sqrt().item()
 
     def _share_params(self) -> None:
-        """Write the updated master weights into the model's parameters (all-gather at stages 1, 2)."""
-        works = []
+        """Write the updated master weights into the model's parameters; at stages 1, 2
+        all-gather them: a big bucket straight into its buffer, the owned shards of small
+        ones packed into one message of up to a bucket's size (on gloo the number of
+        collectives, not their size, dominates)."""
+        packs: dict[Any, list[list[Bucket]]] = {}
         for b in self.buckets:
             owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
             if owned.data_ptr() != b.master.data_ptr():
                 owned.copy_(b.master)
             if self.stage > 0 and b.dp_group is not None:
-                works += _all_gather(b.param_buf, b.dp_size, b.dp_group)
-        for w in works:
-            w.wait()
+                runs = packs.setdefault(b.dp_group, [[]])
+                if b.param_buf.numel() >= self.bucket_numel // 4:  # big enough to travel alone, unpacked
+                    runs.append([b])
+                    continue
+                if sum(x.param_buf.numel() for x in runs[0]) + b.param_buf.numel() > self.bucket_numel:
+                    runs.insert(0, [])
+                runs[0].append(b)
+        pending = []
+        for group, runs in packs.items():
+            for run in (r for r in runs if r):
+                n = run[0].dp_size
+                if len(run) == 1:
+                    pending.append((_all_gather(run[0].param_buf, n, group), None, run))
+                    continue
+                packed = torch.empty(n * sum(b.param_buf.numel() // n for b in run), dtype=run[0].param_buf.dtype,
+                                     device=run[0].param_buf.device)
+                mine = packed.view(n, -1)[dist.get_rank(group)]
+                torch.cat([b.param_buf[b.shard] for b in run], out=mine)
+                pending.append((_all_gather(packed, n, group), packed, run))
+        for works, packed, run in pending:
+            for w in works:
+                w.wait()
+            if packed is None:
+                continue
+            rows, offset = packed.view(run[0].dp_size, -1), 0
+            for b in run:
+                size = b.param_buf.numel() // b.dp_size
+                b.param_buf.view(b.dp_size, size).copy_(rows[:, offset:offset + size])
+                offset += size
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the step's gradients. At stages 0 and 1, when gradients are kept in the
