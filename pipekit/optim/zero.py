@@ -401,9 +401,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _share_params(self) -> None:
         """Write the updated master weights into the model's parameters; at stages 1, 2
-        all-gather them: a big bucket straight into its buffer, the owned shards of small
-        ones packed into one message of up to a bucket's size (on gloo the number of
-        collectives, not their size, dominates)."""
+        all-gather them, the owned shards of consecutive buckets packed into messages of
+        up to a bucket's size (a bigger bucket alone, straight into its buffer): on gloo
+        the number of collectives, not their size, dominates."""
         packs: dict[Any, list[list[Bucket]]] = {}
         for b in self.buckets:
             owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
@@ -411,12 +411,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 owned.copy_(b.master)
             if self.stage > 0 and b.dp_group is not None:
                 runs = packs.setdefault(b.dp_group, [[]])
-                if b.param_buf.numel() >= self.bucket_numel // 4:  # big enough to travel alone, unpacked
-                    runs.append([b])
-                    continue
-                if sum(x.param_buf.numel() for x in runs[0]) + b.param_buf.numel() > self.bucket_numel:
-                    runs.insert(0, [])
-                runs[0].append(b)
+                if runs[-1] and sum(x.param_buf.numel() for x in runs[-1]) + b.param_buf.numel() > self.bucket_numel:
+                    runs.append([])
+                runs[-1].append(b)
         pending = []
         for group, runs in packs.items():
             for run in (r for r in runs if r):
