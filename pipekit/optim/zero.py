@@ -69,6 +69,7 @@ from .scaler import LossScaler
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
 _MB = 1 << 20
+_PIECE = 1 << 16  # the wrapped optimizer sees a master shard as pieces of this many elements (cache-sized on a CPU)
 
 
 @dataclass(eq=False)
@@ -202,7 +203,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _make_inner(self) -> torch.optim.Optimizer | None:
         if not self.buckets:
             return None
-        groups = [{**self._hyper(b.group_index), "params": [b.master]} for b in self.buckets]
+        groups = [{**self._hyper(b.group_index), "params": list(b.master.split(_PIECE))} for b in self.buckets]
         return self.optimizer_class(groups)
 
     def _hyper(self, gi: int) -> dict:
@@ -359,7 +360,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.inner is not None:
             for b, inner_group in zip(self.buckets, self.inner.param_groups):
                 inner_group.update(self._hyper(b.group_index))
+                for piece, g in zip(inner_group["params"], b.master.grad.split(_PIECE)):
+                    piece.grad = g
             self.inner.step()
+            for inner_group in self.inner.param_groups:
+                for piece in inner_group["params"]:
+                    piece.grad = None
         self._share_params()
         for b in self.buckets:  # a converted (bf16 -> fp32) gradient copy is not kept between steps
             b.master.grad = None
@@ -401,9 +407,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _share_params(self) -> None:
         """Write the updated master weights into the model's parameters; at stages 1, 2
-        all-gather them, the owned shards of consecutive buckets packed into messages of
-        up to a bucket's size (a bigger bucket alone, straight into its buffer): on gloo
-        the number of collectives, not their size, dominates."""
+        all-gather them: a big bucket straight into its buffer, the owned shards of small
+        ones packed into one message of up to a bucket's size (on gloo the number of
+        collectives, not their size, dominates)."""
         packs: dict[Any, list[list[Bucket]]] = {}
         for b in self.buckets:
             owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
@@ -411,9 +417,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 owned.copy_(b.master)
             if self.stage > 0 and b.dp_group is not None:
                 runs = packs.setdefault(b.dp_group, [[]])
-                if runs[-1] and sum(x.param_buf.numel() for x in runs[-1]) + b.param_buf.numel() > self.bucket_numel:
-                    runs.append([])
-                runs[-1].append(b)
+                if b.param_buf.numel() >= self.bucket_numel // 4:  # big enough to travel alone, unpacked
+                    runs.append([b])
+                    continue
+                if sum(x.param_buf.numel() for x in runs[0]) + b.param_buf.numel() > self.bucket_numel:
+                    runs.insert(0, [])
+                runs[0].append(b)
         pending = []
         for group, runs in packs.items():
             for run in (r for r in runs if r):
