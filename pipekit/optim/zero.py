@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..spec import TiedLayerSpec
 from .scaler import LossScaler
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -164,7 +165,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ---- construction -------------------------------------------------------
     def _make_buckets(self) -> list[Bucket]:
-        segment_of, counted = _segments(self.module)
+        segment_of, counted, first_use = _segments(self.module)
         buckets: list[Bucket] = []
         for gi, group in enumerate(self.param_groups):
             dp_group = group.get("dp_group", self.default_dp_group)
@@ -172,11 +173,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.requires_grad:
                     runs.setdefault((segment_of(p), counted(p)), []).append(p)
-            # Launch order: stages before tied keys (an input embedding's gradient arrives last),
-            # each run's parameters reversed (backward visits layers last to first).
+            # Launch order: stages before shared tied keys, and within a run the parameters whose
+            # gradients complete first (backward visits layers last to first; a tied input
+            # embedding, also the head, completes only at the end).
             order = sorted(runs.items(), key=lambda kv: (isinstance(kv[0][0], str), str(kv[0])))
             for (segment, is_counted), params in order:
-                for chunk in _chunks(list(reversed(params)), self.bucket_numel):  # backward order
+                backward_order = sorted(reversed(params), key=first_use, reverse=True)  # stable: ties reversed
+                for chunk in _chunks(backward_order, self.bucket_numel):
                     buckets.append(self._make_bucket(chunk, gi, dp_group, is_counted, segment))
         return buckets
 
@@ -543,32 +546,44 @@ def _chunks(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
     return out
 
 
-def _segments(module) -> tuple[Callable, Callable]:
-    """segment_of(p) and counted(p) for a PipelineModule (else one segment, all counted).
+def _segments(module) -> tuple[Callable, Callable, Callable]:
+    """segment_of(p), counted(p) and first_use(p) for a PipelineModule (else one
+    segment, all counted, module order).
 
     Segments: the virtual stage holding a layer, or the tied key (a string) for
-    a tied layer, whose buckets must match on every pipeline rank holding it.
+    a tied layer held by several pipeline ranks, whose buckets must match on
+    every rank holding it; a tied layer held by this rank alone joins its
+    lowest local stage (the last to finish backward).
     Counted: tp-replicated parameters only on tp rank 0, tied ones only on
-    their first owner, so the global norm counts every parameter once."""
+    their first owner, so the global norm counts every parameter once.
+    First use: the lowest layer index using the parameter here; a gradient is
+    complete once backward has passed it, so buckets are launched in
+    decreasing first use."""
     if module is None or not hasattr(module, "stage_layers"):
-        return (lambda p: 0), (lambda p: True)
+        order = {id(p): i for i, p in enumerate(module.parameters())} if module is not None else {}
+        return (lambda p: 0), (lambda p: True), (lambda p: order.get(id(p), 0))
     topo = module.topology
     first_owner = {k: owners[0] for k, owners in module.tied_owners().items()}
-    segment, counted = {}, {}
+    segment, counted, first_use, tied_at = {}, {}, {}, {}
     for stage in module.local_stages:
         for i in module.stage_layers(stage):
-            if str(i) in module.layers:
+            spec = module.specs[i]
+            if isinstance(spec, TiedLayerSpec):
+                tied_at.setdefault(spec.key, (stage, i))
+            elif str(i) in module.layers:
                 for p in module.layers[str(i)].parameters():
-                    segment[id(p)] = stage
+                    segment[id(p)], first_use[id(p)] = stage, i
     for key, layer in module.tied.items():
+        shared = key in getattr(module, "tie_groups", {})  # summed over pipeline ranks: the same buckets there
+        stage, index = tied_at.get(key, (key, 0))
         for p in layer.parameters():
-            segment[id(p)] = key
+            segment[id(p)], first_use[id(p)] = (key if shared else stage), index
     for name, p in module.named_parameters():
         replicated_off_zero = getattr(p, "tp_shard_dim", None) is None and topo.tp_rank != 0
         not_first = name.startswith("tied.") and first_owner[name.split(".")[1]] != topo.pp_rank
         counted[id(p)] = not (replicated_off_zero or not_first)
-        segment.setdefault(id(p), "other")
-    return (lambda p: segment.get(id(p), "other")), (lambda p: counted.get(id(p), True))
+    return ((lambda p: segment.get(id(p), "other")), (lambda p: counted.get(id(p), True)),
+            (lambda p: first_use.get(id(p), 0)))
 
 
 def _is_gloo(group) -> bool:
