@@ -176,6 +176,33 @@ def _gpu_peak(name: str, precision: str) -> tuple[float | None, str]:
     return None, f"unknown GPU {name!r}: set logging.peak_tflops for MFU"
 
 
+_PEAK_PROBE = """
+import math, sys, time, torch
+torch.set_num_threads(1)
+n, seconds = int(sys.argv[1]), float(sys.argv[2])
+a, b = torch.randn(n, n), torch.randn(n, n)
+a @ b
+best, start = math.inf, time.perf_counter()
+while time.perf_counter() - start < seconds:
+    t0 = time.perf_counter()
+    a @ b
+    best = min(best, time.perf_counter() - t0)
+print(2 * n**3 / best)
+"""
+
+
+def _single_thread_matmul_flops(seconds: float, n: int) -> float:
+    """The fastest single-thread n x n fp32 matmul, in a child process: switching this
+    process's own thread count to 1 and back was measured to slow the training after it
+    by ~10% (the intra-op pool is rebuilt)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _PEAK_PROBE, str(n), str(seconds)], capture_output=True, text=True,
+                         check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return float(out.stdout.split()[-1])
+
+
 def _measured_cpu_peak(topo: Topology, seconds: float = 1.0, n: int = 512) -> float:
     """Single-thread fp32 FLOP/s of one core, measured by rank 0 while the other ranks wait
     at a barrier and then receive it (collective on the default group when there is one).
@@ -191,19 +218,7 @@ def _measured_cpu_peak(topo: Topology, seconds: float = 1.0, n: int = 512) -> fl
         dist.barrier()
     peak = [0.0]
     if topo.rank == 0:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            a, b = torch.randn(n, n, dtype=torch.float32), torch.randn(n, n, dtype=torch.float32)
-            a @ b  # warm-up: first-call set-up is not compute
-            best, start = math.inf, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                t0 = time.perf_counter()
-                a @ b
-                best = min(best, time.perf_counter() - t0)
-            peak[0] = 2 * n**3 / best
-        finally:
-            torch.set_num_threads(threads)
+        peak[0] = _single_thread_matmul_flops(seconds, n)
     if grouped:
         dist.broadcast_object_list(peak, src=0)
     return peak[0]
