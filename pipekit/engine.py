@@ -21,8 +21,10 @@ half-precision module (`precision="bf16"`) needs it, for fp32 master
 weights; float inputs are cast to the module's dtype and the last stage's
 outputs to fp32 before the loss.
 
-The loss of each microbatch is divided by M before its backward, so the
-gradients are those of the mean loss over the batch, as in one process.
+The loss of each microbatch is weighted before its backward so that the
+gradients are those of the loss of the whole batch, as in one process: by
+1/M, or, for a token-level loss (one with an `ignore_index`), by its share
+of the valid tokens of the global batch (see `_loss_weights`).
 """
 
 from __future__ import annotations
@@ -260,6 +262,7 @@ class PipelineEngine:
         inputs = _cast_floats(inputs, self.module.param_dtype)
         self._micro_in = split_microbatches(inputs, self.num_microbatches, "inputs")
         self._micro_labels = split_microbatches(labels, self.num_microbatches, "labels")
+        self._weights = self._loss_weights()
         self._io = self._stage_io(self._micro_in[0])
         self._training = training
         self._stash: dict = {}  # (stage, mb) -> (stage input, stage output or scaled loss)
@@ -318,10 +321,10 @@ class PipelineEngine:
             return
         loss = self.module.loss_fn(_cast_floats(out, torch.float32 if self.module.param_dtype else None),
                                    self._micro_labels[m])
-        self._losses.append(loss.detach())
+        self._losses.append(loss.detach() * self._weights[m])
         if self._training:
             scale = self.optimizer.loss_scale if self.zero else 1.0
-            self._stash[(self.last_stage, m)] = (x, loss * (scale / self.num_microbatches))
+            self._stash[(self.last_stage, m)] = (x, loss * (scale * self._weights[m]))
         else:
             self._outputs.append(out)
 
@@ -423,11 +426,34 @@ class PipelineEngine:
                 p.grad = torch.zeros_like(p)
         return params
 
+    def _loss_weights(self) -> list[float]:
+        """What each microbatch's loss is multiplied by, so that the step's loss and gradients
+        are those of the whole global batch, as in one process (the dp reduction then averages).
+
+        A token-level loss (a `loss_fn` with an `ignore_index`, like cross-entropy) is a mean
+        over its microbatch's valid tokens: microbatch m weighs dp * valid_m / valid, valid
+        counted over every microbatch and dp replica (one all-reduce over dp on the last
+        stage), so masked labels give the one-process loss at any m and dp. Any other loss
+        weighs 1/M: the mean over microbatches."""
+        m = self.num_microbatches
+        ignore = getattr(self.module.loss_fn, "ignore_index", None)
+        labels = self._micro_labels
+        if ignore is None or self.last_stage not in self.module.local_stages or not torch.is_tensor(labels[0]):
+            return [1.0 / m] * m
+        counts = torch.stack([(y != ignore).sum() for y in labels]).double()
+        total = counts.sum()
+        if self.topo.dp_group is not None:
+            dist.all_reduce(total, group=self.topo.dp_group)
+        if total.item() == 0:
+            return [0.0] * m
+        return (counts * (self.topo.dp / total)).tolist()
+
     def _mean_loss(self) -> float:
-        """Mean microbatch loss of the last stage, averaged over dp, given to every rank."""
+        """The step's loss (the last stage's weighted microbatch losses, averaged over dp),
+        given to every rank."""
         total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         if self._losses:
-            total += torch.stack(self._losses).double().mean()
+            total += torch.stack(self._losses).double().sum()
         if self.topo.pp_group is not None:
             dist.all_reduce(total, group=self.topo.pp_group)
         if self.topo.dp_group is not None:

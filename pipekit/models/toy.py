@@ -111,6 +111,9 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+lm_loss.ignore_index = -100  # a token-level mean: the engine weighs microbatches by valid tokens
+
+
 def synthetic_batches(vocab: int, batch_size: int, seq_len: int, *, seed: int = 0, a: int = 5, b: int = 3):
     """Endless (tokens, labels) batches with label = (a * token + b) % vocab."""
     gen = torch.Generator().manual_seed(seed)

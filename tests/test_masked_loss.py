@@ -1,0 +1,99 @@
+"""The loss is the batch's loss: masked labels (-100) give the one-process loss and
+gradients at every microbatch count and dp.
+
+A token-level loss is a mean over valid tokens. Averaging per-microbatch means
+(the old behaviour) weighs a token in a sparsely labelled microbatch more than
+one in a densely labelled one, so the loss and gradients moved with M and dp.
+The engine now weighs microbatch m by its share of the global batch's valid
+tokens. Labels here are masked unevenly (whole rows in some microbatches,
+none in others, one microbatch fully masked), and every layout must give the
+one-process loss, every gradient (plain SGD path) and, through ZeroOptimizer,
+every weight after two AdamW steps, within 1e-10 in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import pipekit
+from pipekit.models import get_model, model_loss, model_specs
+from pipekit.optim import ZeroOptimizer
+from pipekit.testing import reference_model, reference_name, run_distributed
+
+TOL = 1e-10
+SEED, BATCH, SEQ = 4, 8, 6
+GPT = dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4)
+# (pp, dp, microbatches, zero)
+LAYOUTS = [(1, 1, 1, False), (1, 1, 2, False), (1, 1, 4, False), (2, 1, 4, False), (1, 2, 2, False),
+           (1, 2, 1, True), (2, 1, 2, True)]
+
+
+def masked_batch(step: int):
+    gen = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, GPT["vocab_size"], (BATCH, SEQ + 1), generator=gen)
+    x, y = ids[:, :-1], ids[:, 1:].clone()
+    y[0, :] = -100  # row 0: nothing to learn
+    y[1, 1:] = -100  # row 1: one token
+    y[4:6, :] = -100  # rows 4-5: the third of four microbatches is fully masked
+    y[7, ::2] = -100
+    return x, y
+
+
+def run_layout(pp: int, dp: int, microbatches: int, zero: bool) -> dict:
+    torch.set_default_dtype(torch.float64)
+    cfg = get_model("gpt2", "tiny", **GPT)
+    specs = model_specs(cfg)
+    topo = pipekit.Topology(pp=pp, dp=dp)
+    module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED)
+    ref = reference_model(specs, SEED)
+    ref_loss_fn = model_loss(cfg).build()
+    if zero:
+        opt, ref_opt = ZeroOptimizer(module, "adamw", stage=1, lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05)
+    else:
+        opt, ref_opt = torch.optim.SGD(module.parameters(), lr=0.0), torch.optim.SGD(ref.parameters(), lr=0.0)
+    engine = pipekit.PipelineEngine(module, optimizer=opt, num_microbatches=microbatches)
+    ref_params = dict(ref.named_parameters())
+    pairs = [(p, ref_params[reference_name(n, specs)]) for n, p in module.named_parameters()]
+    rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
+    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    for step in range(2):
+        x, y = masked_batch(step)
+        loss = engine.train_batch(iter([(x[rows], y[rows])]))
+        ref_opt.zero_grad()
+        want = ref_loss_fn(ref(x), y)
+        want.backward()
+        ref_opt.step()
+        worst["loss"] = max(worst["loss"], abs(loss - want.item()))
+        for p, r in pairs:
+            if not zero:
+                worst["grad"] = max(worst["grad"], (p.grad - r.grad).abs().max().item())
+            worst["weight"] = max(worst["weight"], (p.detach() - r.detach()).abs().max().item())
+    return worst
+
+
+def run_all(world: int) -> list:
+    return [run_layout(*layout) for layout in LAYOUTS if layout[0] * layout[1] == world]
+
+
+def test_masked_labels_give_the_one_process_loss_at_any_m_and_dp():
+    for world in (1, 2):
+        layouts = [layout for layout in LAYOUTS if layout[0] * layout[1] == world]
+        for rank, results in enumerate(run_distributed(run_all, world, world)):
+            for layout, worst in zip(layouts, results):
+                for what, diff in worst.items():
+                    assert diff <= TOL, f"rank {rank}, (pp, dp, m, zero)={layout}: {what} differs by {diff:.3g}"
+
+
+def test_the_old_mean_of_means_would_differ():
+    """The negative control: the microbatch-mean average differs here, so the test above can fail."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        cfg = get_model("gpt2", "tiny", **GPT)
+        ref = reference_model(model_specs(cfg), SEED)
+        loss_fn = model_loss(cfg).build()
+        x, y = masked_batch(0)
+        whole = loss_fn(ref(x), y).item()
+        halves = sum(loss_fn(ref(x[i:i + 4]), y[i:i + 4]).item() for i in (0, 4)) / 2
+        assert abs(whole - halves) > 1e-5  # (4.7e-4 here), far above TOL
+    finally:
+        torch.set_default_dtype(torch.float32)
