@@ -246,7 +246,7 @@ class PipelineEngine:
         the last stage's outputs concatenated over microbatches (None off the last stage)."""
         self.module.eval()
         self._run(self.eval_actions, next(data_iter), training=False)
-        loss = self._mean_loss() if self.module.loss_fn is not None else None
+        loss = self._mean_loss() if self.module.has_loss else None
         if not return_outputs:
             return loss
         outs = self._outputs if self.last_stage in self.module.local_stages else None
@@ -314,7 +314,7 @@ class PipelineEngine:
             self._outbox[(s, Kind.SEND_F, m)] = _all_tensors(out)
 
     def _finish_forward(self, x, out, m: int) -> None:
-        if self.module.loss_fn is None:
+        if not self.module.has_loss:
             if self._training:
                 raise RuntimeError("training needs a loss; pass loss_fn=... to PipelineModule")
             self._outputs.append(out)

@@ -51,8 +51,9 @@ class PipelineModule(nn.Module):
     Args:
         specs: LayerSpec / TiedLayerSpec / plain callables, in order.
         loss_fn: `loss_fn(outputs, labels) -> scalar`, applied after the last
-            stage; a LayerSpec is built here (inside the tp context, so a
-            vocab-parallel loss gets its group).
+            stage; a LayerSpec is built here, only on the rank holding the
+            last stage (inside the tp context, so a vocab-parallel loss gets
+            its group), so a loss with parameters is trained and saved once.
         topology: the process grid; None means one process (pp=1, dp=1).
         partition: "parameters", "uniform", "type:REGEX", or explicit boundaries.
         seed: base seed; layer i is initialised from (seed, i).
@@ -83,6 +84,7 @@ class PipelineModule(nn.Module):
         super().__init__()
         self.specs = list(specs)
         self.loss_fn = loss_fn
+        self.has_loss = loss_fn is not None  # on every rank, also where a loss module is not built
         self.topology = topology if topology is not None else Topology(pp=1, dp=1)
         self.seed = seed
         if chunks_per_rank < 1:
@@ -108,8 +110,10 @@ class PipelineModule(nn.Module):
             for stage in self.local_stages:
                 for i in self.stage_layers(stage):
                     self._build(i)
-            if isinstance(loss_fn, LayerSpec):
-                self.loss_fn = loss_fn.build(seed=seed, index=len(self.specs), device=self.device)
+            if isinstance(loss_fn, LayerSpec):  # built where it runs: the rank of the last stage
+                last_here = self.num_stages - 1 in self.local_stages
+                self.loss_fn = (loss_fn.build(seed=seed, index=len(self.specs), device=self.device)
+                                if last_here else None)  # kept fp32: it sees fp32 outputs
         self.tie_groups = self._make_tie_groups()
 
     @property

@@ -97,3 +97,45 @@ def test_the_old_mean_of_means_would_differ():
         assert abs(whole - halves) > 1e-5  # (4.7e-4 here), far above TOL
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+class TemperedLoss(torch.nn.Module):
+    """Cross-entropy of logits times a learned temperature: a loss with a parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, logits, labels):
+        return torch.nn.functional.cross_entropy((logits * self.temperature).flatten(0, 1), labels.flatten())
+
+
+def run_tempered(pp: int) -> dict:
+    """A loss with a parameter, at pp: trained where the last stage runs, saved from there."""
+    from pipekit.checkpoint import full_state_dict
+    from pipekit.models.toy import ToyConfig, toy_lm
+    from pipekit.spec import LayerSpec
+
+    torch.set_default_dtype(torch.float64)
+    specs = toy_lm(ToyConfig(vocab=24, dim=8, wide_dim=12, blocks=2))
+    module = pipekit.PipelineModule(specs, loss_fn=LayerSpec(TemperedLoss), topology=pipekit.Topology(pp=pp), seed=2)
+    engine = pipekit.PipelineEngine(module, optimizer=ZeroOptimizer(module, "sgd", stage=1, lr=0.5), num_microbatches=2)
+    ref, ref_loss = reference_model(specs, 2), TemperedLoss()
+    ref_opt = torch.optim.SGD([*ref.parameters(), *ref_loss.parameters()], lr=0.5)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randint(0, 24, (4, 5), generator=gen)
+        y = (5 * x + 3) % 24
+        engine.train_batch(iter([(x, y)]))
+        ref_opt.zero_grad()
+        ref_loss(ref(x), y).backward()
+        ref_opt.step()
+    saved = full_state_dict(module)["loss_fn.temperature"].item()
+    return {"saved": saved, "reference": ref_loss.temperature.item()}
+
+
+def test_a_loss_with_parameters_is_trained_and_saved_at_every_pp():
+    for pp in (1, 2):
+        for rank, got in enumerate(run_distributed(run_tempered, pp, pp)):
+            assert got["reference"] != 1.5  # the reference did learn its temperature
+            assert abs(got["saved"] - got["reference"]) <= TOL, f"pp={pp} rank {rank}: {got}"
