@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -81,6 +81,16 @@ def _to_device(x, device: torch.device):
     if isinstance(x, tuple):
         return tuple(_to_device(t, device) for t in x)
     return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+
+
+def _next_batch(data):
+    """The batch itself (a pair or list of two), or the next item of an iterator."""
+    if isinstance(data, (tuple, list)):
+        return data
+    if not hasattr(data, "__next__"):
+        raise TypeError(f"expected a batch (inputs, labels) or an iterator of batches, got {type(data).__name__}; "
+                        "pass iter(loader) for a DataLoader")
+    return next(data)
 
 
 def _cast_floats(x, dtype: torch.dtype | None):
@@ -215,18 +225,18 @@ class PipelineEngine:
         return self._io_meta
 
     # ---- the public steps ---------------------------------------------
-    def train_batch(self, data_iter: Iterator) -> float:
-        """One optimizer step over `num_microbatches` microbatches of `next(data_iter)`.
+    def train_batch(self, data) -> float:
+        """One optimizer step over `num_microbatches` microbatches of one batch.
 
-        `next(data_iter)` must give `(inputs, labels)` for this data-parallel
-        rank on every pipeline rank (only shapes are used off the first and
-        last stage). Returns the mean loss over the microbatches and the
-        data-parallel replicas, on every rank."""
+        `data` is the batch `(inputs, labels)` itself, or an iterator whose
+        `next()` gives it: this data-parallel rank's share, on every pipeline
+        rank (only shapes are used off the first and last stage). Returns the
+        step's loss (the batch's loss, as in one process), on every rank."""
         if self.optimizer is None:
             raise RuntimeError("train_batch needs an optimizer; pass optimizer=... to PipelineEngine")
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        self._run(self.actions, next(data_iter), training=True)
+        self._run(self.actions, _next_batch(data), training=True)
         if self.zero:  # reduction, unscaling, overflow check and clipping happen inside
             self.optimizer.step()
             self.last_grad_norm = self.optimizer.last_grad_norm
@@ -241,11 +251,11 @@ class PipelineEngine:
         return self._mean_loss()
 
     @torch.no_grad()
-    def eval_batch(self, data_iter: Iterator, return_outputs: bool = False):
+    def eval_batch(self, data, return_outputs: bool = False):
         """Forward only. Returns the mean loss (every rank), or `(loss, outputs)` with
         the last stage's outputs concatenated over microbatches (None off the last stage)."""
         self.module.eval()
-        self._run(self.eval_actions, next(data_iter), training=False)
+        self._run(self.eval_actions, _next_batch(data), training=False)
         loss = self._mean_loss() if self.module.has_loss else None
         if not return_outputs:
             return loss

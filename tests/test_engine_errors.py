@@ -116,3 +116,10 @@ def test_silent_peer_fails_with_rank_and_action_named():
     assert "0RECV_B0 (stage 0, RECV_B, microbatch 0)" in message
     assert "no message from rank 1 within 2 s" in message
     assert ">>" in message and "0SEND_F1" in message  # the whole action list, failing step marked
+
+
+def test_train_batch_takes_the_batch_itself_or_an_iterator():
+    batch = next(synthetic_batches(CFG.vocab, 4, 3))
+    assert _engine().train_batch(batch) == _engine().train_batch(iter([batch]))
+    with pytest.raises(TypeError, match=r"a batch \(inputs, labels\) or an iterator of batches, got Tensor"):
+        _engine().train_batch(torch.zeros(4, 3, dtype=torch.long))
