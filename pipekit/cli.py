@@ -1,6 +1,6 @@
 """The `pipekit` command.
 
-    pipekit train [CONFIG.yaml] [key=value ...]   train; launches pp*dp*tp workers unless under torchrun
+    pipekit train [CONFIG.yaml] [key=value ...] [--show]   train (--show: print the merged config and exit)
     pipekit plan --schedule 1f1b --pp 4 --microbatches 8 [--virtual 2] [--json] [--trace F.json] [--png F.png]
     pipekit prepare-data FILES_OR_DIRS --out DIR [--tokenizer tokenizer.json]
     pipekit convert --from-hf HF_DIR --out model.pt | --to-hf model.pt --out HF_DIR
@@ -26,6 +26,13 @@ def _train(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"pipekit train: {e}", file=sys.stderr)
         return 2
+    if args.show:
+        from dataclasses import asdict
+
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(OmegaConf.create(asdict(cfg))), end="")
+        return 0
     device = _device(cfg)
     if device is None:
         return 2
@@ -130,11 +137,15 @@ def _convert(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pipekit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"pipekit {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model from a config")
     t.add_argument("config", nargs="?", help="YAML config (see configs/)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.pp=2")
+    t.add_argument("--show", action="store_true", help="print the merged, checked config (every key) and exit")
     t.set_defaults(fn=_train)
 
     q = sub.add_parser("plan", help="simulate a schedule and print its timeline and figures")

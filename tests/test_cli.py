@@ -117,3 +117,15 @@ def test_train_launches_its_own_workers(tmp_path):
     assert "pp=2 dp=2 tp=1" in proc.stdout
     measured = json.loads((out / "timeline_step3_measured.json").read_text())["traceEvents"]
     assert {e["tid"] for e in measured if e["ph"] == "X"} == {0, 1}  # both pipeline ranks, gathered
+
+
+def test_version_and_show_print_what_a_user_needs(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and capsys.readouterr().out.startswith("pipekit ")
+    config = str(ROOT / "configs/gpt2_tiny.yaml")
+    assert main(["train", config, "train.precision=bf16", "optimizer.zero_stage=2", "--show"]) == 0
+    shown = capsys.readouterr().out
+    for line in ("precision: bf16", "zero_stage: 2", "device: auto", "loss_scale_window: 1000", "pp: 2"):
+        assert line in shown, line
+    assert load_config(config, ["train.precision=bf16"]).train.precision == "bf16"
