@@ -36,6 +36,9 @@ def _train(args: argparse.Namespace) -> int:
     device = _device(cfg)
     if device is None:
         return 2
+    if "RANK" not in os.environ and (taken := _out_dir_taken(cfg)):
+        print(f"pipekit train: {taken}", file=sys.stderr)
+        return 2
     if cfg.world_size > 1 and "RANK" not in os.environ:
         # The workers take this process's answer: after auto -> cpu with a GPU visible they must
         # not resolve again (each would call set_device on an ordinal that is not there).
@@ -55,6 +58,23 @@ def _train(args: argparse.Namespace) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+RUN_FILES = ("metrics.jsonl", "model.pt")
+
+
+def _out_dir_taken(cfg) -> str | None:
+    """Why this run must not write into `logging.out_dir` (another run's files are there and
+    `logging.overwrite` is off), or None. Checked by the launcher before any worker starts;
+    workers started by a user's own torchrun are not checked."""
+    out = cfg.logging.out_dir
+    if not out or cfg.logging.overwrite or not os.path.isdir(out):
+        return None
+    found = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    if not found:
+        return None
+    return (f"logging.out_dir={out} holds another run ({', '.join(found)}); choose another "
+            f"logging.out_dir, or pass logging.overwrite=true to replace it")
 
 
 def _device(cfg) -> str | None:

@@ -110,6 +110,7 @@ class LoggingConfig:
     tensorboard: bool = True  # when the tensorboard package is installed
     peak_tflops: Optional[float] = None  # per device, for MFU (None: look up the GPU, or measure the CPU)
     trace_step: Optional[int] = None  # record this step's measured timeline to out_dir (Chrome trace, PNG)
+    overwrite: bool = False  # let this run replace another run's files in out_dir
 
 
 @dataclass

@@ -129,3 +129,13 @@ def test_version_and_show_print_what_a_user_needs(capsys):
     for line in ("precision: bf16", "zero_stage: 2", "device: auto", "loss_scale_window: 1000", "pp: 2"):
         assert line in shown, line
     assert load_config(config, ["train.precision=bf16"]).train.precision == "bf16"
+
+
+def test_a_run_refuses_an_out_dir_holding_another_run(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    before = (tmp_path / "metrics.jsonl").read_bytes()
+    config = str(ROOT / "configs/toy.yaml")
+    assert main(["train", config, f"logging.out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "holds another run (metrics.jsonl)" in err and "logging.overwrite=true" in err
+    assert (tmp_path / "metrics.jsonl").read_bytes() == before
