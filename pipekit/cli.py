@@ -39,6 +39,10 @@ def _train(args: argparse.Namespace) -> int:
     if "RANK" not in os.environ and (taken := _out_dir_taken(cfg)):
         print(f"pipekit train: {taken}", file=sys.stderr)
         return 2
+    lock = _lock_out_dir(cfg) if "RANK" not in os.environ else None  # held until this command returns
+    if isinstance(lock, str):
+        print(f"pipekit train: {lock}", file=sys.stderr)
+        return 2
     if cfg.world_size > 1 and "RANK" not in os.environ:
         # The workers take this process's answer: after auto -> cpu with a GPU visible they must
         # not resolve again (each would call set_device on an ordinal that is not there).
@@ -75,6 +79,27 @@ def _out_dir_taken(cfg) -> str | None:
         return None
     return (f"logging.out_dir={out} holds another run ({', '.join(found)}); choose another "
             f"logging.out_dir, or pass logging.overwrite=true to replace it")
+
+
+def _lock_out_dir(cfg):
+    """An open, exclusively locked `out_dir/.pipekit.lock` (the lock lasts as long as this
+    process), None without an out_dir or where file locks are unavailable, or the reason
+    another live run holds it. Taken after every other pre-launch check has passed."""
+    out = cfg.logging.out_dir
+    try:
+        import fcntl
+    except ImportError:  # not on this platform: no lock
+        return None
+    if not out:
+        return None
+    os.makedirs(out, exist_ok=True)
+    handle = open(os.path.join(out, ".pipekit.lock"), "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        return f"another pipekit run is writing to logging.out_dir={out}; wait for it or choose another out_dir"
+    return handle
 
 
 def _device(cfg) -> str | None:

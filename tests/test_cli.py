@@ -139,3 +139,15 @@ def test_a_run_refuses_an_out_dir_holding_another_run(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "holds another run (metrics.jsonl)" in err and "logging.overwrite=true" in err
     assert (tmp_path / "metrics.jsonl").read_bytes() == before
+
+
+def test_two_live_runs_cannot_share_an_out_dir(tmp_path, capsys):
+    import fcntl
+
+    with open(tmp_path / ".pipekit.lock", "a") as held:  # a live run holds the lock
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert main(["train", str(ROOT / "configs/toy.yaml"), f"logging.out_dir={tmp_path}", "--show"]) == 0
+        capsys.readouterr()
+        assert main(["train", str(ROOT / "configs/toy.yaml"), f"logging.out_dir={tmp_path}"]) == 2
+        assert "another pipekit run is writing to logging.out_dir" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".pipekit.lock"]  # nothing else was written
