@@ -20,6 +20,13 @@ class PeerTimeout(RuntimeError):
     """A peer did not deliver a message in time."""
 
 
+class PeerClosed(RuntimeError):
+    """A peer closed its connection before delivering a message (it stopped or crashed)."""
+
+
+_CLOSED = ("Connection closed", "Connection reset", "Broken pipe", "closed by peer")
+
+
 def float_entries(x) -> list[torch.Tensor]:
     """The floating-point tensors of an activation: those that carry gradients back."""
     items = x if isinstance(x, tuple) else (x,)
@@ -43,6 +50,9 @@ def recv(like: list[torch.Tensor], src: int, device: torch.device, timeout: date
         try:
             w.wait(timeout=timeout)
         except RuntimeError as e:
+            if any(mark in str(e) for mark in _CLOSED):
+                raise PeerClosed(f"rank {src} closed its connection before sending (it stopped or failed; its own "
+                                 f"error, if any, is reported by that rank) ({e})") from e
             raise PeerTimeout(f"no message from rank {src} within {timeout.total_seconds():.0f} s ({e})") from e
     return bufs
 

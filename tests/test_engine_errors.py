@@ -123,3 +123,28 @@ def test_train_batch_takes_the_batch_itself_or_an_iterator():
     assert _engine().train_batch(batch) == _engine().train_batch(iter([batch]))
     with pytest.raises(TypeError, match=r"a batch \(inputs, labels\) or an iterator of batches, got Tensor"):
         _engine().train_batch(torch.zeros(4, 3, dtype=torch.long))
+
+
+def _peer_gone() -> str:
+    """Rank 1 builds its stage and leaves at once: rank 0 must say the peer closed, without waiting out
+    the (long) timeout and without calling it silent."""
+    topo = pipekit.Topology(pp=2)
+    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo)
+    engine = pipekit.PipelineEngine(module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+                                    num_microbatches=2, timeout=datetime.timedelta(seconds=60))
+    if topo.pp_rank == 1:
+        return ""
+    start = time.monotonic()
+    try:
+        engine.train_batch(synthetic_batches(CFG.vocab, 4, 3))
+    except pipekit.PipelineError as e:
+        return f"{time.monotonic() - start:.1f} {e}"
+    return "no error"
+
+
+def test_a_closed_peer_is_told_apart_from_a_silent_one():
+    message = run_distributed(_peer_gone, 2, timeout=90)[0]
+    waited, text = message.split(" ", 1)
+    assert "rank 1 closed its connection before sending" in text and "no message from rank" not in text
+    assert "0RECV_B0 (stage 0, RECV_B, microbatch 0)" in text
+    assert float(waited) < 30, f"waited {waited} s"
