@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 
 
@@ -122,8 +123,16 @@ def _launch(nproc: int, argv: list[str]) -> int:
     """Start `nproc` workers on this machine through torch.distributed.run, each running `pipekit argv`."""
     from torch.distributed.run import parse_args, run
 
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     print(f"pipekit: launching {nproc} workers with torch.distributed.run", flush=True)
-    run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "pipekit.cli", *argv]))
+    try:
+        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "pipekit.cli", *argv]))
+    except ChildFailedError as e:
+        ranks = sorted(e.failures)
+        print(f"pipekit train: worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} failed "
+              f"(the first failure is rank {e.get_first_failure()[0]}; its error is printed above)", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -233,9 +242,21 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# What a user's mistake raises (a missing or unreadable file, a bad value): one line and exit
+# status 2 instead of a traceback. PIPEKIT_DEBUG=1 shows the traceback.
+USER_ERRORS = (OSError, ValueError, EOFError, pickle.UnpicklingError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except USER_ERRORS as e:
+        if os.environ.get("PIPEKIT_DEBUG") == "1":
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"pipekit {args.command}: {first}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

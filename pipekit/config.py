@@ -145,6 +145,13 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         raise ConfigError(f"bad config{f' {path}' if path else ''}: {e}") from e
     except FileNotFoundError as e:
         raise ConfigError(f"config file not found: {path}") from e
+    except IsADirectoryError as e:
+        raise ConfigError(f"{path} is a directory; give a YAML file such as configs/gpt2_tiny.yaml") from e
+    except Exception as e:  # noqa: BLE001 - yaml's parser errors (yaml is OmegaConf's dependency)
+        if type(e).__module__.startswith("yaml"):
+            where = str(e).strip().splitlines()[-1].strip()
+            raise ConfigError(f"{path} is not valid YAML ({str(e).splitlines()[0].strip()}, {where})") from e
+        raise
     if cfg.train.global_batch is None:
         cfg.train.global_batch = cfg.train.micro_batch * cfg.schedule.microbatches * cfg.parallel.dp
     check_config(cfg)

@@ -27,7 +27,9 @@ def model_config_from(family: str, config: dict):
 
 def load_model(path: str) -> tuple[PipelineModule, object, dict]:
     """(module, model config, the checkpoint dict) of a saved model.pt, on the CPU."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    from .models.hf import read_model_file
+
+    ckpt = read_model_file(path)
     mcfg = model_config_from(ckpt["family"], ckpt["config"])
     dtype = next(iter(ckpt["state_dict"].values())).dtype
     previous = torch.get_default_dtype()

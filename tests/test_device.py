@@ -122,12 +122,12 @@ def test_train_with_cuda_and_no_gpu_exits_2_with_one_line(fake_gpus, monkeypatch
 
 
 @pytest.mark.parametrize("gpus, device", [(0, "cpu"), (1, "cpu"), (2, "cuda")])
-def test_launched_workers_get_the_launchers_device(fake_gpus, monkeypatch, capsys, gpus, device):
+def test_launched_workers_get_the_launchers_device(fake_gpus, monkeypatch, capsys, gpus, device, tmp_path):
     """Under auto -> cpu with a GPU visible, workers must not resolve again (set_device would fail)."""
     fake_gpus(gpus)
     launched = []
     monkeypatch.setattr("pipekit.cli._launch", lambda nproc, argv: launched.append((nproc, argv)) or 0)
-    assert main(["train", GPT2_TINY, "train.device=auto"]) == 0
+    assert main(["train", GPT2_TINY, "train.device=auto", f"logging.out_dir={tmp_path}"]) == 0
     (nproc, argv), = launched
     assert nproc == 2 and argv[-1] == f"train.device={device}"
     notice = "1 GPU visible for 2 local workers; using the CPU with gloo"

@@ -425,13 +425,28 @@ def save_pipekit_file(family: str, cfg, full_sd: dict, path: str) -> None:
     atomic_save({"family": family, "config": asdict(cfg), "state_dict": full_sd}, path)
 
 
-def load_pipekit_file(path: str):
-    """Read a pipekit file -> (family, config, full state dict)."""
+def read_model_file(path: str) -> dict:
+    """The dict of a pipekit model file (`model.pt`: family, config, state_dict, ...), read
+    safely (weights only); a missing, truncated or foreign file is a one-line error."""
+    import pickle
+
     if not os.path.exists(path):
         raise FileNotFoundError(f"no such pipekit file: {path}")
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory; give a model.pt written by pipekit train or convert")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable pipekit model file: truncated, corrupt or not written by "
+                         f"pipekit ({type(e).__name__} while reading it)") from e
     if not isinstance(obj, dict) or not {"family", "config", "state_dict"} <= set(obj):
         raise ValueError(f"{path} is not a pipekit model file (a dict with 'family', 'config', 'state_dict')")
+    return obj
+
+
+def load_pipekit_file(path: str):
+    """Read a pipekit file -> (family, config, full state dict)."""
+    obj = read_model_file(path)
     cfg = config_from_dict(obj["family"], obj["config"])
     sd = obj["state_dict"]
     if "vocab_pad_multiple" not in obj["config"]:  # written before vocab padding: tables of vocab_size rows
