@@ -192,15 +192,32 @@ print(2 * n**3 / best)
 
 
 def _single_thread_matmul_flops(seconds: float, n: int) -> float:
-    """The fastest single-thread n x n fp32 matmul, in a child process: switching this
-    process's own thread count to 1 and back was measured to slow the training after it
-    by ~10% (the intra-op pool is rebuilt)."""
+    """The fastest single-thread n x n fp32 matmul. Measured here when this process runs one
+    intra-op thread (every worker under torchrun); otherwise in a child process (bounded by a
+    timeout), since switching this process's thread count to 1 and back was measured to slow
+    the training after it by ~10% (the intra-op pool is rebuilt)."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _PEAK_PROBE, str(n), str(seconds)], capture_output=True, text=True,
-                         check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return float(out.stdout.split()[-1])
+    if torch.get_num_threads() == 1:
+        return _fastest_matmul(seconds, n)
+    try:
+        out = subprocess.run([sys.executable, "-c", _PEAK_PROBE, str(n), str(seconds)], capture_output=True,
+                             text=True, check=True, timeout=60 + seconds, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return float(out.stdout.split()[-1])
+    except (subprocess.SubprocessError, OSError, ValueError, IndexError):
+        return _fastest_matmul(seconds, n) / torch.get_num_threads()  # rough: this process's threads share it
+
+
+def _fastest_matmul(seconds: float, n: int) -> float:
+    a, b = torch.randn(n, n, dtype=torch.float32), torch.randn(n, n, dtype=torch.float32)
+    a @ b  # warm-up: first-call set-up is not compute
+    best, start = math.inf, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
 
 
 def _measured_cpu_peak(topo: Topology, seconds: float = 1.0, n: int = 512) -> float:
