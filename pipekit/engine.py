@@ -203,17 +203,17 @@ class PipelineEngine:
         """(stage, microbatch) of a backward action -> the parameters whose gradients are
         complete for the step once it has run (its stage's last backward, or for a layer
         used by two local stages, the later of theirs)."""
-        last = {}
-        for i, a in enumerate(self.actions):
-            if a.kind in (Kind.B, Kind.BW):
-                last[a.stage] = (i, a.microbatch)
-        final_at: dict[int, tuple] = {}
+        last = {a.stage: (i, a.microbatch) for i, a in enumerate(self.actions) if a.kind in (Kind.B, Kind.BW)}
+        final: dict[int, tuple] = {}  # id(p) -> (action index, stage, microbatch, p)
         for s, params in self._stage_params.items():
+            if s not in last:
+                continue
+            i, mb = last[s]
             for p in params:
-                if s in last and (id(p) not in final_at or last[s][0] > final_at[id(p)][1][0]):
-                    final_at[id(p)] = (p, last[s], s)
+                if id(p) not in final or i > final[id(p)][0]:
+                    final[id(p)] = (i, s, mb, p)
         out: dict[tuple[int, int], list] = {}
-        for p, (_, mb), s in final_at.values():
+        for _, s, mb, p in final.values():
             out.setdefault((s, mb), []).append(p)
         return out
 
@@ -413,16 +413,11 @@ class PipelineEngine:
         tied one only on the first pipeline rank that holds it; dp replicas
         hold equal gradients after the reduction and are not summed. One
         all-reduce over pp and one over tp."""
-        first_owner = {k: owners[0] for k, owners in self.module.tied_owners().items()}
+        counted = self.module.counted_in_norm()
         total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         for name, p in self.module.named_parameters():
-            if p.grad is None:
-                continue
-            if getattr(p, "tp_shard_dim", None) is None and self.topo.tp_rank != 0:
-                continue
-            if name.startswith("tied.") and first_owner[name.split(".")[1]] != self.topo.pp_rank:
-                continue
-            total += p.grad.double().pow(2).sum()
+            if p.grad is not None and counted[name]:
+                total += p.grad.double().pow(2).sum()
         for group in (self.topo.pp_group, self.topo.tp_group):
             if group is not None:
                 dist.all_reduce(total, group=group)

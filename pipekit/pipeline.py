@@ -167,6 +167,16 @@ class PipelineModule(nn.Module):
     def stage_rank(self, stage: int) -> int:
         return self.placement[stage]
 
+    def counted_in_norm(self) -> dict[str, bool]:
+        """Whether each local parameter (by name) counts in the global gradient norm on this
+        rank, so that summing over pp and tp counts every parameter once: a tp-replicated one
+        only on tp rank 0, a tied one only on the first pipeline rank that holds it."""
+        topo = self.topology
+        first_owner = {k: owners[0] for k, owners in self.tied_owners().items()}
+        return {name: not ((getattr(p, "tp_shard_dim", None) is None and topo.tp_rank != 0)
+                           or (name.startswith("tied.") and first_owner[name.split(".")[1]] != topo.pp_rank))
+                for name, p in self.named_parameters()}
+
     def tied_owners(self) -> dict[str, list[int]]:
         """For each tied key, the sorted pipeline ranks whose stages hold it."""
         owners: dict[str, set[int]] = {}

@@ -134,3 +134,10 @@ def reference_name(name: str, specs: list) -> str:
     if head == "layers":
         return f"{key}.{rest}"
     return f"{tied_first_index(specs)[key]}.module.{rest}"
+
+
+def reference_slice(full: torch.Tensor, p: torch.Tensor, topo) -> torch.Tensor:
+    """The part of a single-process tensor that local parameter `p` holds: its tp shard
+    (along `p.tp_shard_dim`), or the whole tensor for a replicated parameter."""
+    dim = getattr(p, "tp_shard_dim", None)
+    return full if dim is None else full.chunk(topo.tp, dim=dim)[topo.tp_rank]

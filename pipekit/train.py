@@ -176,19 +176,8 @@ def _gpu_peak(name: str, precision: str) -> tuple[float | None, str]:
     return None, f"unknown GPU {name!r}: set logging.peak_tflops for MFU"
 
 
-_PEAK_PROBE = """
-import math, sys, time, torch
-torch.set_num_threads(1)
-n, seconds = int(sys.argv[1]), float(sys.argv[2])
-a, b = torch.randn(n, n), torch.randn(n, n)
-a @ b
-best, start = math.inf, time.perf_counter()
-while time.perf_counter() - start < seconds:
-    t0 = time.perf_counter()
-    a @ b
-    best = min(best, time.perf_counter() - t0)
-print(2 * n**3 / best)
-"""
+_PEAK_PROBE = ("import sys, torch; torch.set_num_threads(1); from pipekit.train import _fastest_matmul; "
+               "print(_fastest_matmul(float(sys.argv[2]), int(sys.argv[1])))")
 
 
 def _single_thread_matmul_flops(seconds: float, n: int) -> float:

@@ -18,7 +18,7 @@ import torch
 
 import pipekit
 from pipekit.models import get_model, model_loss, model_specs
-from pipekit.testing import reference_model, reference_name, run_distributed
+from pipekit.testing import reference_model, reference_name, reference_slice, run_distributed
 
 TOL = 1e-10
 SEED = 99
@@ -34,11 +34,6 @@ LAYOUTS = {
     2: [(1, 1, 2, "1f1b", 2)],
     4: [(1, 1, 4, "gpipe", 2), (2, 1, 2, "1f1b", 4), (2, 2, 1, "1f1b", 2), (1, 2, 2, "gpipe", 2)],
 }
-
-
-def _slice(full: torch.Tensor, p: torch.Tensor, topo) -> torch.Tensor:
-    dim = getattr(p, "tp_shard_dim", None)
-    return full if dim is None else full.chunk(topo.tp, dim=dim)[topo.tp_rank]
 
 
 def run_layout(family: str, pp: int, dp: int, tp: int, schedule: str, microbatches: int) -> dict:
@@ -57,7 +52,7 @@ def run_layout(family: str, pp: int, dp: int, tp: int, schedule: str, microbatch
     local = dict(module.named_parameters())
     pairs = {n: (p, ref_params[reference_name(n, specs)]) for n, p in local.items()}
     for name, (p, r) in pairs.items():
-        assert torch.equal(p.detach(), _slice(r.detach(), p, topo)), f"{name} starts different"
+        assert torch.equal(p.detach(), reference_slice(r.detach(), p, topo)), f"{name} starts different"
 
     gen = torch.Generator().manual_seed(5)
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0, "grad_norm": 0.0}
@@ -74,8 +69,8 @@ def run_layout(family: str, pp: int, dp: int, tp: int, schedule: str, microbatch
         worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
         worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - ref_norm))
         for p, r in pairs.values():
-            worst["grad"] = max(worst["grad"], (p.grad - _slice(r.grad, p, topo)).abs().max().item())
-            worst["weight"] = max(worst["weight"], (p.detach() - _slice(r.detach(), p, topo)).abs().max().item())
+            worst["grad"] = max(worst["grad"], (p.grad - reference_slice(r.grad, p, topo)).abs().max().item())
+            worst["weight"] = max(worst["weight"], (p.detach() - reference_slice(r.detach(), p, topo)).abs().max().item())
     return worst
 
 

@@ -21,7 +21,7 @@ import pipekit
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
 from pipekit.optim import LossScaler, ZeroOptimizer
-from pipekit.testing import reference_model, reference_name, run_distributed
+from pipekit.testing import reference_model, reference_name, reference_slice, run_distributed
 
 TOL = 1e-10
 SEED, STEPS, BATCH, SEQ, CLIP, LR, WD = 7, 5, 8, 6, 0.3, 2e-2, 0.1
@@ -36,11 +36,6 @@ LAYOUTS = {
         (2, 2, 1, 1, 4, 2)],
     8: [(2, 4, 1, 2, 2), (2, 2, 2, 1, 2), (2, 2, 2, 2, 2)],
 }
-
-
-def _slice(full: torch.Tensor, p: torch.Tensor, topo) -> torch.Tensor:
-    dim = getattr(p, "tp_shard_dim", None)
-    return full if dim is None else full.chunk(topo.tp, dim=dim)[topo.tp_rank]
 
 
 def _gpt_batches():
@@ -84,7 +79,7 @@ def train_and_compare(specs, loss, ref_loss_fn, batches, *, pp, dp, tp, stage, m
         worst["loss"] = max(worst["loss"], abs(got - want.item()))
         worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - norm))
     for p, r in pairs.values():
-        worst["weight"] = max(worst["weight"], (p.detach() - _slice(r.detach(), p, topo)).abs().max().item())
+        worst["weight"] = max(worst["weight"], (p.detach() - reference_slice(r.detach(), p, topo)).abs().max().item())
     return worst
 
 

@@ -554,17 +554,14 @@ def _segments(module) -> tuple[Callable, Callable, Callable]:
     a tied layer held by several pipeline ranks, whose buckets must match on
     every rank holding it; a tied layer held by this rank alone joins its
     lowest local stage (the last to finish backward).
-    Counted: tp-replicated parameters only on tp rank 0, tied ones only on
-    their first owner, so the global norm counts every parameter once.
+    Counted: `PipelineModule.counted_in_norm`.
     First use: the lowest layer index using the parameter here; a gradient is
     complete once backward has passed it, so buckets are launched in
     decreasing first use."""
     if module is None or not hasattr(module, "stage_layers"):
         order = {id(p): i for i, p in enumerate(module.parameters())} if module is not None else {}
         return (lambda p: 0), (lambda p: True), (lambda p: order.get(id(p), 0))
-    topo = module.topology
-    first_owner = {k: owners[0] for k, owners in module.tied_owners().items()}
-    segment, counted, first_use, tied_at = {}, {}, {}, {}
+    segment, first_use, tied_at = {}, {}, {}
     for stage in module.local_stages:
         for i in module.stage_layers(stage):
             spec = module.specs[i]
@@ -578,10 +575,8 @@ def _segments(module) -> tuple[Callable, Callable, Callable]:
         stage, index = tied_at.get(key, (key, 0))
         for p in layer.parameters():
             segment[id(p)], first_use[id(p)] = (key if shared else stage), index
-    for name, p in module.named_parameters():
-        replicated_off_zero = getattr(p, "tp_shard_dim", None) is None and topo.tp_rank != 0
-        not_first = name.startswith("tied.") and first_owner[name.split(".")[1]] != topo.pp_rank
-        counted[id(p)] = not (replicated_off_zero or not_first)
+    in_norm = module.counted_in_norm()
+    counted = {id(p): in_norm[name] for name, p in module.named_parameters()}
     return ((lambda p: segment.get(id(p), "other")), (lambda p: counted.get(id(p), True)),
             (lambda p: first_use.get(id(p), 0)))
 
