@@ -109,10 +109,23 @@ def sgd_layout(stage) -> dict:
                              pp=1, dp=2, tp=1, stage=stage, microbatches=2, optimizer="sgd", momentum=0.9)
 
 
+def nccl_collectives_layout(stage) -> dict:
+    """The NCCL branch of the collectives (reduce_scatter_tensor, all_gather_into_tensor), which
+    gloo also implements, run here by making the optimizer believe its group is not gloo."""
+    from pipekit.optim import zero
+
+    real = zero._is_gloo
+    zero._is_gloo = lambda group: False
+    try:
+        return gpt_layout(1, 2, 1, stage, 2)
+    finally:
+        zero._is_gloo = real
+
+
 def run_world(world: int) -> list:
     out = [gpt_layout(*layout) for layout in LAYOUTS[world]]
     if world == 2:
-        out += [sgd_layout(1), sgd_layout(2)]
+        out += [sgd_layout(1), sgd_layout(2), nccl_collectives_layout(1), nccl_collectives_layout(2)]
     if world == 4:
         out += [toy_parameterless_stage(1), toy_parameterless_stage(2)]
     return out
@@ -122,7 +135,7 @@ def _names(world: int) -> list[str]:
     names = [f"(pp, dp, tp)={layout[:3]} ZeRO-{layout[3]} chunks={layout[5] if len(layout) > 5 else 1}"
              for layout in LAYOUTS[world]]
     if world == 2:
-        names += ["SGD ZeRO-1", "SGD ZeRO-2"]
+        names += ["SGD ZeRO-1", "SGD ZeRO-2", "NCCL-branch collectives ZeRO-1", "NCCL-branch collectives ZeRO-2"]
     if world == 4:
         names += ["parameterless stage ZeRO-1", "parameterless stage ZeRO-2"]
     return names
