@@ -100,6 +100,8 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda (auto: CUDA when every node has a GPU per local worker)
     precision: str = "fp32"  # fp32 | bf16 | fp16: weights and activations; master weights stay fp32
     compile: bool = False  # torch.compile each layer (transformer block) separately
+    resume: Optional[str] = None  # auto: the newest complete checkpoint in checkpoint.dir (none: start fresh);
+    #                               or a checkpoint directory (checkpoints/step_00000100)
 
 
 @dataclass
@@ -114,6 +116,16 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Resumable, layout-free checkpoints (torch.distributed.checkpoint) under `dir`."""
+
+    every: int = 0  # save every this many steps (0: only at the end of the run)
+    keep: int = 2  # keep the newest this many complete checkpoints; older ones are deleted
+    dir: Optional[str] = None  # default: {logging.out_dir}/checkpoints (no out_dir: no checkpoints)
+    at_end: bool = True  # save one after the last step
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -123,6 +135,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def world_size(self) -> int:
@@ -168,7 +181,7 @@ def _check_positive(cfg: Config) -> None:
     for key, value in [("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp),
                        ("schedule.microbatches", s.microbatches), ("schedule.chunks_per_rank", s.chunks_per_rank),
                        ("train.steps", t.steps), ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
-                       ("logging.log_every", cfg.logging.log_every)]:
+                       ("logging.log_every", cfg.logging.log_every), ("checkpoint.keep", cfg.checkpoint.keep)]:
         if value < 1:
             raise ConfigError(f"{key} must be >= 1, got {value}")
 
