@@ -6,7 +6,8 @@ tensor along the dim recorded in its `tp_shard_dim` attribute. So a *full*
 state dict — every name once, every tensor whole — describes the model
 independently of pp/dp/tp, and is what `pipekit train` saves at the end,
 what `pipekit generate` loads, and what HuggingFace conversion reads and
-writes. (Sharded, resumable checkpoints come with their own issue.)
+writes. Resumable checkpoints (below) use the same names, sharded, through
+torch.distributed.checkpoint, with the optimizer state by parameter name.
 
 Files are written to a temporary name and renamed when complete, so a
 reader never sees a half-written file.
@@ -14,11 +15,18 @@ reader never sees a half-written file.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
+import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException as DCPException  # a BaseException
 
+from .atomic import fsync_dir, publish_dir, torch_save_atomic, write_atomic
 from .pipeline import PipelineModule
 
 
@@ -79,8 +87,304 @@ def load_full_state_dict(module: PipelineModule, full: dict[str, torch.Tensor], 
 
 
 def atomic_save(obj, path: str) -> None:
-    """torch.save to `path` via a temporary file in the same directory and a rename."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """torch.save to `path` atomically (see pipekit.atomic)."""
+    torch_save_atomic(obj, path)
+
+
+# ---- resumable checkpoints -------------------------------------------------------
+# A checkpoint is a directory written by torch.distributed.checkpoint (DCP): every rank
+# writes its own tensors, under names that do not depend on the layout:
+#
+#   model/<name>            a parameter or persistent buffer (`layers.7.attn.q.weight`)
+#   optim/<name>/<key>      its optimizer state (exp_avg, exp_avg_sq, master, ...)
+#   optim_scalar/<key>      scalar optimizer state shared by all parameters (Adam's step)
+#   rng/<rank>              each rank's RNG state (restored only at the same layout)
+#
+# A tensor-parallel shard is a DTensor sharded along its `tp_shard_dim` over the tp mesh,
+# so DCP records it as a slice of the full tensor; a tensor held by several ranks (dp
+# replicas, tp-replicated, a tied weight on two pipeline ranks) is written once. Loading
+# at any other (pp, tp, dp, ZeRO stage, schedule, partition) reads exactly the slices a
+# rank needs. Beside the tensors, `pipekit.json` holds what is not a tensor (the step,
+# data position, LR schedule, loss scale, the config), written last.
+#
+# Atomic: written into `<path>.tmp`, then renamed to `<path>` by rank 0 once every rank
+# has finished; a directory without `.metadata` and `pipekit.json`, or ending in `.tmp`,
+# is not a checkpoint.
+
+META = "pipekit.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupt or from another model."""
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:08d}")
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, META))
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of the complete checkpoints under `root`, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        if m and is_complete(os.path.join(root, name)):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint under `root`, or None."""
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def read_meta(path: str) -> dict:
+    """The `pipekit.json` of checkpoint `path`; CheckpointError naming what is wrong."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {path}")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is not a checkpoint directory (a checkpoint is a directory such as "
+                              f"checkpoints/step_00000100)")
+    if not is_complete(path):
+        raise CheckpointError(f"{path} is not a complete pipekit checkpoint (it lacks .metadata or {META}; "
+                              f"an interrupted save leaves such a directory)")
+    try:
+        with open(os.path.join(path, META)) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}/{META} is unreadable ({e})") from e
+
+
+def prune_checkpoints(root: str, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints, and leftovers of interrupted saves."""
+    for _, path in list_checkpoints(root)[:-keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+    for name in os.listdir(root):
+        if name.endswith(".tmp") and _STEP_DIR.match(name[:-4]):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _global(module: PipelineModule, t: torch.Tensor, dim: int | None):
+    """`t` as DCP should see it: a DTensor sharded along `dim` over the tp mesh, or itself."""
+    topo = module.topology
+    if dim is None or topo.tp == 1:
+        return t
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(t, topo.mesh["tp"], [Shard(dim)], run_check=False)
+
+
+def _full_shape(module: PipelineModule, t: torch.Tensor, dim: int | None) -> tuple[int, ...]:
+    shape = list(t.shape)
+    if dim is not None:
+        shape[dim] *= module.topology.tp
+    return tuple(shape)
+
+
+def _param_state(optimizer) -> tuple[dict, dict]:
+    """({param: {key: tensor}}, {key: scalar}) of a ZeroOptimizer or a plain torch optimizer."""
+    if hasattr(optimizer, "param_state"):
+        return optimizer.param_state()
+    per_param, scalars = {}, {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    per_param.setdefault(p, {})[key] = value.detach().clone()
+                else:
+                    scalars.setdefault(key, value.clone() if isinstance(value, torch.Tensor) else torch.tensor(value))
+    return per_param, scalars
+
+
+def _load_param_state(optimizer, per_param: dict, scalars: dict) -> None:
+    if hasattr(optimizer, "load_param_state"):
+        optimizer.load_param_state(per_param, scalars)
+        return
+    for p, state in per_param.items():
+        optimizer.state[p] = {**{k: v.clone() for k, v in scalars.items()}, **state}
+
+
+def _layout(module: PipelineModule) -> dict:
+    topo = module.topology
+    return {"pp": topo.pp, "dp": topo.dp, "tp": topo.tp, "chunks_per_rank": module.chunks_per_rank,
+            "boundaries": list(module.boundaries), "world_size": topo.world_size}
+
+
+def save_checkpoint(path: str, module: PipelineModule, optimizer=None, *, meta: dict | None = None,
+                    keep: int | None = None) -> str:
+    """Save `module`'s weights, `optimizer`'s state and every rank's RNG to the directory
+    `path` (collective: every rank calls it), plus `meta` (JSON-able) in `pipekit.json`.
+    With `keep`, older checkpoints beside `path` beyond the newest `keep` are deleted."""
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.abspath(path)
+    tmp = f"{path}.tmp"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    state: dict[str, torch.Tensor] = {}
+    names = {}
+    for name, t in _local_tensors(module).items():
+        dim = _shard_dim(t)
+        state[f"model/{name}"] = _global(module, t.detach(), dim)
+        names[id(t)] = name
+    if optimizer is not None:
+        per_param, scalars = _param_state(optimizer)
+        for p, entries in per_param.items():
+            for key, value in entries.items():
+                state[f"optim/{names[id(p)]}/{key}"] = _global(module, value, _shard_dim(p))
+        for key, value in scalars.items():
+            state[f"optim_scalar/{key}"] = value
+    state[f"rng/{_rank()}"] = torch.get_rng_state()
+    if torch.cuda.is_available() and module.topology.device.type == "cuda":
+        state[f"rng_cuda/{_rank()}"] = torch.cuda.get_rng_state(module.topology.device).cpu()
+    try:
+        with _quiet():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not _distributed())
+    except (Exception, DCPException) as e:  # noqa: BLE001 - DCP wraps each rank's error; name the first one
+        raise CheckpointError(f"could not save checkpoint {path}: {_root_cause(e)} (the previous checkpoints "
+                              f"are intact)") from e
+    if _rank() == 0:
+        record = {"format": 1, "layout": _layout(module), **(meta or {})}
+        write_atomic(os.path.join(tmp, META), json.dumps(record, indent=1, default=_jsonable))
+        fsync_dir(tmp)
+        publish_dir(tmp, path)
+        if keep is not None:
+            prune_checkpoints(os.path.dirname(path), keep)
+    _barrier()
+    return path
+
+
+def _jsonable(x):
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
+
+
+def load_checkpoint(path: str, module: PipelineModule, optimizer=None) -> dict:
+    """Load checkpoint `path` into `module` and `optimizer` at this run's layout (collective);
+    returns its `pipekit.json`. Raises CheckpointError, naming the tensor, when the
+    checkpoint lacks one this model needs or holds it in another shape."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(path)
+    reader = dcp.FileSystemReader(path)
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - DCP raises assorted errors on a damaged .metadata
+        raise CheckpointError(f"{path}/.metadata is unreadable ({type(e).__name__}: {e})") from e
+    local = _local_tensors(module)
+    state, targets = {}, {}
+    for name, t in local.items():
+        key, dim = f"model/{name}", _shard_dim(t)
+        _expect(saved, key, _full_shape(module, t, dim), path)
+        buf = torch.empty_like(t.detach())
+        state[key], targets[key] = _global(module, buf, dim), buf
+    opt_keys: dict[str, list[str]] = {}
+    if optimizer is not None:
+        for key in saved:
+            if key.startswith("optim/"):
+                name, entry = key[len("optim/"):].rsplit("/", 1)
+                opt_keys.setdefault(name, []).append(entry)
+        params = dict(module.named_parameters())
+        for name, entries in opt_keys.items():
+            p = params.get(name)
+            if p is None:
+                continue
+            for entry in entries:
+                key, dim = f"optim/{name}/{entry}", _shard_dim(p)
+                _expect(saved, key, _full_shape(module, p, dim), path)
+                buf = torch.empty(p.shape, dtype=saved[key].properties.dtype, device=p.device)
+                state[key], targets[key] = _global(module, buf, dim), buf
+        for key in saved:
+            if key.startswith("optim_scalar/"):
+                buf = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+                state[key] = targets[key] = buf
+    same_layout = meta.get("layout") == _layout(module)
+    rng_key = f"rng/{_rank()}"
+    if same_layout and rng_key in saved:
+        state[rng_key] = targets[rng_key] = torch.empty(saved[rng_key].size, dtype=torch.uint8)
+    try:
+        with _quiet():
+            dcp.load(state, storage_reader=reader, no_dist=not _distributed())
+    except (Exception, DCPException) as e:  # noqa: BLE001 - a truncated or corrupt shard file
+        raise CheckpointError(f"could not read checkpoint {path}: {_root_cause(e)}") from e
+    with torch.no_grad():
+        for name, t in local.items():
+            t.copy_(targets[f"model/{name}"])
+    if optimizer is not None:
+        params = dict(module.named_parameters())
+        per_param = {params[n]: {e: targets[f"optim/{n}/{e}"] for e in entries}
+                     for n, entries in opt_keys.items() if n in params}
+        scalars = {k[len("optim_scalar/"):]: v for k, v in targets.items() if k.startswith("optim_scalar/")}
+        _load_param_state(optimizer, per_param, scalars)
+    if rng_key in targets:
+        torch.set_rng_state(targets[rng_key])
+    return meta
+
+
+def _root_cause(e: BaseException) -> str:
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception or traceback}
+    if failures:
+        e = next(iter(failures.values()))
+        if isinstance(e, tuple):  # (exception, traceback) in some torch versions
+            e = e[0]
+    if not isinstance(e, BaseException):
+        return str(e).strip().splitlines()[-1]
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence DCP's warning that, without a process group, it assumes one process (it is one)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _expect(saved: dict, key: str, shape: tuple[int, ...], path: str) -> None:
+    if key not in saved:
+        raise CheckpointError(f"checkpoint {path} has no {key.split('/', 1)[1]} (saved from another model: "
+                              f"compare its {META} with this config)")
+    got = tuple(saved[key].size)
+    if got != shape:
+        raise CheckpointError(f"checkpoint {path} holds {key.split('/', 1)[1]} with shape {got}, this model's is "
+                              f"{shape}: it was saved from another model config")
+
+
+def load_full_weights(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(pipekit.json, the full weights by name) of checkpoint `path`, in this one process
+    (no process group): what `convert --to-hf` and `generate` read."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_meta(path)
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items() if k.startswith("model/")}
+    with _quiet():
+        try:
+            dcp.load(state, storage_reader=reader, no_dist=True)
+        except (Exception, DCPException) as e:  # noqa: BLE001
+            raise CheckpointError(f"could not read checkpoint {path}: {_root_cause(e)}") from e
+    return meta, {k[len("model/"):]: v for k, v in state.items()}

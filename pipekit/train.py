@@ -12,16 +12,19 @@ a layout-free `model.pt` that `pipekit generate` and `pipekit convert` read.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import atomic_save, full_state_dict
+from .checkpoint import (CheckpointError, atomic_save, full_state_dict, latest_checkpoint, load_checkpoint,
+                         save_checkpoint, step_dir)
 from .config import Config, model_config, model_loss, model_specs, model_vocab
 from .engine import PipelineEngine
 from .optim import LossScaler, ZeroOptimizer
@@ -97,8 +100,9 @@ def data_dir(cfg: Config) -> str | None:
     return cfg.data.source
 
 
-def batches(cfg: Config, topo: Topology, split: str = "train", path: str | None = None):
-    """This dp rank's (inputs, labels) batches: the same global batches in every layout."""
+def batches(cfg: Config, topo: Topology, split: str = "train", path: str | None = None, start_step: int = 0):
+    """This dp rank's (inputs, labels) batches from step `start_step` on: the same global
+    batches in every layout, and after a resume."""
     t = cfg.train
     seed = t.seed if split == "train" else t.seed + 1
     if path is None:
@@ -107,11 +111,13 @@ def batches(cfg: Config, topo: Topology, split: str = "train", path: str | None 
         vocab = model_vocab(model_config(cfg.model))
         shard = t.global_batch // topo.dp
         rows = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
-        return ((x[rows], y[rows]) for x, y in synthetic_batches(vocab, t.global_batch, t.seq_len, seed=seed))
+        stream = synthetic_batches(vocab, t.global_batch, t.seq_len, seed=seed)
+        return ((x[rows], y[rows]) for x, y in itertools.islice(stream, start_step, None))
     from .data import BatchSampler, TokenDataset
 
     ds = TokenDataset(path, split)
-    return BatchSampler(ds, t.global_batch, t.seq_len, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=seed)
+    return BatchSampler(ds, t.global_batch, t.seq_len, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=seed,
+                        start_step=start_step)
 
 
 def check_vocab(cfg: Config, path: str | None) -> None:
@@ -250,22 +256,191 @@ def train(cfg: Config) -> dict:
     path = data_dir(cfg)
     check_vocab(cfg, path)
     engine = build(cfg, topo)
-    log = Logger(cfg, topo, engine, notice=reason if fell_back(cfg.train.device, device) else None)
-    train_data = batches(cfg, topo, "train", path)
-    for step in range(1, cfg.train.steps + 1):
-        lr = engine.optimizer.param_groups[0]["lr"]
-        engine.record_timeline = step == cfg.logging.trace_step
-        loss = engine.train_batch(train_data)
-        if engine.record_timeline:
-            write_trace(cfg, topo, engine, step)
-        val = None
-        if _due(step, cfg.data.val_every, cfg.train.steps):
-            with log.paused():
-                val = validate(cfg, topo, engine, path)
-        log.step(step, loss, lr, val)
+    start = resume(cfg, topo, engine)
+    if start == 0:
+        clear_old_checkpoints(cfg, topo)
+    if start == cfg.train.steps:
+        if topo.rank == 0:
+            print(f"the checkpoint is at train.steps={start}: nothing left to train (raise train.steps to go on)",
+                  flush=True)
+        save_weights(cfg, topo, engine, path)
+        return {"steps": 0, "resumed_from": start}
+    log = Logger(cfg, topo, engine, notice=reason if fell_back(cfg.train.device, device) else None,
+                 start_step=start)
+    train_data = batches(cfg, topo, "train", path, start_step=start)
+    root, saved_at = checkpoint_root(cfg), None
+    with StopRequests() as stop:
+        for step in range(start + 1, cfg.train.steps + 1):
+            lr = engine.optimizer.param_groups[0]["lr"]
+            engine.record_timeline = step == cfg.logging.trace_step
+            loss = engine.train_batch(train_data)
+            check_finite(loss, step, engine, root)
+            if engine.record_timeline:
+                write_trace(cfg, topo, engine, step)
+            val = None
+            if _due(step, cfg.data.val_every, cfg.train.steps):
+                with log.paused():
+                    val = validate(cfg, topo, engine, path)
+            log.step(step, loss, lr, val)
+            stopping = stop.requested(topo)
+            if root and (_due(step, cfg.checkpoint.every, -1) or stopping
+                         or (step == cfg.train.steps and cfg.checkpoint.at_end)):
+                with log.paused():
+                    saved_at = save(cfg, topo, engine, root, step)
+            if stopping:
+                log.stopped(step, stop.signal_name, saved_at if saved_at and saved_at.endswith(f"{step:08d}") else None)
+                return {**log.finish(), "stopped_by": stop.signal_name}
     summary = log.finish()
     save_weights(cfg, topo, engine, path)
     return summary
+
+
+# ---- checkpoints -------------------------------------------------------------------
+def checkpoint_root(cfg: Config) -> str | None:
+    """Where this run's checkpoints go: checkpoint.dir, else {logging.out_dir}/checkpoints, else nowhere."""
+    if cfg.checkpoint.dir:
+        return cfg.checkpoint.dir
+    return os.path.join(cfg.logging.out_dir, "checkpoints") if cfg.logging.out_dir else None
+
+
+def clear_old_checkpoints(cfg: Config, topo: Topology) -> None:
+    """A fresh run must not leave another run's checkpoints where `train.resume=auto` would
+    find them: with logging.overwrite they are deleted, otherwise the run refuses to start."""
+    from .checkpoint import list_checkpoints
+
+    root = checkpoint_root(cfg)
+    old = list_checkpoints(root) if root else []
+    if not old:
+        return
+    if not cfg.logging.overwrite:
+        raise CheckpointError(f"{root} holds checkpoints of another run (up to step {old[-1][0]}); continue it with "
+                              f"train.resume=auto, or pass logging.overwrite=true to start afresh and delete them")
+    if dist.is_initialized():
+        dist.barrier()  # every rank has looked before rank 0 deletes
+    if topo.rank == 0:
+        import shutil
+
+        for _, path in old:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def resume_path(cfg: Config) -> str | None:
+    """The checkpoint this run continues from: `train.resume` (a path, or "auto": the newest
+    complete one under checkpoint_root, or none), also "auto" after a torchrun restart."""
+    wanted = cfg.train.resume
+    if wanted is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        wanted = "auto"  # a restarted worker continues from where the group got to
+    if wanted is None:
+        return None
+    if wanted == "auto":
+        root = checkpoint_root(cfg)
+        return latest_checkpoint(root) if root else None
+    return wanted
+
+
+def resume(cfg: Config, topo: Topology, engine: PipelineEngine) -> int:
+    """Load the checkpoint to resume from, if any, into `engine` (weights, optimizer state,
+    LR schedule, loss scale, RNG); returns the number of steps already done."""
+    path = resume_path(cfg)
+    if path is None:
+        return 0
+    from .checkpoint import read_meta
+
+    check_same_model(read_meta(path), cfg, path)
+    meta = load_checkpoint(path, engine.module, engine.optimizer)
+    if engine.lr_scheduler is not None and meta.get("lr_scheduler"):
+        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is not None and meta.get("loss_scaler"):
+        scaler.load_state_dict(meta["loss_scaler"])
+    step = int(meta["step"])
+    if step > cfg.train.steps:  # (== is a finished run: train() only rewrites model.pt)
+        raise CheckpointError(f"checkpoint {path} is at step {step}, past train.steps={cfg.train.steps}; "
+                              f"raise train.steps to train on")
+    if topo.rank == 0:
+        print(f"resuming from {path} (step {step})", flush=True)
+    return step
+
+
+def check_same_model(meta: dict, cfg: Config, path: str) -> None:
+    """A checkpoint continues only the model (and data) it was saved from."""
+    mine = {"family": cfg.model.family, "config": _model_record(cfg)}
+    theirs = {"family": meta.get("family"), "config": meta.get("model_config")}
+    if theirs != mine:
+        diff = sorted(k for k in set(mine["config"]) | set(theirs["config"] or {})
+                      if (theirs["config"] or {}).get(k) != mine["config"].get(k))
+        shown = ", ".join(f"{k}={(theirs['config'] or {}).get(k)} (this config: {mine['config'].get(k)})" for k in diff[:3])
+        raise CheckpointError(f"checkpoint {path} was saved from another model ({theirs['family']}: {shown or 'family'}); "
+                              f"resume it with the config it was saved with")
+
+
+def _model_record(cfg: Config) -> dict:
+    return json.loads(json.dumps(asdict(model_config(cfg.model))))
+
+
+def save(cfg: Config, topo: Topology, engine: PipelineEngine, root: str, step: int) -> str:
+    """Save a resumable, layout-free checkpoint of step `step` under `root` (collective)."""
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    meta = {"step": step, "family": cfg.model.family, "model_config": _model_record(cfg),
+            "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+            "loss_scaler": scaler.state_dict() if scaler is not None else None,
+            "data": {"source": cfg.data.source, "seed": cfg.train.seed, "global_batch": cfg.train.global_batch,
+                     "seq_len": cfg.train.seq_len, "next_step": step},
+            "config": json.loads(json.dumps(asdict(cfg)))}
+    return save_checkpoint(step_dir(root, step), engine.module, engine.optimizer, meta=meta, keep=cfg.checkpoint.keep)
+
+
+class NonFiniteLoss(ValueError):
+    """The training loss became inf or NaN (the same on every rank: the loss is all-reduced)."""
+
+
+def check_finite(loss: float, step: int, engine: PipelineEngine, root: str | None) -> None:
+    if math.isfinite(loss) or engine.last_step_skipped:  # fp16: the loss scaler skipped the step
+        return
+    last = latest_checkpoint(root) if root else None
+    raise NonFiniteLoss(f"step {step}: the loss is {loss} (training diverged); lower optimizer.lr or raise "
+                        f"optimizer.warmup_steps" + (f", and resume from {last}" if last else ""))
+
+
+class StopRequests:
+    """SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) asks the run to stop at the next
+    step boundary, after saving a checkpoint; a second signal stops it at once. Every rank
+    agrees on the step: `requested` is collective (one 1-element all-reduce per step)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._old: dict = {}
+
+    def __enter__(self):
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False
+
+    def _handle(self, signum, frame):
+        if self.signal_name is not None:  # the second one: stop now
+            signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
+    def requested(self, topo: Topology) -> bool:
+        flag = torch.tensor([1.0 if self.signal_name else 0.0], device=topo.device)
+        if topo.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and self.signal_name is None:
+            self.signal_name = "a signal to another rank"
+        return bool(flag.item())
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -335,8 +510,10 @@ def save_weights(cfg: Config, topo: Topology, engine: PipelineEngine, data_path:
 class Logger:
     """Rank 0's progress bar, metrics.jsonl, TensorBoard events and summary table."""
 
-    def __init__(self, cfg: Config, topo: Topology, engine: PipelineEngine, notice: str | None = None):
+    def __init__(self, cfg: Config, topo: Topology, engine: PipelineEngine, notice: str | None = None,
+                 start_step: int = 0):
         self.cfg, self.engine, self.active = cfg, engine, topo.rank == 0
+        self.start_step = start_step  # steps done before this process started (a resumed run)
         self.device, self.notice = topo.device.type, notice
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         n_params = _count_params(engine)
@@ -355,7 +532,7 @@ class Logger:
         out = self.cfg.logging.out_dir
         if out:
             os.makedirs(out, exist_ok=True)
-            self.file = open(os.path.join(out, "metrics.jsonl"), "w")
+            self.file = _metrics_file(os.path.join(out, "metrics.jsonl"), self.start_step)
             if self.cfg.logging.tensorboard:
                 self.tb = _tensorboard(out)
         if self.cfg.logging.progress:
@@ -387,7 +564,7 @@ class Logger:
 
     def step(self, step: int, loss: float, lr: float, val: float | None) -> None:
         elapsed = time.perf_counter() - self.start  # training time only
-        tps = self.tokens_per_step * step / elapsed
+        tps = self.tokens_per_step * (step - self.start_step) / elapsed
         rec = {"step": step, "loss": loss, "lr": lr,
                "grad_norm": self.engine.last_grad_norm, "tokens_per_s": tps,
                "skipped": self.engine.last_step_skipped, "loss_scale": self.engine.optimizer.loss_scale,
@@ -420,6 +597,16 @@ class Logger:
                 if rec.get(key) is not None:
                     self.tb.add_scalar(f"train/{key}", rec[key], rec["step"])
 
+    def stopped(self, step: int, why: str, path: str | None) -> None:
+        """Say, in one line, where an interrupted run stopped and how to continue it."""
+        if self.active:
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
+            where = (f"checkpoint saved to {path}; continue with train.resume=auto" if path
+                     else "no checkpoint saved (no logging.out_dir or checkpoint.dir)")
+            print(f"pipekit: stopped after step {step} on {why}: {where}", flush=True)
+
     def finish(self) -> dict:
         h = self.history
         vals = [r["val_loss"] for r in h if "val_loss" in r]
@@ -442,6 +629,27 @@ class Logger:
             if self.tb:
                 self.tb.close()
         return summary
+
+
+def _metrics_file(path: str, start_step: int):
+    """metrics.jsonl opened for this run: a fresh run starts it empty; a resumed run keeps the
+    records of the steps before `start_step` (dropping later ones and any summary, which the
+    interrupted run may have written) and appends."""
+    if start_step == 0 or not os.path.exists(path):
+        return open(path, "w")
+    from .atomic import write_atomic
+
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a crash
+            if "step" in rec and rec["step"] <= start_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    write_atomic(path, "".join(kept))
+    return open(path, "a")
 
 
 def summary_table(s: dict) -> str:

@@ -5,9 +5,12 @@ rank at stage 0 in fp32 it is exactly the wrapped torch optimizer.
 
 Layout. The trainable parameters are packed into flat *buckets*: one run of
 buckets per segment (a virtual pipeline stage, or a tied key, which must lay
-out the same way on every pipeline rank that holds it), per param group, and
-per "counted in the gradient norm" flag. A model parameter becomes a view into
-its bucket's parameter buffer (model dtype). Each bucket is padded to a
+out the same way on every pipeline rank that holds it) and param group. A
+model parameter becomes a view into its bucket's parameter buffer (model
+dtype). A bucket records which of its ranges count in the gradient norm on
+this rank; that is not part of the layout, since a tied weight counts on its
+first pipeline owner only and a tp-replicated one on tp rank 0, while a tied
+segment's buckets must match on every owner. Each bucket is padded to a
 multiple of its data-parallel group's size N and rank r owns the r-th of the N
 equal shards of every bucket, as Megatron's distributed optimizer does.
 
@@ -75,12 +78,11 @@ _PIECE = 1 << 16  # the wrapped optimizer sees a master shard as pieces of this 
 
 @dataclass(eq=False)
 class Bucket:
-    """A flat run of parameters that share a dp group, a param group and a norm flag."""
+    """A flat run of parameters that share a segment, a dp group and a param group."""
 
     params: list[nn.Parameter]
     group_index: int
     dp_group: Any
-    counted: bool  # included in the global gradient norm on this rank
     segment: Any
     param_buf: torch.Tensor = field(init=False)
     offsets: dict = field(default_factory=dict)  # id(param) -> (start, numel)
@@ -89,6 +91,7 @@ class Bucket:
     master: torch.Tensor | None = None  # master weights: full (stage 0) or this rank's shard
     arrived: int = 0
     launched: bool = False
+    counted_ranges: list = field(default_factory=list)  # [start, end) bucket ranges in the norm here
 
     @property
     def dp_size(self) -> int:
@@ -172,19 +175,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             runs: dict[tuple, list[nn.Parameter]] = {}
             for p in group["params"]:
                 if p.requires_grad:
-                    runs.setdefault((segment_of(p), counted(p)), []).append(p)
+                    runs.setdefault(segment_of(p), []).append(p)
             # Launch order: stages before shared tied keys, and within a run the parameters whose
             # gradients complete first (backward visits layers last to first; a tied input
             # embedding, also the head, completes only at the end).
-            order = sorted(runs.items(), key=lambda kv: (isinstance(kv[0][0], str), str(kv[0])))
-            for (segment, is_counted), params in order:
+            order = sorted(runs.items(), key=lambda kv: (isinstance(kv[0], str), str(kv[0])))
+            for segment, params in order:
                 backward_order = sorted(reversed(params), key=first_use, reverse=True)  # stable: ties reversed
                 for chunk in _chunks(backward_order, self.bucket_numel):
-                    buckets.append(self._make_bucket(chunk, gi, dp_group, is_counted, segment))
+                    buckets.append(self._make_bucket(chunk, gi, dp_group, counted, segment))
         return buckets
 
     def _make_bucket(self, params, gi, dp_group, counted, segment) -> Bucket:
-        b = Bucket(params, gi, dp_group, counted, segment)
+        b = Bucket(params, gi, dp_group, segment)
         n = sum(p.numel() for p in params)
         size = math.ceil(max(n, 1) / b.dp_size) * b.dp_size
         p0 = params[0]
@@ -194,6 +197,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             b.param_buf[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
             p.data = b.param_buf[offset:offset + p.numel()].view_as(p)
             b.offsets[id(p)] = (offset, p.numel())
+            if counted(p):
+                if b.counted_ranges and b.counted_ranges[-1][1] == offset:
+                    b.counted_ranges[-1] = (b.counted_ranges[-1][0], offset + p.numel())
+                else:
+                    b.counted_ranges.append((offset, offset + p.numel()))
             offset += p.numel()
         if self.stage < 2:
             b.grad_buf = torch.zeros(size, dtype=self.grad_dtype, device=p0.device)
@@ -393,10 +401,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         device = self.buckets[0].param_buf.device if self.buckets else _device(self.module)
         by_group: dict[Any, torch.Tensor] = {}
         for b in self.buckets:
-            if b.counted:
-                key = b.dp_group if self.stage > 0 else None
-                part = by_group.setdefault(key, torch.zeros((), dtype=torch.float64, device=device))
-                part += b.master.grad.double().pow(2).sum()
+            key = b.dp_group if self.stage > 0 else None
+            part = by_group.setdefault(key, torch.zeros((), dtype=torch.float64, device=device))
+            g = b.master.grad
+            first = 0 if self.stage == 0 else b.shard.start  # where this rank's gradient starts in the bucket
+            for start, end in b.counted_ranges:
+                lo, hi = max(start, first), min(end, first + g.numel())
+                if lo < hi:
+                    part += g[lo - first:hi - first].double().pow(2).sum()
         total = torch.zeros((), dtype=torch.float64, device=device)
         for group, part in by_group.items():
             if group is not None:
@@ -493,6 +505,77 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for s in self.inner.state.values():
                 state += sum(nbytes(v) for v in s.values() if isinstance(v, torch.Tensor) and v.numel() > 1)
         return {"params": params, "grads": grads, "master": master, "optimizer_state": state}
+
+    # ---- layout-free state ------------------------------------------------------
+    @torch.no_grad()
+    def param_state(self) -> tuple[dict[nn.Parameter, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """The optimizer state by parameter, independent of stage, dp size and bucketing:
+        ({param: {"exp_avg": ..., "master": ...}}, {"step": ...}).
+
+        Each per-parameter tensor has the parameter's (this rank's tp shard) shape, in the
+        master dtype: every per-element entry of the wrapped optimizer's state, and
+        "master" when the master weights are a separate copy (half-precision models).
+        The second dict holds the scalar entries ("step"), the same for every piece.
+        Collective at stages 1 and 2: each bucket's shards are all-gathered over its dp
+        group (a transient full copy of the bucket's state on every rank)."""
+        per_param: dict[nn.Parameter, dict[str, torch.Tensor]] = {p: {} for b in self.buckets for p in b.params}
+        scalars: dict[str, torch.Tensor] = {}
+        for bi, b in enumerate(self.buckets):
+            pieces = self.inner.param_groups[bi]["params"] if self.inner is not None else []
+            states = [self.inner.state.get(piece, {}) for piece in pieces]
+            flats = {}
+            if not _is_view_of(b.master, b.param_buf):
+                flats["master"] = b.master
+            for key, value in (states[0].items() if states else ()):
+                if isinstance(value, torch.Tensor) and value.shape == pieces[0].shape:
+                    flats[key] = torch.cat([s[key].reshape(-1) for s in states])
+                else:
+                    scalars.setdefault(key, value.clone() if isinstance(value, torch.Tensor) else torch.tensor(value))
+            for key, flat in flats.items():
+                full = flat
+                if self.stage > 0 and b.dp_size > 1:
+                    full = torch.zeros(b.param_buf.numel(), dtype=flat.dtype, device=flat.device)
+                    full[b.shard].copy_(flat)
+                    for w in _all_gather(full, b.dp_size, b.dp_group):
+                        w.wait()
+                for p in b.params:
+                    start, n = b.offsets[id(p)]
+                    per_param[p][key] = full[start:start + n].view_as(p).clone()
+        return per_param, scalars
+
+    @torch.no_grad()
+    def load_param_state(self, per_param: dict[nn.Parameter, dict[str, torch.Tensor]],
+                         scalars: dict[str, torch.Tensor]) -> None:
+        """Load state in `param_state`'s form, into any stage, dp size and bucketing (no
+        communication: every rank is given the state of all its parameters). Call after
+        the model's weights are loaded: master copies missing from `per_param` are taken
+        from the parameters. A parameter missing from `per_param` starts fresh, as do
+        all when it is empty."""
+        for bi, b in enumerate(self.buckets):
+            keys = set().union(*(per_param.get(p, {}).keys() for p in b.params))
+            missing = [tuple(p.shape) for p in b.params if set(per_param.get(p, {})) != keys]
+            if missing:
+                raise ValueError(f"optimizer state has entries {sorted(keys)} for some parameters but not for "
+                                 f"parameters of shape {missing[0]} in the same bucket; it is incomplete")
+            owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
+            if "master" not in keys and not _is_view_of(b.master, b.param_buf):
+                b.master.copy_(owned)
+            pieces = self.inner.param_groups[bi]["params"] if self.inner is not None else []
+            for key in sorted(keys):
+                full = torch.zeros(b.param_buf.numel(), dtype=self.master_dtype, device=b.param_buf.device)
+                for p in b.params:
+                    start, n = b.offsets[id(p)]
+                    full[start:start + n].copy_(per_param[p][key].reshape(-1))
+                mine = full if self.stage == 0 else full[b.shard]
+                if key == "master":
+                    b.master.copy_(mine)
+                    continue
+                for piece, part in zip(pieces, mine.split(_PIECE)):
+                    self.inner.state[piece][key] = part.view_as(piece).clone()
+            if keys - {"master"}:
+                for piece in pieces:
+                    for key, value in scalars.items():
+                        self.inner.state[piece][key] = value.clone()
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict() if self.inner else None,

@@ -1,0 +1,91 @@
+"""Every file pipekit writes is written whole or not at all.
+
+A file is written to a temporary name in its own directory, flushed and
+fsynced, then renamed over its final name (`os.replace`, atomic on POSIX), and
+the directory entry is fsynced; a reader sees the old file or the new one, and
+a crash leaves at worst a stray `.NAME.*.tmp`. Directories (checkpoints, a
+HuggingFace export) are built under a temporary name and published the same
+way by `publish_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Callable, BinaryIO
+
+
+def write_atomic(path: str, data: bytes | str | Callable[[BinaryIO], None]) -> None:
+    """Write `data` (bytes, text, or a function writing to a binary file) to `path` atomically."""
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            if callable(data):
+                data(fh)
+            else:
+                fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        publish(tmp, path)
+    finally:
+        remove(tmp)
+
+
+def torch_save_atomic(obj, path: str) -> None:
+    """`torch.save(obj, path)`, atomically."""
+    import torch
+
+    write_atomic(path, lambda fh: torch.save(obj, fh))
+
+
+def publish(tmp: str, path: str) -> None:
+    """Rename a finished temporary file into place, with the permissions a plain `open` would
+    give (mkstemp makes 0600), and make the rename durable."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def publish_dir(tmp: str, path: str) -> None:
+    """Rename the finished directory `tmp` to `path`; an existing `path` is moved aside first
+    and removed only after the new one is in place (restored if the rename fails)."""
+    if not os.path.exists(path):
+        os.replace(tmp, path)
+    else:
+        old = f"{path}.old-{os.getpid()}"
+        os.replace(path, old)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            os.replace(old, path)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def fsync_dir(path: str) -> None:
+    """Make renames inside directory `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove(path: str) -> None:
+    """Remove a file if it exists."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
