@@ -34,6 +34,14 @@ def _train(args: argparse.Namespace) -> int:
 
         print(OmegaConf.to_yaml(OmegaConf.create(asdict(cfg))), end="")
         return 0
+    from .preflight import check_before_launch
+
+    try:
+        check_before_launch(cfg)  # the data, out_dir, checkpoint dir and the checkpoint to resume from
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":  # under a user's torchrun, said once
+            print(f"pipekit train: {e}", file=sys.stderr)
+        return 2
     device = _device(cfg)
     if device is None:
         return 2
@@ -48,24 +56,86 @@ def _train(args: argparse.Namespace) -> int:
         # The workers take this process's answer: after auto -> cpu with a GPU visible they must
         # not resolve again (each would call set_device on an ordinal that is not there).
         argv = ["train", *([args.config] if args.config else []), *args.overrides, f"train.device={device}"]
-        return _launch(cfg.world_size, argv)
+        return _launch(cfg.world_size, argv, max_restarts=args.max_restarts)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
         print(f"pipekit train: torchrun started {os.environ['WORLD_SIZE']} workers but the config asks for "
               f"pp*dp*tp = {cfg.world_size}", file=sys.stderr)
         return 2
+    return _run_worker(cfg)
+
+
+def _run_worker(cfg) -> int:
+    """Train on this process (one of the workers, or the only one). An error is reported once,
+    from the rank where it started: a rank that failed only because a peer stopped stays
+    quiet (exit status PEER_STOPPED); the launcher collects the rest (see `_report_failures`)."""
+    import signal
+
     from .train import train
 
     try:
-        train(cfg)
+        summary = train(cfg)
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - reported once, below
+        return _worker_failed(e)
     finally:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    stopped = summary.get("stopped_by") if isinstance(summary, dict) else None
+    if stopped in ("SIGINT", "SIGTERM") and "RANK" not in os.environ:
+        return 128 + getattr(signal, stopped)  # the shell's convention for a run ended by a signal
     return 0
 
 
-RUN_FILES = ("metrics.jsonl", "model.pt")
+PEER_STOPPED = 3  # a worker's exit status when it failed only because another rank stopped first
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "closed its connection")
+
+
+def _caused_by_peer(e: BaseException) -> bool:
+    from .comm import PeerClosed
+
+    while e is not None:
+        if isinstance(e, PeerClosed) or any(mark in str(e) for mark in _PEER_GONE):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _worker_failed(e: BaseException) -> int:
+    """Report a worker's error once and return its exit status: 2 for a user's mistake (one
+    line), 1 for anything else (the traceback), PEER_STOPPED (nothing printed) when the rank
+    only lost a peer. Under `pipekit train`'s launcher the report goes to a file the launcher
+    prints from; under a user's own torchrun it is printed here."""
+    import time
+    import traceback
+
+    rank = int(os.environ.get("RANK", "0"))
+    if isinstance(e, KeyboardInterrupt):
+        return 130
+    peer = _caused_by_peer(e)
+    user = isinstance(e, USER_ERRORS) and not peer
+    if os.environ.get("PIPEKIT_DEBUG") == "1":
+        user = False
+    text = _first_line(e) if user else "".join(traceback.format_exception(e)).rstrip()
+    status = PEER_STOPPED if peer else (2 if user else 1)
+    report_dir = os.environ.get("PIPEKIT_ERROR_DIR")
+    if report_dir:
+        from .atomic import write_atomic
+
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        write_atomic(os.path.join(report_dir, f"attempt{attempt}-rank{rank}.json"),
+                     json.dumps({"rank": rank, "peer": peer, "user": user, "text": text, "time": time.time()}))
+    elif not peer:
+        who = f"rank {rank}: " if "RANK" in os.environ else ""
+        print(f"pipekit train: {who}{text}" if user else text, file=sys.stderr, flush=True)
+    return status
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+RUN_FILES = ("metrics.jsonl", "model.pt", "checkpoints")
 
 
 def _out_dir_taken(cfg) -> str | None:
@@ -73,13 +143,13 @@ def _out_dir_taken(cfg) -> str | None:
     `logging.overwrite` is off), or None. Checked by the launcher before any worker starts;
     workers started by a user's own torchrun are not checked."""
     out = cfg.logging.out_dir
-    if not out or cfg.logging.overwrite or not os.path.isdir(out):
+    if not out or cfg.logging.overwrite or cfg.train.resume or not os.path.isdir(out):
         return None
     found = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
     if not found:
         return None
-    return (f"logging.out_dir={out} holds another run ({', '.join(found)}); choose another "
-            f"logging.out_dir, or pass logging.overwrite=true to replace it")
+    return (f"logging.out_dir={out} holds another run ({', '.join(found)}); continue it with train.resume=auto, "
+            f"choose another logging.out_dir, or pass logging.overwrite=true to replace it")
 
 
 def _lock_out_dir(cfg):
@@ -119,32 +189,90 @@ def _device(cfg) -> str | None:
     return device
 
 
-def _launch(nproc: int, argv: list[str]) -> int:
-    """Start `nproc` workers on this machine through torch.distributed.run, each running `pipekit argv`."""
+def _launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
+    """Start `nproc` workers on this machine through torch.distributed.run, each running
+    `pipekit argv`; with `max_restarts`, a failed group is restarted (and resumes from its
+    newest checkpoint) up to that many times. Errors are reported once (`_report_failures`)."""
+    import signal
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    print(f"pipekit: launching {nproc} workers with torch.distributed.run", flush=True)
-    try:
-        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", "-m", "pipekit.cli", *argv]))
-    except ChildFailedError as e:
-        ranks = sorted(e.failures)
-        print(f"pipekit train: worker rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} failed "
-              f"(the first failure is rank {e.get_first_failure()[0]}; its error is printed above)", file=sys.stderr)
-        return 1
+    print(f"pipekit: launching {nproc} workers with torch.distributed.run"
+          + (f" (up to {max_restarts} restarts)" if max_restarts else ""), flush=True)
+    with tempfile.TemporaryDirectory(prefix="pipekit-errors-") as reports:
+        os.environ["PIPEKIT_ERROR_DIR"] = reports
+        try:
+            run(parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                            "-m", "pipekit.cli", *argv]))
+        except ChildFailedError as e:
+            return _report_failures(e, reports)
+        except SignalException as e:  # Ctrl-C or SIGTERM: the workers save, say where, and stop
+            return 128 + int(e.sigval)
+        finally:
+            os.environ.pop("PIPEKIT_ERROR_DIR", None)
     return 0
 
 
+def _report_failures(e, reports: str) -> int:
+    """Print each distinct error of the last attempt once (the earliest first), naming the
+    ranks it came from, then one line on the ranks that stopped only because a peer did."""
+    found = []
+    for name in os.listdir(reports):
+        try:
+            with open(os.path.join(reports, name)) as f:
+                found.append((name.split("-")[0], json.load(f)))
+        except (OSError, ValueError):
+            continue
+    last = max((a for a, _ in found), key=lambda a: int(a.removeprefix("attempt")), default=None)
+    reports_now = sorted((r for a, r in found if a == last), key=lambda r: r["time"])
+    origins: dict[str, list[int]] = {}
+    for r in reports_now:
+        if not r["peer"]:
+            origins.setdefault(r["text"], []).append(r["rank"])
+    for text, ranks in origins.items():
+        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
+        print(f"pipekit train: {who}: {text}" if "\n" not in text else f"pipekit train: {who} failed:\n{text}",
+              file=sys.stderr)
+    failed = sorted(e.failures)
+    silent = [r for r in failed if not any(r in ranks for ranks in origins.values())]
+    if not origins:
+        print(f"pipekit train: worker rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed "
+              f"(the first failure is rank {e.get_first_failure()[0]}; see its output above)", file=sys.stderr)
+    elif silent:
+        print(f"pipekit train: rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped because "
+              f"another rank did", file=sys.stderr)
+    users = all(r["user"] for r in reports_now if not r["peer"]) and origins
+    return 2 if users else 1
+
+
 def _plan(args: argparse.Namespace) -> int:
+    """Every input, including where --trace and --png go (and matplotlib for --png), is
+    checked before either file is written: a mistake writes nothing."""
+    import math
+
     from .schedules import ScheduleError, TimelineEvent, plan_report, render_png, render_text, to_chrome_trace
 
+    for flag, cost in (("--f-cost", args.f_cost), ("--b-cost", args.b_cost)):
+        if not math.isfinite(cost):
+            raise ValueError(f"{flag} {cost} must be a finite number >= 0")
     costs = {"F": args.f_cost, "B": args.b_cost}
     try:
         report = plan_report(args.schedule, args.pp, args.microbatches, args.virtual, costs=costs)
     except ScheduleError as e:
         print(f"pipekit plan: {e}", file=sys.stderr)
         return 2
+    for flag, path in (("--trace", args.trace), ("--png", args.png)):
+        if path:
+            _check_output_file(flag, path)
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("pipekit plan: --png needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 2
     events = [TimelineEvent(**e) for e in report["timeline"]]
     if args.trace:
         with open(args.trace, "w") as f:
@@ -161,10 +289,28 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_output_file(flag: str, path: str) -> None:
+    """`path` can be written as a file: not a directory, in a writable directory that exists."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{flag} {path} is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"{flag} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"{flag} {path}: the directory {parent} is not writable by this user")
+
+
 def _prepare_data(args: argparse.Namespace) -> int:
     from .data import prepare_data
 
-    meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction, seed=args.seed)
+    try:
+        meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
+                            seed=args.seed)
+    except ImportError as e:  # --tokenizer needs the optional tokenizers package
+        if e.name != "tokenizers":
+            raise
+        print(f"pipekit prepare-data: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(meta, indent=2))
     return 0
 
@@ -172,7 +318,15 @@ def _prepare_data(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from .generate import generate_text
 
-    print(generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    try:
+        text = generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
+                             args.seed)
+    except ImportError as e:  # the model's tokenizer.json needs the optional tokenizers package
+        if e.name != "tokenizers":
+            raise
+        print(f"pipekit generate: {e}", file=sys.stderr)
+        return 2
+    print(text)
     return 0
 
 
@@ -189,8 +343,15 @@ def _convert(args: argparse.Namespace) -> int:
     return run_convert(args) or 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake said in one line (and where to find the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pipekit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="pipekit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     from . import __version__
 
     p.add_argument("--version", action="version", version=f"pipekit {__version__}")
@@ -200,6 +361,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="YAML config (see configs/)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.pp=2")
     t.add_argument("--show", action="store_true", help="print the merged, checked config (every key) and exit")
+    t.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart failed workers up to N times (torchrun's --max-restarts); each restart resumes "
+                        "from the newest checkpoint")
     t.set_defaults(fn=_train)
 
     q = sub.add_parser("plan", help="simulate a schedule and print its timeline and figures")

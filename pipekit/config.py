@@ -9,6 +9,8 @@ result to real dataclasses, and runs the cross-field checks of
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
@@ -154,8 +156,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             parts.append(OmegaConf.load(path))
         parts.append(OmegaConf.from_dotlist(list(overrides or [])))
         cfg = OmegaConf.to_object(OmegaConf.merge(*parts))
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"bad config{f' {path}' if path else ''}: {e}") from e
+    except OmegaConfBaseException as e:  # one line: the key, then OmegaConf's reason
+        key, msg = getattr(e, "full_key", None), str(getattr(e, "msg", None) or e).strip().splitlines()[0]
+        raise ConfigError(f"bad config{f' {path}' if path else ''}: {f'{key}: ' if key else ''}{msg}") from e
     except FileNotFoundError as e:
         raise ConfigError(f"config file not found: {path}") from e
     except IsADirectoryError as e:
@@ -176,14 +179,28 @@ def _check_choice(key: str, value, choices) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
 
 
+def _check_rules(rules) -> None:
+    """Raise for the first `(key, value, holds, what is valid)` rule that does not hold."""
+    for key, value, holds, valid in rules:
+        if not holds:
+            raise ConfigError(f"{key}={value} must be {valid}")
+
+
+def _finite(value) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def _check_positive(cfg: Config) -> None:
     p, s, t = cfg.parallel, cfg.schedule, cfg.train
-    for key, value in [("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp),
-                       ("schedule.microbatches", s.microbatches), ("schedule.chunks_per_rank", s.chunks_per_rank),
-                       ("train.steps", t.steps), ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
-                       ("logging.log_every", cfg.logging.log_every), ("checkpoint.keep", cfg.checkpoint.keep)]:
-        if value < 1:
-            raise ConfigError(f"{key} must be >= 1, got {value}")
+    _check_rules([(key, value, value >= 1, ">= 1") for key, value in [
+        ("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp),
+        ("schedule.microbatches", s.microbatches), ("schedule.chunks_per_rank", s.chunks_per_rank),
+        ("train.steps", t.steps), ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
+        ("logging.log_every", cfg.logging.log_every), ("checkpoint.keep", cfg.checkpoint.keep)]])
+    if cfg.model.family == "toy":  # the zoo's configs check their own sizes (models.get_model)
+        m = cfg.model
+        _check_rules([(f"model.{key}", value, value >= 1, ">= 1") for key, value in
+                      [("vocab_size", m.vocab_size), ("dim", m.dim), ("n_layers", m.n_layers)] if value is not None])
 
 
 def check_config(cfg: Config) -> None:
@@ -198,7 +215,9 @@ def check_config(cfg: Config) -> None:
     _check_choice("optimizer.zero_stage", cfg.optimizer.zero_stage, (0, 1, 2))
     _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
     _check_choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
+    _check_optimizer(cfg)
     _check_precision(cfg)
+    _check_runtime(cfg)
     _check_device(cfg)
     want = t.micro_batch * s.microbatches * p.dp
     if t.global_batch != want:
@@ -207,11 +226,32 @@ def check_config(cfg: Config) -> None:
             f"{t.micro_batch} * {s.microbatches} * {p.dp} = {want}"
         )
     model = model_config(cfg.model)
-    _check_model_fits(cfg, model)
+    specs = model_specs(model)
+    _check_model_fits(cfg, model, specs)
+    _check_layer_choices(cfg, specs)
     try:
         build_schedule(s.name, p.pp, s.microbatches, s.chunks_per_rank)
     except ScheduleError as e:
         raise ConfigError(f"schedule: {e}") from e
+
+
+def _check_optimizer(cfg: Config) -> None:
+    o = cfg.optimizer
+    _check_rules([
+        ("optimizer.lr", o.lr, _finite(o.lr) and o.lr > 0, "a finite number > 0"),
+        ("optimizer.min_lr", o.min_lr, _finite(o.min_lr) and 0 <= o.min_lr <= o.lr,
+         f"in [0, optimizer.lr={o.lr}] (where the cosine decay ends)"),
+        ("optimizer.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0 (0: no warmup)"),
+        ("optimizer.weight_decay", o.weight_decay, _finite(o.weight_decay) and o.weight_decay >= 0,
+         "a finite number >= 0 (0: no decay)"),
+        ("optimizer.beta1", o.beta1, 0 <= o.beta1 < 1, "in [0, 1), e.g. 0.9"),
+        ("optimizer.beta2", o.beta2, 0 <= o.beta2 < 1, "in [0, 1), e.g. 0.95"),
+        ("optimizer.eps", o.eps, _finite(o.eps) and o.eps > 0, "a finite number > 0, e.g. 1e-8"),
+        ("optimizer.clip_grad_norm", o.clip_grad_norm, o.clip_grad_norm is None or (
+            _finite(o.clip_grad_norm) and o.clip_grad_norm > 0), "a finite number > 0, or null (no clipping)"),
+        ("optimizer.momentum", o.momentum, 0 <= o.momentum < 1, "in [0, 1) (0: plain SGD)"),
+        ("optimizer.bucket_mb", o.bucket_mb, _finite(o.bucket_mb) and o.bucket_mb > 0, "a finite number > 0"),
+    ])
 
 
 def _check_precision(cfg: Config) -> None:
@@ -219,12 +259,73 @@ def _check_precision(cfg: Config) -> None:
     if t.precision != "fp32" and t.dtype != "float32":
         raise ConfigError(f"train.precision={t.precision} keeps float32 master weights, so it needs "
                           f"train.dtype=float32 (got {t.dtype}); use train.precision=fp32 for {t.dtype}")
-    if cfg.optimizer.bucket_mb <= 0:
-        raise ConfigError(f"optimizer.bucket_mb must be > 0, got {cfg.optimizer.bucket_mb}")
-    for key, value, low in (("fp16.loss_scale", f.loss_scale, 0), ("fp16.loss_scale_window", f.loss_scale_window, 1),
-                            ("fp16.hysteresis", f.hysteresis, 1), ("fp16.min_loss_scale", f.min_loss_scale, 0)):
-        if value < low or (key == "fp16.min_loss_scale" and value == 0):
-            raise ConfigError(f"{key} must be {'> 0' if key == 'fp16.min_loss_scale' else f'>= {low}'}, got {value}")
+    _check_rules([
+        ("fp16.loss_scale", f.loss_scale, _finite(f.loss_scale) and f.loss_scale >= 0,
+         "a finite number >= 0 (0: dynamic scaling)"),
+        ("fp16.loss_scale_window", f.loss_scale_window, f.loss_scale_window >= 1, ">= 1"),
+        ("fp16.hysteresis", f.hysteresis, f.hysteresis >= 1, ">= 1"),
+        ("fp16.min_loss_scale", f.min_loss_scale, _finite(f.min_loss_scale) and f.min_loss_scale > 0,
+         "a finite number > 0"),
+    ])
+
+
+def _check_runtime(cfg: Config) -> None:
+    """Data, logging, checkpoint and resume keys (their paths are checked by `pipekit.preflight`)."""
+    d, t, log, ck = cfg.data, cfg.train, cfg.logging, cfg.checkpoint
+    _check_rules([
+        ("data.val_every", d.val_every, d.val_every >= 0, ">= 0 (0: no validation)"),
+        ("data.val_batches", d.val_batches, d.val_every == 0 or d.val_batches >= 1,
+         f">= 1 while data.val_every={d.val_every} (or set data.val_every=0 for no validation)"),
+        ("train.seed", t.seed, t.seed >= 0, ">= 0"),
+        ("train.resume", repr(t.resume), t.resume is None or (t.resume.strip() != "" and "\0" not in t.resume),
+         "auto (the newest checkpoint in checkpoint.dir), a checkpoint directory, or null (start fresh)"),
+        ("checkpoint.every", ck.every, ck.every >= 0, ">= 0 (0: only at the end of the run)"),
+        ("logging.trace_step", log.trace_step, log.trace_step is None or 1 <= log.trace_step <= t.steps,
+         f"a step in 1..train.steps={t.steps}, or null (no trace)"),
+        ("logging.peak_tflops", log.peak_tflops, log.peak_tflops is None or (
+            _finite(log.peak_tflops) and log.peak_tflops > 0), "a finite number > 0, or null (look it up or measure)"),
+    ])
+    nowhere = "; neither checkpoint.dir nor logging.out_dir is set (the default is {logging.out_dir}/checkpoints)"
+    if t.resume == "auto" and not (ck.dir or log.out_dir):
+        raise ConfigError(f"train.resume=auto looks for the newest checkpoint in checkpoint.dir{nowhere}; "
+                          "set one, or give train.resume a checkpoint directory")
+    if ck.every and not (ck.dir or log.out_dir):
+        raise ConfigError(f"checkpoint.every={ck.every} has nowhere to save{nowhere}; set one, or checkpoint.every=0")
+    if log.trace_step is not None and not log.out_dir:
+        raise ConfigError(f"logging.trace_step={log.trace_step} writes its timeline to logging.out_dir, which is not "
+                          "set; set logging.out_dir, or logging.trace_step=null")
+
+
+def _check_layer_choices(cfg: Config, specs: list) -> None:
+    """schedule.partition, activation_checkpoint_interval and checkpoint_layers, against the model's layers."""
+    from .partition import layer_weights
+    from .spec import spec_name
+
+    s = cfg.schedule
+    if s.partition not in ("uniform", "parameters") and not s.partition.startswith("type:"):
+        raise ConfigError(f"schedule.partition={s.partition!r} must be uniform, parameters or type:REGEX "
+                          f"(layers whose class name matches REGEX weigh 1, e.g. type:Block)")
+    if s.partition.startswith("type:"):
+        try:
+            layer_weights(specs, s.partition)
+        except ValueError as e:
+            raise ConfigError(f"schedule.partition: {e}") from e
+    _check_rules([("schedule.activation_checkpoint_interval", s.activation_checkpoint_interval,
+                   s.activation_checkpoint_interval >= 0, ">= 0 (0: off)")])
+    if s.checkpoint_layers is None:
+        return
+    if s.activation_checkpoint_interval:
+        raise ConfigError(f"schedule.checkpoint_layers={s.checkpoint_layers!r} and schedule.activation_checkpoint_"
+                          f"interval={s.activation_checkpoint_interval} are both set; set one of them "
+                          "(the interval would override the regex)")
+    try:
+        pattern = re.compile(s.checkpoint_layers)
+    except re.error as e:
+        raise ConfigError(f"schedule.checkpoint_layers={s.checkpoint_layers!r} is not a valid regex ({e})") from e
+    names = list(dict.fromkeys(spec_name(spec) for spec in specs))
+    if not any(pattern.search(name) for name in names):
+        raise ConfigError(f"schedule.checkpoint_layers={s.checkpoint_layers!r} matches no layer; "
+                          f"the layer class names are: {', '.join(names)}")
 
 
 def _check_device(cfg: Config) -> None:
@@ -244,9 +345,9 @@ def _check_device(cfg: Config) -> None:
         raise ConfigError(str(e)) from e
 
 
-def _check_model_fits(cfg: Config, model) -> None:
+def _check_model_fits(cfg: Config, model, specs: list) -> None:
     p, s = cfg.parallel, cfg.schedule
-    n_specs = len(model_specs(model))
+    n_specs = len(specs)
     if n_specs < p.pp * s.chunks_per_rank:
         raise ConfigError(
             f"the model has {n_specs} layers (model.n_layers={getattr(model, 'n_layers', '?')} blocks plus "

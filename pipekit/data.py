@@ -25,6 +25,7 @@ skipped (and counted) when they are not.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -75,11 +76,17 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError as e:
-            raise ImportError(f"tokenizer {path!r} needs the HuggingFace `tokenizers` package: pip install tokenizers") from e
+            raise ImportError(f"tokenizer {path!r} needs the HuggingFace `tokenizers` package: pip install tokenizers",
+                              name="tokenizers") from e
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer file {path!r} does not exist (want a HuggingFace tokenizer.json, or None)")
+            what = "is a directory" if os.path.isdir(path) else "does not exist"
+            raise FileNotFoundError(f"tokenizer file {path!r} {what} (want a HuggingFace tokenizer.json, or None)")
         self.name = os.path.abspath(path)
-        self.tok = Tokenizer.from_file(path)
+        try:
+            self.tok = Tokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - the tokenizers package raises a bare Exception
+            raise ValueError(f"tokenizer file {path!r} is not a HuggingFace tokenizer.json "
+                             f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from e
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         ids = (self.tok.token_to_id(t) for t in _EOT_NAMES)
         self.eot = next((i for i in ids if i is not None), None)
@@ -219,8 +226,13 @@ def prepare_data(
     temporary names in `out_dir` and are renamed at the end, `meta.json` last
     (after removing any old one), so a dataset is complete exactly when its
     meta.json exists; a killed run leaves no meta.json (and maybe a stray
-    `.*.tmp` file). `source` is the description kept in meta (default: the inputs)."""
+    `.*.tmp` file). Bad arguments (inputs, tokenizer, out_dir, fraction, seed)
+    are refused before `out_dir` is made, and a run that fails later (no
+    readable text) removes the directories it made. `source` is the description
+    kept in meta (default: the inputs)."""
     _check_fraction(val_fraction)
+    _check_seed(seed)
+    _check_out_dir(out_dir)
     files = list_files(inputs)
     if not files:
         rule = ", ".join("*" + s for s in TEXT_SUFFIXES)
@@ -228,10 +240,10 @@ def prepare_data(
     tok = load_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     sep = np.asarray(separator(tok), dtype=dtype)
-    os.makedirs(out_dir, exist_ok=True)
     stats = {"n_files": 0, "n_skipped": 0}
     docs = _documents(files, val_fraction, seed, stats)
-    n_tokens, n_docs = _write_splits(out_dir, docs, lambda text: np.concatenate([_encode(tok, text, dtype), sep]))
+    with _made_dir(out_dir):
+        n_tokens, n_docs = _write_splits(out_dir, docs, lambda text: np.concatenate([_encode(tok, text, dtype), sep]))
     meta = {
         "format": FORMAT,
         "dtype": dtype.name,
@@ -248,6 +260,46 @@ def prepare_data(
     }
     _write_atomic(os.path.join(out_dir, "meta.json"), json.dumps(meta, indent=2).encode())
     return meta
+
+
+def _check_seed(seed: int) -> None:
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+
+
+def _check_out_dir(out_dir: str) -> None:
+    """`out_dir` is a directory or can be made one: checked before anything is read or written."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"out_dir {out_dir!r} is a file; give a directory for train.bin, val.bin and meta.json")
+    _, existing = _missing_dirs(out_dir)
+    if not os.path.isdir(existing):
+        raise NotADirectoryError(f"out_dir {out_dir!r} cannot be created: {existing!r} is a file")
+
+
+def _missing_dirs(path: str) -> tuple[list[str], str]:
+    """The directories that making `path` would create (deepest first), and its nearest existing part."""
+    missing, d = [], os.path.abspath(path)
+    while not os.path.exists(d):
+        missing.append(d)
+        d = os.path.dirname(d)
+    return missing, d
+
+
+@contextlib.contextmanager
+def _made_dir(path: str):
+    """Make `path` (and missing parents) for the body; if the body fails, remove the directories
+    made here again, so a failed run leaves no empty output behind (existing ones stay)."""
+    made, _ = _missing_dirs(path)
+    os.makedirs(path, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for d in made:  # deepest first; stops at one that is not empty
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+        raise
 
 
 def _write_splits(out_dir: str, docs, encode) -> tuple[dict, dict]:

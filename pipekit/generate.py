@@ -7,10 +7,12 @@ models a CPU trains and keeps the code obvious.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .checkpoint import load_full_state_dict
-from .config import model_specs
+from .config import model_specs, model_vocab
 from .pipeline import PipelineModule
 
 
@@ -42,16 +44,30 @@ def load_model(path: str) -> tuple[PipelineModule, object, dict]:
     return module.eval(), mcfg, ckpt
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """Refuse sampling settings that have no meaning, before any work."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature={temperature} must be a finite number >= 0 (0: greedy)")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k={top_k} must be >= 1, or 0 for no top-k cut")
+
+
 @torch.no_grad()
 def sample(module: PipelineModule, ids: list[int], max_new_tokens: int, *, max_len: int,
            temperature: float = 0.8, top_k: int | None = 50, seed: int = 0) -> list[int]:
-    """Extend `ids` by `max_new_tokens` sampled tokens (greedy when temperature is 0)."""
+    """Extend `ids` (at least one) by `max_new_tokens` sampled tokens (greedy when temperature
+    is 0; top_k 0 or None: no top-k cut)."""
+    check_sampling(max_new_tokens, temperature, top_k)
+    if not ids:
+        raise ValueError("sampling needs at least one token to start from")
     gen = torch.Generator().manual_seed(seed)
     out = list(ids)
     for _ in range(max_new_tokens):
         context = torch.tensor([out[-max_len:]])
         logits = module(context)[0, -1].double()  # (vocab,)
-        if temperature <= 0:
+        if temperature == 0:
             out.append(int(logits.argmax()))
             continue
         logits = logits / temperature
@@ -64,11 +80,27 @@ def sample(module: PipelineModule, ids: list[int], max_new_tokens: int, *, max_l
 
 def generate_text(path: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int | None = 50, seed: int = 0) -> str:
-    from .data import load_tokenizer
+    """The prompt and its continuation. An empty prompt starts a new document: the model is
+    given the tokenizer's end-of-document separator, which the returned text leaves out."""
+    from .data import load_tokenizer, separator
 
+    check_sampling(max_new_tokens, temperature, top_k)
     module, mcfg, ckpt = load_model(path)
     tok = load_tokenizer(ckpt.get("tokenizer"))
+    start = tok.encode(prompt) if prompt else separator(tok)
+    _check_start(start, model_vocab(mcfg), prompt, ckpt.get("tokenizer"))
     max_len = getattr(mcfg, "max_seq_len", None) or 256
-    ids = sample(module, tok.encode(prompt), max_new_tokens, max_len=max_len,
+    ids = sample(module, start, max_new_tokens, max_len=max_len,
                  temperature=temperature, top_k=top_k, seed=seed)
-    return tok.decode(ids)
+    return tok.decode(ids if prompt else ids[len(start):])
+
+
+def _check_start(ids: list[int], vocab: int, prompt: str, tokenizer: str | None) -> None:
+    """The tokens the model starts from: at least one, each below its vocab_size (else the embedding fails)."""
+    what = f"the prompt {prompt!r}" if prompt else "the end-of-document separator that starts an empty prompt"
+    how = f"tokenizer {tokenizer}" if tokenizer else "byte tokenizer (the model was saved without a tokenizer)"
+    if not ids:
+        raise ValueError(f"{what} is no tokens under the {how}; give a longer prompt")
+    if max(ids) >= vocab:
+        raise ValueError(f"{what} has token ids up to {max(ids)} under the {how}, but the model's vocab_size is "
+                         f"{vocab}; give a prompt whose tokens are all below {vocab}")

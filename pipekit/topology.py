@@ -115,7 +115,19 @@ def init_distributed(
     backend = backend or ("nccl" if kind == "cuda" else "gloo")
     if kind == "cuda" or backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None or "MASTER_ADDR" not in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    # Under torchrun: its store, with a prefix per restart attempt. torch 2.13 reuses the
+    # agent's store across `--max-restarts` restarts (same port, same keys), so the ranks of
+    # a restart would read the dead attempt's addresses and gloo would wait on dead peers.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store)
+    store = dist.PrefixStore(f"pipekit/attempt_{restart}", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 class Topology:

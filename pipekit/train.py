@@ -282,6 +282,7 @@ def train(cfg: Config) -> dict:
                 with log.paused():
                     val = validate(cfg, topo, engine, path)
             log.step(step, loss, lr, val)
+            _injected_fault(step, topo)
             stopping = stop.requested(topo)
             if root and (_due(step, cfg.checkpoint.every, -1) or stopping
                          or (step == cfg.train.steps and cfg.checkpoint.at_end)):
@@ -293,6 +294,20 @@ def train(cfg: Config) -> dict:
     summary = log.finish()
     save_weights(cfg, topo, engine, path)
     return summary
+
+
+def _injected_fault(step: int, topo: Topology) -> None:
+    """For the fault tests: PIPEKIT_TEST_FAULT="kill|raise:RANK:STEP" makes global rank RANK,
+    after step STEP of the first attempt (not after a torchrun restart), die by SIGKILL (no
+    handler, no cleanup: as when a machine is lost) or raise an error."""
+    spec = os.environ.get("PIPEKIT_TEST_FAULT")
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    what, rank, at = spec.split(":")
+    if topo.rank == int(rank) and step == int(at):
+        if what == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(f"injected fault on rank {rank} after step {at}")
 
 
 # ---- checkpoints -------------------------------------------------------------------

@@ -125,7 +125,11 @@ def test_prepare_data_errors(tmp_path):
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
     with pytest.raises(ValueError, match=r"no UTF-8 text among 1 files \(1 undecodable\)"):
         prepare_data([str(tmp_path)], str(tmp_path / "d"))
-    assert os.listdir(tmp_path / "d") == []  # temp files removed, nothing published
+    assert not (tmp_path / "d").exists()  # temp files removed, nothing published, the new out_dir removed again
+    (tmp_path / "d").mkdir()
+    with pytest.raises(ValueError, match=r"no UTF-8 text"):
+        prepare_data([str(tmp_path)], str(tmp_path / "d"))
+    assert os.listdir(tmp_path / "d") == []  # an out_dir that was there stays
     with pytest.raises(ValueError, match="val_fraction must be in"):
         prepare_data([str(tmp_path)], str(tmp_path / "d"), val_fraction=1.0)
     with pytest.raises((ImportError, FileNotFoundError), match="tokenizers|tok.json"):

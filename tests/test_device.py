@@ -126,7 +126,7 @@ def test_launched_workers_get_the_launchers_device(fake_gpus, monkeypatch, capsy
     """Under auto -> cpu with a GPU visible, workers must not resolve again (set_device would fail)."""
     fake_gpus(gpus)
     launched = []
-    monkeypatch.setattr("pipekit.cli._launch", lambda nproc, argv: launched.append((nproc, argv)) or 0)
+    monkeypatch.setattr("pipekit.cli._launch", lambda nproc, argv, **kw: launched.append((nproc, argv)) or 0)
     assert main(["train", GPT2_TINY, "train.device=auto", f"logging.out_dir={tmp_path}"]) == 0
     (nproc, argv), = launched
     assert nproc == 2 and argv[-1] == f"train.device={device}"

@@ -245,11 +245,13 @@ def config_from_hf(hf_config) -> GPT2Config | LlamaConfig:
     Raises a ValueError for architecture options pipekit does not implement."""
     d = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     model_type = d.get("model_type")
-    if model_type == "gpt2":
-        return _gpt2_config_from_hf(d)
-    if model_type == "llama":
-        return _llama_config_from_hf(d)
-    raise ValueError(f"unsupported Hugging Face model_type {model_type!r}; supported: {sorted(HF_MODEL_TYPES)}")
+    build = {"gpt2": _gpt2_config_from_hf, "llama": _llama_config_from_hf}.get(model_type)
+    if build is None:
+        raise ValueError(f"unsupported Hugging Face model_type {model_type!r}; supported: {sorted(HF_MODEL_TYPES)}")
+    try:
+        return build(d)
+    except KeyError as e:
+        raise ValueError(f"the Hugging Face {model_type} config lacks {e.args[0]!r}") from e
 
 
 def _require(d: dict, checks: dict[str, tuple]) -> None:
@@ -299,7 +301,11 @@ def _token_id(default: int, vocab_size: int) -> int | None:
 
 def hf_config_from(cfg):
     """GPT2Config / LlamaConfig -> the matching transformers config object."""
-    import transformers
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError("writing a Hugging Face model needs transformers: pip install transformers",
+                          name="transformers") from e
 
     family = family_of(cfg)
     if family == "gpt2":
@@ -327,8 +333,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
                           ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         files = [single] if os.path.exists(os.path.join(path, single)) else []
         if not files and os.path.exists(os.path.join(path, index)):
-            with open(os.path.join(path, index)) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
+            files = sorted(set(_read_json(os.path.join(path, index), "weight_map")["weight_map"].values()))
         if files:
             out: dict[str, torch.Tensor] = {}
             for name in files:
@@ -338,21 +343,48 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def _read_file(path: str) -> dict[str, torch.Tensor]:
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
+    """The tensors of one weights file; a missing, truncated or foreign file is a one-line error."""
+    import pickle
 
-        return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+    from safetensors import SafetensorError
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"weights file {path} is missing (named by the model dir's .index.json)")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise ValueError(f"weights file {path} is not readable: truncated, corrupt or not a weights file "
+                         f"({type(e).__name__} while reading it)") from e
+
+
+def _read_json(path: str, *keys: str) -> dict:
+    """A JSON object file that has `keys`; anything else is a one-line error naming the file."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object")
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise ValueError(f"{path} lacks {missing}")
+    return obj
 
 
 def load_hf_checkpoint(path: str):
     """Read a HF model dir -> (family, config, pipekit full state dict)."""
+    if not os.path.isdir(path):
+        what = "is a file" if os.path.exists(path) else "does not exist"
+        raise FileNotFoundError(f"{path} {what}; give a Hugging Face model dir (config.json and weights)")
     config_path = os.path.join(path, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{path} is not a Hugging Face model dir: it has no config.json")
-    with open(config_path) as f:
-        hf_config = json.load(f)
-    cfg = config_from_hf(hf_config)
+    cfg = config_from_hf(_read_json(config_path))
     family = family_of(cfg)
     return family, cfg, from_hf_state_dict(family, _read_weights(path), cfg)
 
@@ -447,6 +479,9 @@ def read_model_file(path: str) -> dict:
 def load_pipekit_file(path: str):
     """Read a pipekit file -> (family, config, full state dict)."""
     obj = read_model_file(path)
+    if obj["family"] not in FAMILIES:
+        raise ValueError(f"{path} holds a {obj['family']!r} model, which has no Hugging Face form; "
+                         f"only {' and '.join(sorted(FAMILIES))} models convert")
     cfg = config_from_dict(obj["family"], obj["config"])
     sd = obj["state_dict"]
     if "vocab_pad_multiple" not in obj["config"]:  # written before vocab padding: tables of vocab_size rows
@@ -458,6 +493,8 @@ def convert(src: str, dst: str, direction: str, *, overwrite: bool = False, dtyp
     """`direction="from_hf"`: HF model dir `src` -> pipekit file `dst`;
     `"to_hf"`: pipekit file `src` -> HF model dir `dst`."""
     if direction == "from_hf":
+        if os.path.isdir(dst):
+            raise IsADirectoryError(f"{dst} is a directory; give the pipekit file to write, e.g. {dst}/model.pt")
         if os.path.exists(dst) and not overwrite:
             raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
         family, cfg, sd = load_hf_checkpoint(src)
@@ -465,6 +502,8 @@ def convert(src: str, dst: str, direction: str, *, overwrite: bool = False, dtyp
             sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
         save_pipekit_file(family, cfg, sd, dst)
     elif direction == "to_hf":
+        if os.path.exists(dst) and not os.path.isdir(dst):
+            raise FileExistsError(f"{dst} is a file; give a directory for the Hugging Face model")
         family, cfg, sd = load_pipekit_file(src)
         save_hf_checkpoint(family, sd, cfg, dst, overwrite=overwrite, dtype=dtype)
     else:
@@ -490,8 +529,14 @@ def run_convert(args: argparse.Namespace) -> int:
     direction, src = ("from_hf", args.from_hf) if args.from_hf else ("to_hf", args.to_hf)
     try:
         convert(src, args.out, direction, overwrite=args.overwrite, dtype=_DTYPES.get(args.dtype))
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
+    except ImportError as e:
+        if e.name != "transformers":
+            raise
         print(f"pipekit convert: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
+        said = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) quotes its message
+        print(f"pipekit convert: {said}", file=sys.stderr)
         return 2
     print(f"pipekit convert: wrote {args.out}")
     return 0

@@ -1,0 +1,278 @@
+"""A user's mistake, in any subcommand: one line on stderr, exit status 2, nothing on disk changed.
+
+Each row of MISTAKES is a command line and a piece of the one line it must
+print. `{tmp}` is the test's own directory (the files of `tmp_files` are in it,
+and it is the working directory), `{shared}` the module's fixtures (a trained
+toy model.pt and prepared datasets), `{root}` the repository. Every file and
+directory under both is compared, bytes and names, before and after the command.
+
+Train rows run in this process: a config mistake is found before any worker
+starts (`load_config`, then `pipekit.preflight.check_before_launch`). Each
+train row also sets parallel.pp=1 and train.steps=2, so a check gone missing
+fails quickly in this process instead of launching workers.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipekit.cli import main
+from pipekit.data import prepare_data
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "def f(x):\n    return 2 * x + 1\n" * 20  # 640 bytes
+
+
+def train(*overrides: str) -> list[str]:
+    """A train command line of the toy config that could only run in this process, quickly."""
+    return ["train", "{root}/configs/toy.yaml", "parallel.pp=1", "train.steps=2", "logging.progress=false",
+            *overrides]
+
+
+GPT2_CONFIG = '{"model_type": "gpt2", "vocab_size": 64, "n_positions": 32, "n_layer": 1, "n_embd": 32, "n_head": 2}'
+
+MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pieces)
+    # ---- train: config files
+    ("train-config-is-a-dir", ["train", "{tmp}"], "is a directory; give a YAML file"),
+    ("train-config-bad-yaml", ["train", "{tmp}/bad.yaml"], "is not valid YAML"),
+    ("train-config-missing", ["train", "{tmp}/missing.yaml"], "config file not found"),
+    # ---- train: values (pipekit.config.check_config)
+    ("unknown-key", train("parallel.ppp=2"), "ppp"),
+    ("wrong-type", train("train.steps=many"), "train.steps"),
+    ("family", train("model.family=bert"), "model.family='bert' is not one of"),
+    ("toy-dim", train("model.dim=0"), "model.dim=0 must be >= 1"),
+    ("lr-zero", train("optimizer.lr=0"), "optimizer.lr=0.0 must be a finite number > 0"),
+    ("lr-nan", train("optimizer.lr=nan"), "optimizer.lr=nan must be a finite number > 0"),
+    ("min-lr-above-lr", train("optimizer.min_lr=1"), "optimizer.min_lr=1.0 must be in [0, optimizer.lr=0.003]"),
+    ("warmup-negative", train("optimizer.warmup_steps=-1"), "optimizer.warmup_steps=-1 must be >= 0"),
+    ("weight-decay-negative", train("optimizer.weight_decay=-0.1"), "optimizer.weight_decay=-0.1 must be"),
+    ("beta2-one", train("optimizer.beta2=1.0"), "optimizer.beta2=1.0 must be in [0, 1)"),
+    ("eps-zero", train("optimizer.eps=0"), "optimizer.eps=0.0 must be a finite number > 0"),
+    ("clip-zero", train("optimizer.clip_grad_norm=0"),
+     "optimizer.clip_grad_norm=0.0 must be a finite number > 0, or null"),
+    ("fp16-loss-scale", train("fp16.loss_scale=-1"), "fp16.loss_scale=-1.0 must be a finite number >= 0"),
+    ("val-every-negative", train("data.val_every=-1"), "data.val_every=-1 must be >= 0"),
+    ("val-batches-zero", train("data.val_batches=0"), "data.val_batches=0 must be >= 1 while data.val_every=100"),
+    ("partition-name", train("schedule.partition=balanced"),
+     "schedule.partition='balanced' must be uniform, parameters or type:REGEX"),
+    ("partition-bad-regex", train("schedule.partition=type:("), "'(' is not a valid regex"),
+    ("partition-matches-nothing", train("schedule.partition=type:Attention"),
+     "matches no layer; the layer class names are: TokenEmbedding"),
+    ("recompute-interval-negative", train("schedule.activation_checkpoint_interval=-1"),
+     "schedule.activation_checkpoint_interval=-1 must be >= 0"),
+    ("recompute-bad-regex", train("schedule.checkpoint_layers=("),
+     "schedule.checkpoint_layers='(' is not a valid regex"),
+    ("recompute-matches-nothing", train("schedule.checkpoint_layers=Attention"),
+     "schedule.checkpoint_layers='Attention' matches no layer"),
+    ("checkpoint-every-negative", train("checkpoint.every=-1"), "checkpoint.every=-1 must be >= 0"),
+    ("checkpoint-keep-zero", train("checkpoint.keep=0"), "checkpoint.keep=0 must be >= 1"),
+    ("checkpoint-every-nowhere", train("logging.out_dir=null", "checkpoint.every=5"),
+     "checkpoint.every=5 has nowhere to save"),
+    ("resume-blank", train("train.resume=' '"), "train.resume=' ' must be auto"),
+    ("resume-auto-nowhere", train("logging.out_dir=null", "train.resume=auto"),
+     "train.resume=auto looks for the newest checkpoint"),
+    ("trace-step-zero", train("logging.trace_step=0"), "logging.trace_step=0 must be a step in 1..train.steps=2"),
+    ("trace-step-past-end", train("logging.trace_step=9"), "logging.trace_step=9 must be a step in 1..train.steps=2"),
+    ("trace-step-no-out-dir", train("logging.out_dir=null", "logging.trace_step=1"),
+     "writes its timeline to logging.out_dir"),
+    ("seed-negative", train("train.seed=-1"), "train.seed=-1 must be >= 0"),
+    ("peak-tflops-zero", train("logging.peak_tflops=0"), "logging.peak_tflops=0.0 must be a finite number > 0"),
+    # ---- train: what the paths hold (pipekit.preflight)
+    ("data-missing", train("data.source={tmp}/nothing-here"), "does not exist; give stdlib or synthetic"),
+    ("data-is-a-file", train("data.source={tmp}/afile"), "is a file, not a dataset directory"),
+    ("data-not-prepared", train("data.source={tmp}/empty"), "holds no complete prepared dataset"),
+    ("data-too-short", train("data.source={shared}/small", "model.vocab_size=256"),
+     "training tokens, fewer than one window of train.seq_len+1 = 33"),
+    ("data-no-val", train("data.source={shared}/noval", "model.vocab_size=256"),
+     "validation tokens, fewer than one window"),
+    ("data-vocab", train("data.source={shared}/data"), "model.vocab_size=64; set model.vocab_size>=256"),
+    ("stdlib-vocab", train("data.source=stdlib"), "data.source=stdlib (byte tokens) has token ids up to 255"),
+    ("out-dir-is-a-file", train("logging.out_dir={tmp}/afile"), ("logging.out_dir=", "afile is a file; give a dir")),
+    ("out-dir-under-a-file", train("logging.out_dir={tmp}/afile/run"), ("logging.out_dir=", "afile is a file, not a")),
+    ("checkpoint-dir-is-a-file", train("checkpoint.dir={tmp}/afile"), ("checkpoint.dir=", "afile is a file; give a")),
+    ("resume-missing", train("train.resume={tmp}/nothing-here"), "does not exist; give a checkpoint directory"),
+    ("resume-is-a-file", train("train.resume={tmp}/afile"), "is a file, not a checkpoint directory"),
+    # ---- train: checkpoints (the shared run saved one at step 2) and a diverging run
+    ("resume-incomplete", train("train.resume={tmp}/ckpt_nometa"), "is not a complete pipekit checkpoint"),
+    ("resume-bad-json", train("train.resume={tmp}/ckpt_badjson"), "pipekit.json is unreadable"),
+    ("resume-truncated", train("train.resume={tmp}/ckpt_truncated", "logging.out_dir=null"),
+     ("could not read checkpoint", "ckpt_truncated")),
+    ("resume-other-model", train("train.resume={shared}/run/checkpoints/step_00000002", "model.dim=32"),
+     "was saved from another model (toy: dim=64 (this config: 32))"),
+    ("resume-past-steps", train("train.resume={shared}/run/checkpoints/step_00000002", "train.steps=1"),
+     "the checkpoint is at step 2, past train.steps=1"),
+    ("resume-auto-other-model", train("logging.out_dir={shared}/run", "train.resume=auto", "model.dim=32"),
+     ("train.resume=auto", "step_00000002 was saved from another model")),
+    ("out-dir-holds-a-run", train("logging.out_dir={shared}/run"),
+     ("holds another run (metrics.jsonl, model.pt, checkpoints)", "train.resume=auto")),
+    ("loss-not-finite", train("optimizer.lr=1e6", "optimizer.warmup_steps=1", "optimizer.clip_grad_norm=null",
+                              "logging.out_dir=null", "data.val_every=0"), "step 2: the loss is nan (training diverged)"),
+    # ---- generate
+    ("generate-missing", ["generate", "{tmp}/missing.pt", "--prompt", "x"], "no such pipekit file"),
+    ("generate-corrupt", ["generate", "{tmp}/corrupt.pt", "--prompt", "x"], "not a readable pipekit model file"),
+    ("generate-truncated", ["generate", "{tmp}/truncated.pt"], "not a readable pipekit model file"),
+    ("generate-json", ["generate", "{shared}/data/meta.json"], "not a readable pipekit model file"),
+    ("generate-not-a-model", ["generate", "{tmp}/list.pt"], "is not a pipekit model file"),
+    ("generate-dir", ["generate", "{tmp}", "--prompt", "x"], "is a directory"),
+    ("generate-negative-tokens", ["generate", "{shared}/run/model.pt", "--max-new-tokens", "-1"],
+     "max_new_tokens=-1 must be >= 0"),
+    ("generate-negative-temperature", ["generate", "{shared}/run/model.pt", "--temperature", "-1"],
+     "temperature=-1.0 must be a finite number >= 0"),
+    ("generate-nan-temperature", ["generate", "{shared}/run/model.pt", "--temperature", "nan"], "temperature=nan"),
+    ("generate-negative-top-k", ["generate", "{shared}/run/model.pt", "--top-k", "-3"], "top_k=-3 must be >= 1, or 0"),
+    ("generate-prompt-outside-vocab", ["generate", "{shared}/run/model.pt", "--prompt", "hello"],
+     "has token ids up to 111 under the byte tokenizer"),
+    # ---- prepare-data
+    ("prepare-missing-input", ["prepare-data", "{tmp}/nothing-here", "--out", "{tmp}/data"],
+     "neither a file nor a directory"),
+    ("prepare-empty-dir", ["prepare-data", "{tmp}/empty", "--out", "{tmp}/data"], "no input files in"),
+    ("prepare-undecodable", ["prepare-data", "{tmp}/binary", "--out", "{tmp}/new/data"], "no UTF-8 text among 1 files"),
+    ("prepare-out-is-a-file", ["prepare-data", "{tmp}/texts", "--out", "{tmp}/afile"], "is a file; give a directory"),
+    ("prepare-out-under-a-file", ["prepare-data", "{tmp}/texts", "--out", "{tmp}/afile/data"], "cannot be created"),
+    ("prepare-val-fraction", ["prepare-data", "{tmp}/texts", "--out", "{tmp}/data", "--val-fraction", "1.5"],
+     "val_fraction must be in [0, 1), got 1.5"),
+    ("prepare-seed", ["prepare-data", "{tmp}/texts", "--out", "{tmp}/data", "--seed", "-1"],
+     "seed must be >= 0, got -1"),
+    ("prepare-tokenizer-missing", ["prepare-data", "{tmp}/texts", "--out", "{tmp}/d", "--tokenizer", "{tmp}/nope.json"],
+     "does not exist (want a HuggingFace tokenizer.json"),
+    ("prepare-tokenizer-not-json", ["prepare-data", "{tmp}/texts", "--out", "{tmp}/data", "--tokenizer", "{tmp}/afile"],
+     "is not a HuggingFace tokenizer.json"),
+    # ---- plan
+    ("plan-pp-zero", ["plan", "--schedule", "1f1b", "--pp", "0", "--microbatches", "4"], "pp must be >= 1, got 0"),
+    ("plan-microbatches-zero", ["plan", "--pp", "2", "--microbatches", "0"], "microbatches must be >= 1, got 0"),
+    ("plan-schedule", ["plan", "--schedule", "nope", "--pp", "2", "--microbatches", "4"], "unknown schedule 'nope'"),
+    ("plan-virtual-1f1b", ["plan", "--schedule", "1f1b", "--pp", "2", "--microbatches", "4", "--virtual", "3"],
+     "only interleaved_1f1b takes chunks_per_rank"),
+    ("plan-cost-negative", ["plan", "--pp", "2", "--microbatches", "4", "--f-cost", "-1"],
+     "cost of F must be a number >= 0"),
+    ("plan-cost-nan", ["plan", "--pp", "2", "--microbatches", "4", "--b-cost", "nan"],
+     "--b-cost nan must be a finite number"),
+    ("plan-png-no-dir", ["plan", "--pp", "2", "--microbatches", "4",
+                         "--trace", "{tmp}/t.json", "--png", "{tmp}/no/x.png"],
+     "/no does not exist"),  # and t.json is not written either
+    ("plan-trace-is-a-dir", ["plan", "--pp", "2", "--microbatches", "4", "--trace", "{tmp}"],
+     "is a directory; give a file name"),
+    # ---- convert
+    ("convert-missing", ["convert", "--to-hf", "{tmp}/missing.pt", "--out", "{tmp}/hf"], "no such pipekit file"),
+    ("convert-toy", ["convert", "--to-hf", "{shared}/run/model.pt", "--out", "{tmp}/hf"],
+     "holds a 'toy' model, which has no Hugging Face form"),
+    ("convert-to-hf-out-is-a-file", ["convert", "--to-hf", "{shared}/run/model.pt", "--out", "{tmp}/afile"],
+     "is a file; give a directory for the Hugging Face model"),
+    ("convert-from-missing", ["convert", "--from-hf", "{tmp}/nothing-here", "--out", "{tmp}/m.pt"],
+     "does not exist; give a Hugging Face model dir"),
+    ("convert-no-config", ["convert", "--from-hf", "{tmp}/empty", "--out", "{tmp}/m.pt"], "it has no config.json"),
+    ("convert-model-type", ["convert", "--from-hf", "{tmp}/hf_bert", "--out", "{tmp}/m.pt"],
+     "unsupported Hugging Face model_type 'bert'"),
+    ("convert-config-not-json", ["convert", "--from-hf", "{tmp}/hf_notjson", "--out", "{tmp}/m.pt"],
+     "config.json is not valid JSON"),
+    ("convert-config-lacks-key", ["convert", "--from-hf", "{tmp}/hf_nokeys", "--out", "{tmp}/m.pt"],
+     "the Hugging Face gpt2 config lacks 'n_embd'"),
+    ("convert-no-weights", ["convert", "--from-hf", "{tmp}/hf_noweights", "--out", "{tmp}/m.pt"],
+     "holds no model.safetensors"),
+    ("convert-corrupt-weights", ["convert", "--from-hf", "{tmp}/hf_corrupt", "--out", "{tmp}/m.pt"],
+     "model.safetensors is not readable: truncated, corrupt"),
+    ("convert-out-exists", ["convert", "--from-hf", "{tmp}/hf_corrupt", "--out", "{tmp}/afile"],
+     "exists; pass overwrite=True"),
+    ("convert-out-is-a-dir", ["convert", "--from-hf", "{tmp}/hf_corrupt", "--out", "{tmp}/empty", "--overwrite"],
+     "is a directory; give the pipekit file to write"),
+]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A toy model.pt trained for 2 steps in this process, and prepared byte-token datasets."""
+    root = tmp_path_factory.mktemp("shared")
+    texts = [root / "a.txt", root / "b.txt"]
+    for i, path in enumerate(texts):
+        path.write_text(TEXT * (i + 1))
+    (root / "tiny.txt").write_text("hi\n")
+    prepare_data([str(p) for p in texts], str(root / "data"), val_fraction=0.5)
+    prepare_data([str(texts[0])], str(root / "noval"), val_fraction=0.0)
+    prepare_data([str(root / "tiny.txt")], str(root / "small"), val_fraction=0.0)
+    argv = [a.format(root=ROOT) for a in train(
+        "data.val_every=0", f"logging.out_dir={root / 'run'}", "logging.peak_tflops=1", "logging.tensorboard=false",
+        "checkpoint.every=2")]
+    assert main(argv) == 0
+    assert (root / "run" / "model.pt").is_file()
+    return root
+
+
+def tmp_files(tmp: Path, shared: Path) -> None:
+    """The broken and odd inputs the rows name."""
+    (tmp / "afile").write_text("just a file\n")
+    (tmp / "corrupt.pt").write_bytes(b"PK\x03\x04 not really a checkpoint")
+    model = (shared / "run" / "model.pt").read_bytes()
+    (tmp / "truncated.pt").write_bytes(model[: len(model) // 2])
+    torch.save([1, 2, 3], tmp / "list.pt")
+    ckpt = shared / "run" / "checkpoints" / "step_00000002"
+    for name in ("ckpt_nometa", "ckpt_badjson", "ckpt_truncated"):
+        shutil.copytree(ckpt, tmp / name)
+    (tmp / "ckpt_nometa" / "pipekit.json").unlink()
+    (tmp / "ckpt_badjson" / "pipekit.json").write_text("{not json")
+    shard = next((tmp / "ckpt_truncated").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    (tmp / "bad.yaml").write_text("model: [\n")
+    (tmp / "empty").mkdir()
+    (tmp / "texts").mkdir()
+    (tmp / "texts" / "a.txt").write_text(TEXT)
+    (tmp / "binary").mkdir()
+    (tmp / "binary" / "x.txt").write_bytes(b"\xff\xfe\x00 not UTF-8")
+    for name, config in [("hf_bert", '{"model_type": "bert"}'), ("hf_notjson", "model_type: gpt2\n"),
+                         ("hf_nokeys", '{"model_type": "gpt2", "vocab_size": 64}'), ("hf_noweights", GPT2_CONFIG),
+                         ("hf_corrupt", GPT2_CONFIG)]:
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(config)
+    (tmp / "hf_corrupt" / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+
+
+def snapshot(*roots: Path) -> dict:
+    """Every path under `roots`: a file's bytes, None for a directory."""
+    return {p: (p.read_bytes() if p.is_file() else None) for root in roots for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("argv, said", [pytest.param(a, s, id=i) for i, a, s in MISTAKES])
+def test_a_mistake_gets_one_line_status_2_and_changes_nothing(argv, said, shared, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PIPEKIT_DEBUG", raising=False)
+    monkeypatch.setenv("PIPEKIT_CACHE", str(tmp_path / "cache"))  # a stray stdlib corpus would land here
+    monkeypatch.chdir(tmp_path)  # and a stray relative out_dir (toy.yaml's runs/toy) here
+    tmp_files(tmp_path, shared)
+    capsys.readouterr()
+    before = snapshot(tmp_path, shared)
+    assert main([a.format(tmp=tmp_path, shared=shared, root=ROOT) for a in argv]) == 2
+    err = capsys.readouterr().err
+    line = err.strip()
+    assert line.startswith(f"pipekit {argv[0]}: ") and "\n" not in line and "Traceback" not in err, err
+    assert all(piece in line for piece in ((said,) if isinstance(said, str) else said)), line
+    assert snapshot(tmp_path, shared) == before  # nothing written, changed or removed
+
+
+def test_the_table_covers_every_subcommand_but_env():
+    assert {argv[0] for _, argv, _ in MISTAKES} == {"train", "generate", "prepare-data", "plan", "convert"}
+    assert len({i for i, _, _ in MISTAKES}) == len(MISTAKES) >= 40
+
+
+def test_generate_without_a_prompt_starts_a_new_document(shared, capsys):
+    """The default empty prompt once crashed; the model now starts after an end-of-document separator."""
+    model = str(shared / "run" / "model.pt")
+    assert main(["generate", model, "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert len(out) == 5 + 1  # five byte tokens (ids below the toy's 64) and print's newline; no separator
+    assert main(["generate", model, "--max-new-tokens", "3", "--top-k", "0", "--prompt", "12"]) == 0  # 0: no top-k
+    assert capsys.readouterr().out.startswith("12")
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["plan", "--pp", "two", "--microbatches", "2"], "pipekit plan: argument --pp: invalid int value: 'two'"),
+    (["env", "extra"], "pipekit: unrecognized arguments: extra"),
+    ([], "pipekit: the following arguments are required: command"),
+    (["train", "--max-restarts", "x"], "pipekit train: argument --max-restarts: invalid int value: 'x'"),
+])
+def test_a_usage_mistake_is_one_line_too(argv, said, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.strip().startswith(said) and "\n" not in err.strip(), err
