@@ -45,8 +45,12 @@ def _train(args: argparse.Namespace) -> int:
     device = _device(cfg)
     if device is None:
         return 2
-    if "RANK" not in os.environ and (taken := _out_dir_taken(cfg)):
-        print(f"pipekit train: {taken}", file=sys.stderr)
+    # Checked here, or by every worker a user's own torchrun started (before the first collective,
+    # so before any rank writes), but not in workers of this command's launcher or a restart.
+    checked = "PIPEKIT_ERROR_DIR" in os.environ or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if not checked and (taken := _out_dir_taken(cfg)):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pipekit train: {taken}", file=sys.stderr)
         return 2
     lock = _lock_out_dir(cfg) if "RANK" not in os.environ else None  # held until this command returns
     if isinstance(lock, str):
@@ -139,9 +143,8 @@ RUN_FILES = ("metrics.jsonl", "model.pt", "checkpoints")
 
 
 def _out_dir_taken(cfg) -> str | None:
-    """Why this run must not write into `logging.out_dir` (another run's files are there and
-    `logging.overwrite` is off), or None. Checked by the launcher before any worker starts;
-    workers started by a user's own torchrun are not checked."""
+    """Why this run must not write into `logging.out_dir` (another run's files are there,
+    and neither `train.resume` nor `logging.overwrite` is set), or None."""
     out = cfg.logging.out_dir
     if not out or cfg.logging.overwrite or cfg.train.resume or not os.path.isdir(out):
         return None
@@ -275,8 +278,9 @@ def _plan(args: argparse.Namespace) -> int:
             return 2
     events = [TimelineEvent(**e) for e in report["timeline"]]
     if args.trace:
-        with open(args.trace, "w") as f:
-            json.dump(to_chrome_trace(events), f)
+        from .atomic import write_atomic
+
+        write_atomic(args.trace, json.dumps(to_chrome_trace(events)))
     if args.png:
         render_png(events, args.png, f"{args.schedule}, pp={args.pp}, microbatches={args.microbatches}, "
                    f"virtual={args.virtual}: bubble {report['bubble_fraction']:.3f}")

@@ -37,6 +37,8 @@ import time
 import numpy as np
 import torch
 
+from .atomic import publish, remove, write_atomic
+
 FORMAT = 1  # bump when the on-disk layout changes; older caches are rebuilt
 TEXT_SUFFIXES = (".py", ".txt", ".md")  # what a directory input contributes
 _SKIP_DIRS = {"__pycache__", ".git", ".hg", ".svn", ".venv", "node_modules"}
@@ -258,7 +260,7 @@ def prepare_data(
         "val_fraction": val_fraction,
         "seed": seed,
     }
-    _write_atomic(os.path.join(out_dir, "meta.json"), json.dumps(meta, indent=2).encode())
+    write_atomic(os.path.join(out_dir, "meta.json"), json.dumps(meta, indent=2))
     return meta
 
 
@@ -320,40 +322,13 @@ def _write_splits(out_dir: str, docs, encode) -> tuple[dict, dict]:
             for fh in (train, val):
                 fh.flush()
                 os.fsync(fh.fileno())
-        _remove(os.path.join(out_dir, "meta.json"))  # the dataset is incomplete from here on
+        remove(os.path.join(out_dir, "meta.json"))  # the dataset is incomplete from here on
         for split, tmp in tmps.items():
-            _publish(tmp, os.path.join(out_dir, f"{split}.bin"))
+            publish(tmp, os.path.join(out_dir, f"{split}.bin"))
     finally:
         for tmp in tmps.values():
-            _remove(tmp)
+            remove(tmp)
     return n_tokens, n_docs
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _publish(tmp, path)
-    finally:
-        _remove(tmp)
-
-
-def _publish(tmp: str, path: str) -> None:
-    """Rename a finished temp file into place with the umask's usual permissions (mkstemp makes 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 def read_meta(data_dir: str) -> dict | None:

@@ -23,7 +23,8 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (CheckpointError, atomic_save, full_state_dict, latest_checkpoint, load_checkpoint,
+from .atomic import torch_save_atomic, write_atomic
+from .checkpoint import (CheckpointError, full_state_dict, latest_checkpoint, load_checkpoint,
                          save_checkpoint, step_dir)
 from .config import Config, model_config, model_loss, model_specs, model_vocab
 from .engine import PipelineEngine
@@ -490,8 +491,7 @@ def write_trace(cfg: Config, topo: Topology, engine: PipelineEngine, step: int) 
     predicted = simulate(engine.schedule, costs=costs).timeline
     for name, timeline in (("measured", measured), ("simulated", predicted)):
         base = os.path.join(cfg.logging.out_dir, f"timeline_step{step}_{name}")
-        with open(base + ".json", "w") as f:
-            json.dump(to_chrome_trace(timeline), f)
+        write_atomic(base + ".json", json.dumps(to_chrome_trace(timeline)))
         try:
             render_png(timeline, base + ".png", f"step {step}, {name} ({cfg.schedule.name}, pp={topo.pp})")
         except ImportError:
@@ -518,7 +518,7 @@ def save_weights(cfg: Config, topo: Topology, engine: PipelineEngine, data_path:
         ckpt = {"family": cfg.model.family, "config": asdict(model_config(cfg.model)), "state_dict": state,
                 "tokenizer": meta.get("tokenizer") if meta else None}
         path = os.path.join(cfg.logging.out_dir, "model.pt")
-        atomic_save(ckpt, path)
+        torch_save_atomic(ckpt, path)
         print(f"saved the trained weights to {path}", flush=True)
 
 
@@ -652,8 +652,6 @@ def _metrics_file(path: str, start_step: int):
     interrupted run may have written) and appends."""
     if start_step == 0 or not os.path.exists(path):
         return open(path, "w")
-    from .atomic import write_atomic
-
     kept = []
     with open(path) as f:
         for line in f:

@@ -113,3 +113,16 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_that_resumes_anywhere(tmp_pa
     assert sorted(got) == [stopped_at + 1, stopped_at + 2]
     for step, loss in got.items():
         assert loss == pytest.approx(undisturbed[step], abs=1e-5), step
+
+
+def test_a_users_own_torchrun_refuses_an_out_dir_holding_a_run_once(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    before = (out / "metrics.jsonl").read_bytes()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "pipekit.cli", "train", *RUN, f"logging.out_dir={out}"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode != 0
+    assert done.stderr.count(f"logging.out_dir={out} holds another run (metrics.jsonl)") == 1, done.stderr[-3000:]
+    assert (out / "metrics.jsonl").read_bytes() == before and sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]

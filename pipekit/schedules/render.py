@@ -118,5 +118,7 @@ def render_png(events: list[TimelineEvent], path: str, title: str = "") -> None:
     ax.set_xlabel("time")
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from ..atomic import write_atomic
+
+    write_atomic(path, lambda fh: fig.savefig(fh, format="png", dpi=120))
     plt.close(fig)
