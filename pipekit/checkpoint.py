@@ -96,8 +96,7 @@ def atomic_save(obj, path: str) -> None:
 # writes its own tensors, under names that do not depend on the layout:
 #
 #   model/<name>            a parameter or persistent buffer (`layers.7.attn.q.weight`)
-#   optim/<name>/<key>      its optimizer state (exp_avg, exp_avg_sq, master, ...)
-#   optim_scalar/<key>      scalar optimizer state shared by all parameters (Adam's step)
+#   optim/<name>/<key>      its optimizer state (exp_avg, exp_avg_sq, master; step is 0-dim)
 #   rng/<rank>              each rank's RNG state (restored only at the same layout)
 #
 # A tensor-parallel shard is a DTensor sharded along its `tp_shard_dim` over the tp mesh,
@@ -201,27 +200,25 @@ def _full_shape(module: PipelineModule, t: torch.Tensor, dim: int | None) -> tup
     return tuple(shape)
 
 
-def _param_state(optimizer) -> tuple[dict, dict]:
-    """({param: {key: tensor}}, {key: scalar}) of a ZeroOptimizer or a plain torch optimizer."""
+def _param_state(optimizer) -> dict:
+    """{param: {key: tensor}} of a ZeroOptimizer or a plain torch optimizer."""
     if hasattr(optimizer, "param_state"):
         return optimizer.param_state()
-    per_param, scalars = {}, {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    per_param.setdefault(p, {})[key] = value.detach().clone()
-                else:
-                    scalars.setdefault(key, value.clone() if isinstance(value, torch.Tensor) else torch.tensor(value))
-    return per_param, scalars
+    return {p: {k: v.detach().clone() for k, v in optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+            for group in optimizer.param_groups for p in group["params"]}
 
 
-def _load_param_state(optimizer, per_param: dict, scalars: dict) -> None:
+def _load_param_state(optimizer, per_param: dict) -> None:
     if hasattr(optimizer, "load_param_state"):
-        optimizer.load_param_state(per_param, scalars)
+        optimizer.load_param_state(per_param)
         return
     for p, state in per_param.items():
-        optimizer.state[p] = {**{k: v.clone() for k, v in scalars.items()}, **state}
+        optimizer.state[p] = {k: v.clone() for k, v in state.items()}
+
+
+def _entry_dim(p: torch.Tensor, value: torch.Tensor) -> int | None:
+    """The tp shard dim of an optimizer entry of `p`: p's own, except for a 0-dim one (a step count)."""
+    return _shard_dim(p) if value.dim() == p.dim() and value.dim() > 0 else None
 
 
 def _layout(module: PipelineModule) -> dict:
@@ -250,12 +247,9 @@ def save_checkpoint(path: str, module: PipelineModule, optimizer=None, *, meta: 
         state[f"model/{name}"] = _global(module, t.detach(), dim)
         names[id(t)] = name
     if optimizer is not None:
-        per_param, scalars = _param_state(optimizer)
-        for p, entries in per_param.items():
+        for p, entries in _param_state(optimizer).items():
             for key, value in entries.items():
-                state[f"optim/{names[id(p)]}/{key}"] = _global(module, value, _shard_dim(p))
-        for key, value in scalars.items():
-            state[f"optim_scalar/{key}"] = value
+                state[f"optim/{names[id(p)]}/{key}"] = _global(module, value, _entry_dim(p, value))
     state[f"rng/{_rank()}"] = torch.get_rng_state()
     if torch.cuda.is_available() and module.topology.device.type == "cuda":
         state[f"rng_cuda/{_rank()}"] = torch.cuda.get_rng_state(module.topology.device).cpu()
@@ -313,14 +307,12 @@ def load_checkpoint(path: str, module: PipelineModule, optimizer=None) -> dict:
             if p is None:
                 continue
             for entry in entries:
-                key, dim = f"optim/{name}/{entry}", _shard_dim(p)
-                _expect(saved, key, _full_shape(module, p, dim), path)
-                buf = torch.empty(p.shape, dtype=saved[key].properties.dtype, device=p.device)
+                key = f"optim/{name}/{entry}"
+                shape = () if len(saved[key].size) == 0 else p.shape  # a step count, or shaped like p
+                buf = torch.empty(shape, dtype=saved[key].properties.dtype, device=p.device)
+                dim = _entry_dim(p, buf)
+                _expect(saved, key, _full_shape(module, buf, dim), path)
                 state[key], targets[key] = _global(module, buf, dim), buf
-        for key in saved:
-            if key.startswith("optim_scalar/"):
-                buf = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
-                state[key] = targets[key] = buf
     same_layout = meta.get("layout") == _layout(module)
     rng_key = f"rng/{_rank()}"
     if same_layout and rng_key in saved:
@@ -337,8 +329,7 @@ def load_checkpoint(path: str, module: PipelineModule, optimizer=None) -> dict:
         params = dict(module.named_parameters())
         per_param = {params[n]: {e: targets[f"optim/{n}/{e}"] for e in entries}
                      for n, entries in opt_keys.items() if n in params}
-        scalars = {k[len("optim_scalar/"):]: v for k, v in targets.items() if k.startswith("optim_scalar/")}
-        _load_param_state(optimizer, per_param, scalars)
+        _load_param_state(optimizer, per_param)
     if rng_key in targets:
         torch.set_rng_state(targets[rng_key])
     return meta

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import comm
+from . import auxloss, comm
 from .optim import ZeroOptimizer
 from .pipeline import PipelineModule
 from .schedules import Action, Kind, Schedule, TimelineEvent, build_schedule, lower
@@ -345,7 +345,10 @@ class PipelineEngine:
         x, out = self._stash.pop((s, m))
         passing = (self.optimizer.backward_pass(self._stage_params[s], self._final_params.get((s, m), ()))
                    if self.zero else contextlib.nullcontext())
-        with passing:
+        # A layer's auxiliary loss (pipekit.auxloss.attach) counts as the mean over microbatches,
+        # scaled like the main loss for fp16.
+        aux_scale = (self.optimizer.loss_scale if self.zero else 1.0) / self.num_microbatches
+        with passing, auxloss.scaled_backward(aux_scale):
             if s == self.last_stage:
                 torch.autograd.backward(out)
             else:

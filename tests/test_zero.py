@@ -21,6 +21,7 @@ import pipekit
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
 from pipekit.optim import LossScaler, ZeroOptimizer
+from pipekit.spec import LayerSpec
 from pipekit.testing import reference_model, reference_name, reference_slice, run_distributed
 
 TOL = 1e-10
@@ -122,10 +123,59 @@ def nccl_collectives_layout(stage) -> dict:
         zero._is_gloo = real
 
 
+class EmbedKeepIds(torch.nn.Module):
+    """ids -> (hidden, ids): the ids travel on to `Sometimes`."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(vocab, dim) * 0.1)
+
+    def forward(self, ids):
+        return self.table[ids], ids
+
+
+class Sometimes(torch.nn.Module):
+    """`rare` is used only when token 0 occurs (else it gets no gradient), `never` never."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(dim, dim) * 0.1)
+        self.rare = torch.nn.Parameter(torch.ones(dim, dim))
+        self.never = torch.nn.Parameter(torch.ones(dim, dim))
+
+    def forward(self, x):
+        h, ids = x
+        h = torch.tanh(h @ self.w)
+        hit = ids == 0
+        if h.is_meta or hit.any():  # (the engine's shape run is on the meta device: no values)
+            h = h + hit[..., None] * (h @ self.rare)
+        return h
+
+
+def _sometimes_batches():
+    """Token 0 nowhere in step 1, only in dp rank 1's rows in step 2, only in rank 0's in step 3."""
+    gen = torch.Generator().manual_seed(3)
+    for hit_rows in ([], [6], [1], [], [2, 5]):
+        x = torch.randint(1, 12, (BATCH, SEQ), generator=gen)
+        for r in hit_rows:
+            x[r, 2] = 0
+        yield x, (5 * x + 3) % 12
+
+
+def untouched_parameters_layout(stage) -> dict:
+    """A parameter that gets no gradient anywhere (`never`; `rare` in steps 1 and 4) is left
+    alone by the step, weight decay, moments and step count included, as torch's AdamW leaves
+    a parameter whose .grad is None; one used on one dp rank only is updated on both."""
+    specs = [LayerSpec(EmbedKeepIds, 12, 8), LayerSpec(Sometimes, 8), LayerSpec(torch.nn.Linear, 8, 12)]
+    return train_and_compare(specs, lm_loss, lm_loss, _sometimes_batches, pp=1, dp=2, tp=1, stage=stage,
+                             microbatches=2)
+
+
 def run_world(world: int) -> list:
     out = [gpt_layout(*layout) for layout in LAYOUTS[world]]
     if world == 2:
         out += [sgd_layout(1), sgd_layout(2), nccl_collectives_layout(1), nccl_collectives_layout(2)]
+        out += [untouched_parameters_layout(stage) for stage in (0, 1, 2)]
     if world == 4:
         out += [toy_parameterless_stage(1), toy_parameterless_stage(2)]
     return out
@@ -136,6 +186,7 @@ def _names(world: int) -> list[str]:
              for layout in LAYOUTS[world]]
     if world == 2:
         names += ["SGD ZeRO-1", "SGD ZeRO-2", "NCCL-branch collectives ZeRO-1", "NCCL-branch collectives ZeRO-2"]
+        names += [f"untouched parameters ZeRO-{stage}" for stage in (0, 1, 2)]
     if world == 4:
         names += ["parameterless stage ZeRO-1", "parameterless stage ZeRO-2"]
     return names

@@ -53,8 +53,11 @@ Expert seam: a param group may carry its own `dp_group` (experts sharded over
 ep ranks have a smaller data-parallel group); buckets, reductions, sharding
 and the norm follow each group's own dp group.
 
-Limit: every parameter is reduced every step, so one that got no gradient has
-a zero gradient (the wrapped optimizer sees 0, not None), unlike one process.
+A parameter that got no gradient anywhere in its dp group this step (an
+expert that received no tokens) is skipped by the wrapped optimizer, as torch's
+optimizers skip a parameter whose .grad is None: the wrapped optimizer sees each
+parameter's part of a shard as its own pieces, and one small all-reduce per
+dp group per step agrees on which parameters were touched.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class Bucket:
     arrived: int = 0
     launched: bool = False
     counted_ranges: list = field(default_factory=list)  # [start, end) bucket ranges in the norm here
+    pieces: list = field(default_factory=list)  # (start, end, param) in `master`: what the wrapped optimizer steps
 
     @property
     def dp_size(self) -> int:
@@ -161,6 +165,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._pending: list = []  # stage 2: (work, bucket) reductions in flight
         self._current: list[Bucket] | None = None  # stage 2: buckets of the backward pass running now
         self._dirty = False
+        self._touched: set[int] = set()  # ids of parameters that got a gradient this step, here
         self.buckets = self._make_buckets()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.inner = self._make_inner()
@@ -209,12 +214,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             b.grad_shard = torch.zeros(size // b.dp_size, dtype=self.grad_dtype, device=p0.device)
         owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
         b.master = owned if owned.dtype == self.master_dtype else owned.to(self.master_dtype)
+        first = 0 if self.stage == 0 else b.shard.start
+        for p in params:  # pieces never straddle two parameters, so each can be skipped alone
+            start, n = b.offsets[id(p)]
+            lo, hi = max(start, first), min(start + n, first + owned.numel())
+            b.pieces += [(a - first, min(a + _PIECE, hi) - first, p) for a in range(lo, hi, _PIECE)]
         return b
 
     def _make_inner(self) -> torch.optim.Optimizer | None:
-        if not self.buckets:
+        if not any(b.pieces for b in self.buckets):
             return None
-        groups = [{**self._hyper(b.group_index), "params": list(b.master.split(_PIECE))} for b in self.buckets]
+        groups = [{**self._hyper(b.group_index), "params": [b.master[a:e] for a, e, _ in b.pieces]}
+                  for b in self.buckets]
         return self.optimizer_class(groups)
 
     def _hyper(self, gi: int) -> dict:
@@ -233,6 +244,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Post-accumulate-grad hook: move p.grad into its bucket (in grad_dtype) and free it."""
         b = self._bucket_of[id(p)]
         start, n = b.offsets[id(p)]
+        self._touched.add(id(p))
         if b.launched:  # a gradient after its bucket was reduced
             if self.stage < 2:
                 raise RuntimeError(
@@ -369,10 +381,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for g in grads:
                 g.mul_(self.clip_grad_norm / (self.last_grad_norm + 1e-6))
         if self.inner is not None:
+            touched = self._touched_anywhere()
             for b, inner_group in zip(self.buckets, self.inner.param_groups):
                 inner_group.update(self._hyper(b.group_index))
-                for piece, g in zip(inner_group["params"], b.master.grad.split(_PIECE)):
-                    piece.grad = g
+                for piece, (a, e, p) in zip(inner_group["params"], b.pieces):
+                    piece.grad = b.master.grad[a:e] if id(p) in touched else None  # skipped, as in one process
             self.inner.step()
             for inner_group in self.inner.param_groups:
                 for piece in inner_group["params"]:
@@ -381,6 +394,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b in self.buckets:  # a converted (bf16 -> fp32) gradient copy is not kept between steps
             b.master.grad = None
         return None
+
+    def _touched_anywhere(self) -> set[int]:
+        """Ids of the parameters that got a gradient this step on some rank of their dp group
+        (one all-reduce per dp group). The others are skipped by the wrapped optimizer, as
+        torch's optimizers skip a parameter whose .grad is None: an expert that received no
+        tokens anywhere keeps its weights, moments and step count, as in one process. Tied
+        layers shared by pipeline ranks count as touched."""
+        touched = set(self._touched)
+        tie_groups = getattr(self.module, "tie_groups", {})
+        by_group: dict[Any, list[nn.Parameter]] = {}
+        for b in self.buckets:
+            if isinstance(b.segment, str) and b.segment in tie_groups:
+                touched.update(id(p) for p in b.params)
+            elif b.dp_group is not None:
+                by_group.setdefault(b.dp_group, []).extend(b.params)
+        for group, params in by_group.items():
+            flags = torch.tensor([id(p) in touched for p in params], dtype=torch.uint8, device=self._state_device())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            touched.update(id(p) for p, f in zip(params, flags.tolist()) if f)
+        return touched
+
+    def _state_device(self) -> torch.device:
+        return self.buckets[0].param_buf.device if self.buckets else _device(self.module)
 
     def _overflow(self, grads: list[torch.Tensor]) -> bool:
         """True when any rank of the job holds an inf/NaN gradient (checked only with a loss scaler)."""
@@ -465,6 +501,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Zero the step's gradients. At stages 0 and 1, when gradients are kept in the
         parameters' own dtype, each `p.grad` becomes a view of its bucket, so autograd
         accumulates into the bucket in place (no copy in the hook)."""
+        self._touched.clear()
         for b in self.buckets:
             if b.grad_buf is not None and self.stage < 2:
                 b.grad_buf.zero_()
@@ -508,74 +545,100 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # ---- layout-free state ------------------------------------------------------
     @torch.no_grad()
-    def param_state(self) -> tuple[dict[nn.Parameter, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    def param_state(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """The optimizer state by parameter, independent of stage, dp size and bucketing:
-        ({param: {"exp_avg": ..., "master": ...}}, {"step": ...}).
+        {param: {"exp_avg": ..., "exp_avg_sq": ..., "step": ..., "master": ...}}.
 
-        Each per-parameter tensor has the parameter's (this rank's tp shard) shape, in the
-        master dtype: every per-element entry of the wrapped optimizer's state, and
-        "master" when the master weights are a separate copy (half-precision models).
-        The second dict holds the scalar entries ("step"), the same for every piece.
-        Collective at stages 1 and 2: each bucket's shards are all-gathered over its dp
-        group (a transient full copy of the bucket's state on every rank)."""
+        Per-element entries of the wrapped optimizer's state have the parameter's shape
+        (this rank's tp shard), in their own dtype; scalar entries ("step") are 0-dim;
+        "master" (the fp32 master weights) is there when it is a separate copy
+        (half-precision models). A parameter the wrapped optimizer never stepped has only
+        "master". Collective over each bucket's dp group at stages 1 and 2: the shards are
+        all-gathered (a transient full copy of one bucket's state at a time)."""
         per_param: dict[nn.Parameter, dict[str, torch.Tensor]] = {p: {} for b in self.buckets for p in b.params}
-        scalars: dict[str, torch.Tensor] = {}
+        kinds = self._state_kinds()
         for bi, b in enumerate(self.buckets):
             pieces = self.inner.param_groups[bi]["params"] if self.inner is not None else []
-            states = [self.inner.state.get(piece, {}) for piece in pieces]
-            flats = {}
             if not _is_view_of(b.master, b.param_buf):
-                flats["master"] = b.master
-            for key, value in (states[0].items() if states else ()):
-                if isinstance(value, torch.Tensor) and value.shape == pieces[0].shape:
-                    flats[key] = torch.cat([s[key].reshape(-1) for s in states])
-                else:
-                    scalars.setdefault(key, value.clone() if isinstance(value, torch.Tensor) else torch.tensor(value))
-            for key, flat in flats.items():
-                full = flat
-                if self.stage > 0 and b.dp_size > 1:
-                    full = torch.zeros(b.param_buf.numel(), dtype=flat.dtype, device=flat.device)
-                    full[b.shard].copy_(flat)
-                    for w in _all_gather(full, b.dp_size, b.dp_group):
-                        w.wait()
+                full = self._gathered(b, b.master)
                 for p in b.params:
                     start, n = b.offsets[id(p)]
-                    per_param[p][key] = full[start:start + n].view_as(p).clone()
-        return per_param, scalars
+                    per_param[p]["master"] = full[start:start + n].view_as(p).clone()
+            for key, (scalar, dtype) in kinds.items():
+                flat = torch.zeros(b.master.numel(), dtype=dtype, device=b.master.device)
+                has = torch.zeros(b.master.numel(), dtype=torch.uint8, device=b.master.device)
+                for piece, (a, e, _) in zip(pieces, b.pieces):
+                    value = self.inner.state.get(piece, {}).get(key)
+                    if value is not None:
+                        flat[a:e] = value if scalar else value.reshape(-1)
+                        has[a:e] = 1
+                full, present = self._gathered(b, flat), self._gathered(b, has)
+                for p in b.params:
+                    start, n = b.offsets[id(p)]
+                    if present[start:start + n].all():
+                        part = full[start:start + n]
+                        per_param[p][key] = part[0].clone() if scalar else part.view_as(p).clone()
+        return per_param
+
+    def _state_kinds(self) -> dict[str, tuple[bool, torch.dtype]]:
+        """{key: (scalar, dtype)} of the wrapped optimizer's state entries held anywhere in
+        each dp group (agreed over the groups, since a rank whose pieces were never stepped
+        holds none)."""
+        kinds: dict[str, tuple[bool, torch.dtype]] = {}
+        if self.inner is not None:
+            for piece, state in self.inner.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        kinds.setdefault(key, (value.shape != piece.shape, value.dtype))
+        for group in {b.dp_group for b in self.buckets if b.dp_group is not None and self.stage > 0}:
+            everyone: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, kinds, group=group)
+            for other in everyone:
+                for key, kind in other.items():
+                    kinds.setdefault(key, kind)
+        return dict(sorted(kinds.items()))
+
+    def _gathered(self, b: Bucket, owned: torch.Tensor) -> torch.Tensor:
+        """A bucket-sized tensor from every dp rank's `owned` shard (itself at stage 0 or dp=1)."""
+        if self.stage == 0 or b.dp_size == 1:
+            return owned
+        full = torch.zeros(b.param_buf.numel(), dtype=owned.dtype, device=owned.device)
+        full[b.shard].copy_(owned)
+        for w in _all_gather(full, b.dp_size, b.dp_group):
+            w.wait()
+        return full
 
     @torch.no_grad()
-    def load_param_state(self, per_param: dict[nn.Parameter, dict[str, torch.Tensor]],
-                         scalars: dict[str, torch.Tensor]) -> None:
-        """Load state in `param_state`'s form, into any stage, dp size and bucketing (no
+    def load_param_state(self, per_param: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Load state in `param_state`'s form into any stage, dp size and bucketing (no
         communication: every rank is given the state of all its parameters). Call after
         the model's weights are loaded: master copies missing from `per_param` are taken
-        from the parameters. A parameter missing from `per_param` starts fresh, as do
-        all when it is empty."""
+        from the parameters; a parameter without optimizer entries starts fresh."""
         for bi, b in enumerate(self.buckets):
-            keys = set().union(*(per_param.get(p, {}).keys() for p in b.params))
-            missing = [tuple(p.shape) for p in b.params if set(per_param.get(p, {})) != keys]
-            if missing:
-                raise ValueError(f"optimizer state has entries {sorted(keys)} for some parameters but not for "
-                                 f"parameters of shape {missing[0]} in the same bucket; it is incomplete")
-            owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
-            if "master" not in keys and not _is_view_of(b.master, b.param_buf):
-                b.master.copy_(owned)
             pieces = self.inner.param_groups[bi]["params"] if self.inner is not None else []
-            for key in sorted(keys):
-                full = torch.zeros(b.param_buf.numel(), dtype=self.master_dtype, device=b.param_buf.device)
+            separate = not _is_view_of(b.master, b.param_buf)
+            owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
+            keys = sorted(set().union(*(per_param.get(p, {}).keys() for p in b.params)))
+            for key in keys:
+                example = next(per_param[p][key] for p in b.params if key in per_param.get(p, {}))
+                full = torch.zeros(b.param_buf.numel(), dtype=example.dtype, device=b.param_buf.device)
                 for p in b.params:
-                    start, n = b.offsets[id(p)]
-                    full[start:start + n].copy_(per_param[p][key].reshape(-1))
+                    if key in per_param.get(p, {}):
+                        start, n = b.offsets[id(p)]
+                        value = per_param[p][key].to(full.device)
+                        full[start:start + n] = value.reshape(-1) if value.numel() == n else value
                 mine = full if self.stage == 0 else full[b.shard]
                 if key == "master":
-                    b.master.copy_(mine)
+                    if separate:
+                        b.master.copy_(mine)
                     continue
-                for piece, part in zip(pieces, mine.split(_PIECE)):
-                    self.inner.state[piece][key] = part.view_as(piece).clone()
-            if keys - {"master"}:
-                for piece in pieces:
-                    for key, value in scalars.items():
-                        self.inner.state[piece][key] = value.clone()
+                for piece, (a, e, p) in zip(pieces, b.pieces):
+                    value = per_param.get(p, {}).get(key)
+                    if value is not None:
+                        scalar = value.dim() == 0 and p.dim() > 0
+                        self.inner.state[piece][key] = mine[a].clone() if scalar else mine[a:e].view_as(piece).clone()
+            if separate and "master" not in keys:
+                b.master.copy_(owned)
 
     def state_dict(self) -> dict:
         return {"inner": self.inner.state_dict() if self.inner else None,

@@ -1,0 +1,94 @@
+"""Auxiliary losses and per-step metrics of layers inside a pipeline (model-agnostic).
+
+A layer's extra loss (an MoE block's load-balancing loss or router z-loss)
+never travels between stages as a value. The layer returns
+`attach(output, aux_loss)`: the identity on `output`, whose backward also
+sends the gradient `backward_scale()` into `aux_loss`, so the aux term is
+trained exactly as if it had been added to the microbatch's loss. The engine
+sets that scale around each backward pass to the weight it gives the
+microbatch's main loss (1/M, or the microbatch's share of valid tokens) times
+the fp16 loss scale; outside an engine it is 1.0, as for a plain
+`loss.backward()`.
+
+Values go to `metrics`, a per-process tracker: `metrics.record(name, value)`
+accumulates a detached tensor per name during forward passes (not during the
+recomputation of activation checkpointing, which runs inside backward), and
+`metrics.pop()` returns and clears the step's sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_scale: float = 1.0
+
+
+def backward_scale() -> float:
+    """The factor the engine gives the current backward pass's loss (1.0 outside an engine)."""
+    return _scale
+
+
+@contextlib.contextmanager
+def scaled_backward(scale: float):
+    """Run a backward pass whose main loss was multiplied by `scale`."""
+    global _scale
+    old, _scale = _scale, float(scale)
+    try:
+        yield
+    finally:
+        _scale = old
+
+
+class _Attach(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, backward_scale(), dtype=dtype, device=device)
+
+
+def attach(x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    """`x`, unchanged; backward through it also backpropagates `aux_loss` (a scalar) with
+    gradient `backward_scale()`. Without grad (eval, no_grad) it is just `x`."""
+    if not (torch.is_grad_enabled() and aux_loss.requires_grad):
+        return x
+    return _Attach.apply(x, aux_loss)
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (e.g. a checkpointed recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MetricsTracker:
+    """Sums of named, detached tensors over a step's forward passes."""
+
+    def __init__(self):
+        self._sums: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, int] = {}
+
+    def record(self, name: str, value: torch.Tensor) -> None:
+        if in_backward():
+            return  # a recomputed forward: already recorded
+        value = value.detach().float()
+        if name in self._sums:
+            self._sums[name] = self._sums[name] + value
+            self._counts[name] += 1
+        else:
+            self._sums[name], self._counts[name] = value.clone(), 1
+
+    def pop(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """{name: (sum, number of records)} since the last pop, and clear."""
+        out = {k: (v, self._counts[k]) for k, v in self._sums.items()}
+        self._sums.clear()
+        self._counts.clear()
+        return out
+
+
+metrics = MetricsTracker()
