@@ -30,8 +30,21 @@ from .atomic import fsync_dir, publish_dir, torch_save_atomic, write_atomic
 from .pipeline import PipelineModule
 
 
-def _shard_dim(t: torch.Tensor) -> int | None:
-    return getattr(t, "tp_shard_dim", None)
+def _shard_dim(t: torch.Tensor) -> tuple[int, str] | None:
+    """(dim, axis) of a sharded parameter: a tp shard along its `tp_shard_dim`, or an expert
+    shard (`expert_parallel`) along its `ep_shard_dim` over the ep group; None: replicated."""
+    if getattr(t, "expert_parallel", False) and getattr(t, "ep_shard_dim", None) is not None:
+        return t.ep_shard_dim, "ep"
+    dim = getattr(t, "tp_shard_dim", None)
+    return None if dim is None else (dim, "tp")
+
+
+def _axis(module: PipelineModule, axis: str) -> tuple[int, int, object]:
+    """(size, this rank's index, group) of the "tp" or "ep" axis."""
+    topo = module.topology
+    if axis == "ep":
+        return getattr(topo, "ep", 1), getattr(topo, "ep_rank", 0), getattr(topo, "ep_group", None)
+    return topo.tp, topo.tp_rank, topo.tp_group
 
 
 def _local_tensors(module: PipelineModule) -> dict[str, torch.Tensor]:
@@ -48,12 +61,13 @@ def full_state_dict(module: PipelineModule) -> dict[str, torch.Tensor]:
     topo = module.topology
     local = {}
     for name, t in _local_tensors(module).items():
-        dim = _shard_dim(t)  # read before detach(), which drops the attribute
+        sharding = _shard_dim(t)  # read before detach(), which drops the attribute
         t = t.detach()
-        if dim is not None and topo.tp_group is not None:
-            parts = [torch.empty_like(t) for _ in range(topo.tp)]
-            dist.all_gather(parts, t.contiguous(), group=topo.tp_group)
-            t = torch.cat(parts, dim=dim)
+        if sharding is not None and _axis(module, sharding[1])[0] > 1:
+            size, _, group = _axis(module, sharding[1])
+            parts = [torch.empty_like(t) for _ in range(size)]
+            dist.all_gather(parts, t.contiguous(), group=group)
+            t = torch.cat(parts, dim=sharding[0])
         local[name] = t.to("cpu", copy=True)  # a copy: later training must not change what was returned
     if topo.pp_group is None:
         return local
@@ -78,9 +92,10 @@ def load_full_state_dict(module: PipelineModule, full: dict[str, torch.Tensor], 
             if name not in full:
                 continue
             src = full[name]
-            dim = _shard_dim(t)
-            if dim is not None and topo.tp > 1:
-                src = src.chunk(topo.tp, dim=dim)[topo.tp_rank]
+            sharding = _shard_dim(t)
+            if sharding is not None:
+                size, index, _ = _axis(module, sharding[1])
+                src = src.chunk(size, dim=sharding[0])[index]
             if src.shape != t.shape:
                 raise ValueError(f"{name}: this rank holds shape {tuple(t.shape)}, the state dict gives {tuple(src.shape)}")
             t.copy_(src)
@@ -183,20 +198,21 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
-def _global(module: PipelineModule, t: torch.Tensor, dim: int | None):
-    """`t` as DCP should see it: a DTensor sharded along `dim` over the tp mesh, or itself."""
-    topo = module.topology
-    if dim is None or topo.tp == 1:
+def _global(module: PipelineModule, t: torch.Tensor, sharding: tuple[int, str] | None):
+    """`t` as DCP should see it: a DTensor sharded along its dim over the tp (or ep) mesh, or itself."""
+    if sharding is None or _axis(module, sharding[1])[0] == 1:
         return t
     from torch.distributed.tensor import DTensor, Shard
 
-    return DTensor.from_local(t, topo.mesh["tp"], [Shard(dim)], run_check=False)
+    topo = module.topology
+    mesh = topo.moe_mesh["ep"] if sharding[1] == "ep" else topo.mesh["tp"]
+    return DTensor.from_local(t, mesh, [Shard(sharding[0])], run_check=False)
 
 
-def _full_shape(module: PipelineModule, t: torch.Tensor, dim: int | None) -> tuple[int, ...]:
+def _full_shape(module: PipelineModule, t: torch.Tensor, sharding: tuple[int, str] | None) -> tuple[int, ...]:
     shape = list(t.shape)
-    if dim is not None:
-        shape[dim] *= module.topology.tp
+    if sharding is not None:
+        shape[sharding[0]] *= _axis(module, sharding[1])[0]
     return tuple(shape)
 
 
@@ -216,14 +232,14 @@ def _load_param_state(optimizer, per_param: dict) -> None:
         optimizer.state[p] = {k: v.clone() for k, v in state.items()}
 
 
-def _entry_dim(p: torch.Tensor, value: torch.Tensor) -> int | None:
-    """The tp shard dim of an optimizer entry of `p`: p's own, except for a 0-dim one (a step count)."""
+def _entry_dim(p: torch.Tensor, value: torch.Tensor) -> tuple[int, str] | None:
+    """The sharding of an optimizer entry of `p`: p's own, except for a 0-dim one (a step count)."""
     return _shard_dim(p) if value.dim() == p.dim() and value.dim() > 0 else None
 
 
 def _layout(module: PipelineModule) -> dict:
     topo = module.topology
-    return {"pp": topo.pp, "dp": topo.dp, "tp": topo.tp, "chunks_per_rank": module.chunks_per_rank,
+    return {"pp": topo.pp, "dp": topo.dp, "tp": topo.tp, "ep": getattr(topo, "ep", 1), "chunks_per_rank": module.chunks_per_rank,
             "boundaries": list(module.boundaries), "world_size": topo.world_size}
 
 
@@ -371,7 +387,10 @@ def load_full_weights(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
 
     meta = read_meta(path)
     reader = dcp.FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
+    try:
+        saved = reader.read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - DCP raises assorted errors on a damaged .metadata
+        raise CheckpointError(f"{path}/.metadata is unreadable ({type(e).__name__}: {e})") from e
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items() if k.startswith("model/")}
     with _quiet():
         try:

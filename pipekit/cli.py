@@ -3,8 +3,8 @@
     pipekit train [CONFIG.yaml] [key=value ...] [--show]   train (--show: print the merged config and exit)
     pipekit plan --schedule 1f1b --pp 4 --microbatches 8 [--virtual 2] [--json] [--trace F.json] [--png F.png]
     pipekit prepare-data FILES_OR_DIRS --out DIR [--tokenizer tokenizer.json]
-    pipekit convert --from-hf HF_DIR --out model.pt | --to-hf model.pt --out HF_DIR
-    pipekit generate runs/x/model.pt --prompt "def "
+    pipekit convert --from-hf HF_DIR --out model.pt | --to-hf model.pt|CHECKPOINT --out HF_DIR
+    pipekit generate runs/x/model.pt|runs/x/checkpoints[/step_N] --prompt "def "
     pipekit env
 """
 
@@ -396,7 +396,7 @@ def parser() -> argparse.ArgumentParser:
     add_convert_args(c)
     c.set_defaults(fn=_convert)
 
-    g = sub.add_parser("generate", help="sample text from a trained model.pt")
+    g = sub.add_parser("generate", help="sample text from a trained model.pt or a checkpoint")
     g.add_argument("checkpoint")
     g.add_argument("--prompt", default="")
     g.add_argument("--max-new-tokens", type=int, default=200)

@@ -44,6 +44,7 @@ class ParallelConfig:
     pp: int = 1  # pipeline stages
     dp: int = 1  # data-parallel replicas
     tp: int = 1  # tensor-parallel ranks per stage
+    ep: int = 1  # expert-parallel ranks: MoE experts sharded over groups of ep dp ranks (divides dp)
 
 
 @dataclass
@@ -193,7 +194,7 @@ def _finite(value) -> bool:
 def _check_positive(cfg: Config) -> None:
     p, s, t = cfg.parallel, cfg.schedule, cfg.train
     _check_rules([(key, value, value >= 1, ">= 1") for key, value in [
-        ("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp),
+        ("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.ep", p.ep),
         ("schedule.microbatches", s.microbatches), ("schedule.chunks_per_rank", s.chunks_per_rank),
         ("train.steps", t.steps), ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
         ("logging.log_every", cfg.logging.log_every), ("checkpoint.keep", cfg.checkpoint.keep)]])
@@ -207,6 +208,9 @@ def check_config(cfg: Config) -> None:
     """Cross-field checks; each error names the key and what would be valid."""
     p, s, t = cfg.parallel, cfg.schedule, cfg.train
     _check_positive(cfg)
+    if p.dp % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (experts are sharded over "
+                          f"groups of ep data-parallel ranks); use an ep among {[d for d in range(1, p.dp + 1) if p.dp % d == 0]}")
     _check_choice("schedule.name", s.name, SCHEDULES)
     _check_choice("model.family", cfg.model.family, FAMILIES)
     _check_choice("train.dtype", t.dtype, ("float32", "float64"))

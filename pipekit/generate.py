@@ -1,4 +1,5 @@
-"""Sample text from a model saved by `pipekit train` (`out_dir/model.pt`).
+"""Sample text from a model saved by `pipekit train`: `out_dir/model.pt`, or a resumable
+checkpoint (`checkpoints/step_N`, or the checkpoints root for its newest).
 
 One process, the whole model (pp=tp=1), no KV cache: each new token reruns
 the model on the last `max_seq_len` tokens, which is fine for the small
@@ -8,6 +9,8 @@ models a CPU trains and keeps the code obvious.
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import torch
 
@@ -28,10 +31,11 @@ def model_config_from(family: str, config: dict):
 
 
 def load_model(path: str) -> tuple[PipelineModule, object, dict]:
-    """(module, model config, the checkpoint dict) of a saved model.pt, on the CPU."""
-    from .models.hf import read_model_file
+    """(module, model config, the saved dict: `pipekit.models.hf.read_saved_model`) of a
+    model.pt or checkpoint, on the CPU."""
+    from .models.hf import read_saved_model
 
-    ckpt = read_model_file(path)
+    ckpt = read_saved_model(path)
     mcfg = model_config_from(ckpt["family"], ckpt["config"])
     dtype = next(iter(ckpt["state_dict"].values())).dtype
     previous = torch.get_default_dtype()
@@ -86,13 +90,34 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 200, temperature
 
     check_sampling(max_new_tokens, temperature, top_k)
     module, mcfg, ckpt = load_model(path)
-    tok = load_tokenizer(ckpt.get("tokenizer"))
+    name = tokenizer_name(ckpt)
+    tok = load_tokenizer(name)
     start = tok.encode(prompt) if prompt else separator(tok)
-    _check_start(start, model_vocab(mcfg), prompt, ckpt.get("tokenizer"))
+    _check_start(start, model_vocab(mcfg), prompt, name)
     max_len = getattr(mcfg, "max_seq_len", None) or 256
     ids = sample(module, start, max_new_tokens, max_len=max_len,
                  temperature=temperature, top_k=top_k, seed=seed)
     return tok.decode(ids if prompt else ids[len(start):])
+
+
+def tokenizer_name(saved: dict) -> str | None:
+    """The tokenizer a saved model was trained with (None: bytes). A model.pt names it; for a
+    checkpoint it is found as `train.save_weights` finds it for model.pt: the tokenizer in the
+    meta.json of the dataset its config's data.source names ("stdlib": the default corpus's
+    cache; "synthetic": none). A dataset no longer there gives None, with a note on stderr."""
+    from .data import default_cache_dir, read_meta
+
+    if "checkpoint" not in saved:
+        return saved.get("tokenizer")
+    config = saved["checkpoint"].get("config") or {}
+    source = (config.get("data") or {}).get("source")
+    if source is None or source == "synthetic":
+        return None
+    meta = read_meta(default_cache_dir() if source == "stdlib" else source)
+    if meta is None and source != "stdlib":  # the stdlib corpus is byte tokens, cached or not
+        print(f"pipekit generate: the dataset {os.path.abspath(source)} that checkpoint {saved.get('path')} was "
+              f"trained on is gone or incomplete; using the byte tokenizer", file=sys.stderr)
+    return meta.get("tokenizer") if meta else None
 
 
 def _check_start(ids: list[int], vocab: int, prompt: str, tokenizer: str | None) -> None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers.parallel import tensor_parallel
+from .layers.parallel import expert_parallel, tensor_parallel
 from .partition import partition as partition_specs
 from .schedules import looping_placement
 from .spec import LayerSpec, TiedLayerSpec, build_layer, spec_name
@@ -106,7 +106,7 @@ class PipelineModule(nn.Module):
         self.layers = nn.ModuleDict()
         self.tied = nn.ModuleDict()
         self._funcs: dict[int, Callable] = {}
-        with tensor_parallel(self.topology.tp_group):
+        with tensor_parallel(self.topology.tp_group), expert_parallel(getattr(self.topology, "ep_group", None)):
             for stage in self.local_stages:
                 for i in self.stage_layers(stage):
                     self._build(i)
@@ -233,7 +233,7 @@ class PipelineModule(nn.Module):
         shaped like `example_input`; found by running the whole spec list on the
         meta device, so it costs no memory and needs no communication. Also
         checks that every layer returns a tensor or a tuple of tensors."""
-        with tensor_parallel(self.topology.tp_group):
+        with tensor_parallel(self.topology.tp_group), expert_parallel(getattr(self.topology, "ep_group", None)):
             meta_layers = self._meta_layers()
         x = to_meta(example_input)
         io = []

@@ -133,6 +133,9 @@ def init_distributed(
 class Topology:
     """This rank's place in the (pp, dp, tp) grid and the process groups along each axis.
 
+    With `ep` > 1 (dividing dp) the dp axis is also split into (edp, ep): experts are
+    sharded over `ep_group` and their gradients reduced over `edp_group`.
+
     `Topology(pp=2, tp=2)` on 8 ranks gives dp=2. Requires an initialised
     default process group, except for one plain process (pp=dp=tp=1), which
     needs none; every rank must construct it (group creation is collective).
@@ -146,10 +149,12 @@ class Topology:
     """
 
     def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1, device_type: str | None = None,
-                 device: str | None = None):
+                 device: str | None = None, ep: int = 1):
         device = _one_device_arg(device, device_type)
         if not dist.is_initialized():
             self._init_single(pp, dp, tp, device)
+            if ep != 1:
+                raise ValueError(f"ep={ep} must divide dp=1 (experts are sharded over ranks carved out of dp)")
             return
         self.world_size = dist.get_world_size()
         self.pp, self.dp, self.tp = grid_sizes(self.world_size, pp, dp, tp)
@@ -163,6 +168,23 @@ class Topology:
             self.mesh.get_group(name) if size > 1 else None
             for name, size in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp))
         )
+        self._init_expert_groups(ep, device_type)
+
+    def _init_expert_groups(self, ep: int, device_type: str) -> None:
+        """Expert parallelism: each run of `ep` consecutive dp ranks shares out the experts
+        (`ep_group`); the dp ranks holding the same experts form `edp_group` (dp // ep ranks),
+        over which expert gradients are reduced."""
+        if ep < 1 or self.dp % ep:
+            raise ValueError(f"ep={ep} must divide dp={self.dp} (experts are sharded over ranks carved out of dp)")
+        self.ep, self.edp = ep, self.dp // ep
+        self.edp_rank, self.ep_rank = divmod(self.dp_rank, ep)
+        self.moe_mesh = self.ep_group = None
+        self.edp_group = self.dp_group
+        if ep > 1:
+            self.moe_mesh = init_device_mesh(device_type, (self.pp, self.edp, ep, self.tp),
+                                             mesh_dim_names=("pp", "edp", "ep", "tp"))
+            self.ep_group = self.moe_mesh.get_group("ep")
+            self.edp_group = self.moe_mesh.get_group("edp") if self.edp > 1 else None
 
     def _init_single(self, pp: int, dp: int | None, tp: int, device: str | None) -> None:
         """One plain process, no process groups: what `PipelineModule(topology=None)` uses."""
@@ -174,6 +196,9 @@ class Topology:
         self.world_size = self.pp = self.dp = self.tp = 1
         self.rank = self.pp_rank = self.dp_rank = self.tp_rank = 0
         self.mesh = self.pp_group = self.dp_group = self.tp_group = None
+        self.ep = self.edp = 1
+        self.ep_rank = self.edp_rank = 0
+        self.moe_mesh = self.ep_group = self.edp_group = None
         kind = "cpu" if device is None else resolve_device(device, local_workers())[0]
         self.device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 
@@ -185,8 +210,9 @@ class Topology:
 
     def __repr__(self) -> str:
         return (
-            f"Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}, rank={self.rank} -> "
-            f"pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, tp_rank={self.tp_rank})"
+            f"Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}" + (f", ep={self.ep}" if self.ep > 1 else "")
+            + f", rank={self.rank} -> pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, tp_rank={self.tp_rank}"
+            + (f", ep_rank={self.ep_rank})" if self.ep > 1 else ")")
         )
 
 

@@ -56,10 +56,13 @@ def make_optimizer(module: PipelineModule, cfg: Config) -> ZeroOptimizer:
     and Megatron."""
     o = cfg.optimizer
     params = [p for p in module.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    topo = module.topology
+    groups = []
+    for experts in (False, True):  # experts: reduced over their own dp group, summed over ep in the norm
+        mine = [p for p in params if bool(getattr(p, "expert_parallel", False)) == experts]
+        extra = {"dp_group": topo.edp_group, "ep_group": topo.ep_group} if experts else {}
+        groups += [{"params": [p for p in mine if p.dim() >= 2], "weight_decay": o.weight_decay, **extra},
+                   {"params": [p for p in mine if p.dim() < 2], "weight_decay": 0.0, **extra}]
     hyper = {"betas": (o.beta1, o.beta2), "eps": o.eps} if o.name == "adamw" else {"momentum": o.momentum}
     scaler = LossScaler.from_config(cfg.fp16) if cfg.train.precision == "fp16" else None
     return ZeroOptimizer(groups, o.name, module=module, stage=o.zero_stage, bucket_mb=o.bucket_mb,
@@ -253,7 +256,7 @@ def train(cfg: Config) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.world_size > 1:
         init_distributed(device=device)
     torch.set_default_dtype(getattr(torch, cfg.train.dtype))
-    topo = Topology(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp, device=device)
+    topo = Topology(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp, ep=cfg.parallel.ep, device=device)
     path = data_dir(cfg)
     check_vocab(cfg, path)
     engine = build(cfg, topo)

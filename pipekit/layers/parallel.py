@@ -50,6 +50,24 @@ def current_tp_group():
     return _TP_GROUP.get()
 
 
+_EP_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("pipekit_ep_group", default=None)
+
+
+@contextlib.contextmanager
+def expert_parallel(group) -> Iterator[Any]:
+    """Make `group` the expert-parallel group for MoE layers constructed inside the block."""
+    token = _EP_GROUP.set(group)
+    try:
+        yield group
+    finally:
+        _EP_GROUP.reset(token)
+
+
+def current_ep_group():
+    """The group set by the innermost `expert_parallel(...)`, or None (no expert parallelism)."""
+    return _EP_GROUP.get()
+
+
 def group_size(group) -> int:
     """Number of ranks in `group`; 1 for None.
 

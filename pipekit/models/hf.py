@@ -25,11 +25,16 @@ them: they never affect the logits), so HF -> pipekit -> HF is exact.
 
 Files: `load_hf_checkpoint(dir)` reads config.json with model.safetensors,
 pytorch_model.bin or their sharded `*.index.json` forms; `save_hf_checkpoint`
-writes config.json + model.safetensors into a temporary directory and renames
-it into place, loadable offline by `transformers.AutoModelForCausalLM.from_pretrained`.
-A *pipekit file* is `torch.save({"family", "config": asdict(cfg), "state_dict"})`,
-its state dict padded; a file whose config predates `vocab_pad_multiple`
-(unpadded tables) is read with the default multiple and padded with zero rows.
+writes config.json + model.safetensors, loadable offline by
+`transformers.AutoModelForCausalLM.from_pretrained` (a new dir is built under a
+temporary name and renamed into place; over an existing one, only those files are
+replaced, each atomically). A model pipekit saved is read by `read_saved_model`
+from either of its forms: a *pipekit file* `torch.save({"family", "config":
+asdict(cfg), "state_dict"})` (train's model.pt, convert's output), its state dict
+padded, or a resumable checkpoint directory (`checkpoints/step_N`, or the
+checkpoints root for its newest), whose full weights `pipekit.checkpoint` reads.
+A file whose config predates `vocab_pad_multiple` (unpadded tables) is read with
+the default multiple and padded with zero rows.
 transformers is imported only by the functions that build HF config objects.
 """
 
@@ -38,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import asdict
@@ -45,7 +51,7 @@ from typing import Callable
 
 import torch
 
-from ..checkpoint import atomic_save
+from ..atomic import publish, publish_dir, remove, torch_save_atomic, write_atomic
 from .gpt2 import GPT2Config
 from .llama import LlamaConfig
 from .registry import FAMILIES, config_from_dict, family_of, model_specs
@@ -403,58 +409,147 @@ def _unshared(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+_SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")  # transformers' names for a sharded export
+_INDEX = "model.safetensors.index.json"
+
+
 def save_hf_checkpoint(family: str, full_sd: dict, cfg, out_dir: str, *, overwrite: bool = False,
                        dtype: torch.dtype | None = None) -> None:
-    """Write config.json + model.safetensors for `full_sd` into `out_dir`, atomically.
+    """Write config.json + model.safetensors for `full_sd` into `out_dir`.
 
-    The files are written into a sibling temporary dir that is renamed into
-    place when complete; an existing non-empty `out_dir` is replaced only with
-    `overwrite=True`. `dtype` casts floating tensors (None: keep)."""
-    from safetensors.torch import save_file
-
+    A new `out_dir` is built under a temporary name and renamed into place whole. An
+    existing non-empty one is refused unless `overwrite`; then only the files written
+    here are replaced, each atomically (model.safetensors, then config.json), and the
+    index and shards of an earlier sharded export are removed, so the dir holds one
+    set of weights; every other file (a README, tokenizer files) is left as it is. A
+    crash between two files can leave new weights beside the old config.json: a rerun
+    completes it. `dtype` casts floating tensors (None: keep)."""
     hf_sd = to_hf_state_dict(family, full_sd, cfg)
     if cfg.tie_embeddings:
         hf_sd.pop("lm_head.weight")  # tied to the token table; transformers re-ties it on loading
     if dtype is not None:
         hf_sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf_sd.items()}
     out_dir = os.path.abspath(out_dir)
-    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+    check_hf_out_dir(out_dir, overwrite)
     hf_config = hf_config_from(cfg)
     floats = [v.dtype for v in hf_sd.values() if v.is_floating_point()]
     if floats:
         hf_config.dtype = str(floats[0]).removeprefix("torch.")
-    parent = os.path.dirname(out_dir)
+    if os.path.isdir(out_dir):
+        _write_hf_files(out_dir, hf_config, hf_sd)
+        return
+    parent, name = os.path.split(out_dir)
     os.makedirs(parent, exist_ok=True)
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    tmp = os.path.join(parent, f".{name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed process of the same id
+    os.mkdir(tmp)
     try:
-        hf_config.to_json_file(os.path.join(tmp, "config.json"))
-        save_file(_unshared(hf_sd), os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        _replace_dir(tmp, out_dir)
+        _write_hf_files(tmp, hf_config, hf_sd)
+        publish_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _replace_dir(src: str, dst: str) -> None:
-    """Rename `src` to `dst`; an existing `dst` is moved aside first and removed after."""
-    if not os.path.exists(dst):
-        os.replace(src, dst)
-        return
-    old = f"{dst}.old-{os.getpid()}"
-    os.replace(dst, old)
+def check_hf_out_dir(out_dir: str, overwrite: bool) -> None:
+    """Refuse an `out_dir` that is a file, or a non-empty dir without `overwrite`."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"{out_dir} is a file; give a directory for the Hugging Face model")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace "
+                              f"the model files in it (config.json, model.safetensors; other files are kept)")
+
+
+def _write_hf_files(out_dir: str, hf_config, hf_sd: dict) -> None:
+    _save_safetensors(_unshared(hf_sd), os.path.join(out_dir, "model.safetensors"))
+    _remove_sharded_weights(out_dir)
+    write_atomic(os.path.join(out_dir, "config.json"), hf_config.to_json_string())
+
+
+def _save_safetensors(sd: dict[str, torch.Tensor], path: str) -> None:
+    """safetensors' save_file, atomically. It writes only to a file name (its in-memory `save`
+    would hold a second copy of the weights), so it writes a temporary name beside `path`,
+    which `pipekit.atomic.publish` renames into place."""
+    from safetensors.torch import save_file
+
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
     try:
-        os.replace(src, dst)
-    except BaseException:
-        os.replace(old, dst)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+        save_file(sd, tmp, metadata={"format": "pt"})
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        publish(tmp, path)
+    finally:
+        remove(tmp)
+
+
+def _remove_sharded_weights(out_dir: str) -> None:
+    """Remove an earlier sharded export from `out_dir`: model.safetensors.index.json (first, so
+    no reader follows it to a missing shard), then the shards it names and any
+    model-NNNNN-of-NNNNN.safetensors. Only safetensors files directly in `out_dir` go."""
+    index = os.path.join(out_dir, _INDEX)
+    shards = {n for n in os.listdir(out_dir) if _SHARD.match(n)}
+    if os.path.isfile(index):
+        try:
+            named = _read_json(index, "weight_map")["weight_map"].values()
+        except (OSError, ValueError):
+            named = []
+        shards |= {n for n in named if isinstance(n, str) and n == os.path.basename(n) and n.endswith(".safetensors")}
+        remove(index)
+    for n in sorted(shards - {"model.safetensors"}):
+        remove(os.path.join(out_dir, n))
 
 
 def save_pipekit_file(family: str, cfg, full_sd: dict, path: str) -> None:
     """torch.save({"family", "config", "state_dict"}) to `path`, atomically."""
-    atomic_save({"family": family, "config": asdict(cfg), "state_dict": full_sd}, path)
+    torch_save_atomic({"family": family, "config": asdict(cfg), "state_dict": full_sd}, path)
+
+
+# ---- a model pipekit saved: model.pt, or a resumable checkpoint --------------------------
+def read_saved_model(path: str) -> dict:
+    """A model pipekit saved, as the dict of a model.pt ("family", "config", "state_dict",
+    "tokenizer" where train wrote it), read from any of its forms:
+
+    a file           a pipekit file (train's model.pt, `convert --from-hf`'s output);
+    a checkpoint     a resumable checkpoint dir (`checkpoints/step_N`): its full weights,
+                     its pipekit.json under "checkpoint" and its path under "path";
+    a root           a dir of checkpoints: its newest complete one, as above.
+
+    Anything else is a one-line error (ValueError or OSError). Checkpoints are read by
+    `pipekit.checkpoint` (imported here only: the model zoo stays below the runtime)."""
+    if not os.path.isdir(path):
+        return read_model_file(path)
+    from ..checkpoint import CheckpointError, load_full_weights
+
+    ckpt = checkpoint_dir(path)
+    meta, sd = load_full_weights(ckpt)
+    if not isinstance(meta.get("family"), str) or not isinstance(meta.get("model_config"), dict):
+        raise CheckpointError(f"{ckpt}/pipekit.json lacks the model's family and model_config (it was not "
+                              f"written by pipekit train)")
+    return {"family": meta["family"], "config": meta["model_config"], "state_dict": sd, "checkpoint": meta,
+            "path": ckpt}
+
+
+def checkpoint_dir(path: str) -> str:
+    """The checkpoint the directory `path` names: itself, when it is one (an incomplete one
+    is a CheckpointError saying what it lacks), or the newest complete checkpoint in it,
+    when it is a checkpoints root. Any other directory is an IsADirectoryError."""
+    from ..checkpoint import META, CheckpointError, latest_checkpoint, read_meta
+
+    names = os.listdir(path)
+    if META in names or ".metadata" in names or re.match(r"step_\d+", os.path.basename(os.path.normpath(path))):
+        read_meta(path)  # raises for an incomplete or unreadable one
+        return path
+    steps = [n for n in names if n.startswith("step_")]
+    if steps:
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise CheckpointError(f"{path} holds no complete checkpoint ({len(steps)} incomplete: "
+                                  f"{', '.join(sorted(steps)[:3])}); an interrupted save leaves such a directory")
+        return newest
+    run = [os.path.join(path, n) for n in ("model.pt", "checkpoints") if n in names]
+    if run:
+        raise IsADirectoryError(f"{path} is a directory, but not a checkpoint: it holds a run; give {' or '.join(run)}")
+    raise IsADirectoryError(f"{path} is a directory, but neither a pipekit checkpoint (a directory holding {META}, "
+                            f"such as checkpoints/step_00000100) nor a checkpoints root; give one, or a model.pt")
 
 
 def read_model_file(path: str) -> dict:
@@ -463,7 +558,7 @@ def read_model_file(path: str) -> dict:
     import pickle
 
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no such pipekit file: {path}")
+        raise FileNotFoundError(f"no such pipekit file or checkpoint: {path}")
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path} is a directory; give a model.pt written by pipekit train or convert")
     try:
@@ -477,11 +572,12 @@ def read_model_file(path: str) -> dict:
 
 
 def load_pipekit_file(path: str):
-    """Read a pipekit file -> (family, config, full state dict)."""
-    obj = read_model_file(path)
+    """Read a model pipekit saved (`read_saved_model`: a model.pt or a checkpoint) ->
+    (family, config, full state dict)."""
+    obj = read_saved_model(path)
     if obj["family"] not in FAMILIES:
-        raise ValueError(f"{path} holds a {obj['family']!r} model, which has no Hugging Face form; "
-                         f"only {' and '.join(sorted(FAMILIES))} models convert")
+        raise ValueError(f"{obj.get('path', path)} holds a {obj['family']!r} model, which has no Hugging Face "
+                         f"form; only {' and '.join(sorted(FAMILIES))} models convert")
     cfg = config_from_dict(obj["family"], obj["config"])
     sd = obj["state_dict"]
     if "vocab_pad_multiple" not in obj["config"]:  # written before vocab padding: tables of vocab_size rows
@@ -491,7 +587,8 @@ def load_pipekit_file(path: str):
 
 def convert(src: str, dst: str, direction: str, *, overwrite: bool = False, dtype: torch.dtype | None = None) -> None:
     """`direction="from_hf"`: HF model dir `src` -> pipekit file `dst`;
-    `"to_hf"`: pipekit file `src` -> HF model dir `dst`."""
+    `"to_hf"`: a model pipekit saved (`read_saved_model`: a model.pt, a checkpoint dir or a
+    checkpoints root) `src` -> HF model dir `dst` (`save_hf_checkpoint`)."""
     if direction == "from_hf":
         if os.path.isdir(dst):
             raise IsADirectoryError(f"{dst} is a directory; give the pipekit file to write, e.g. {dst}/model.pt")
@@ -502,8 +599,7 @@ def convert(src: str, dst: str, direction: str, *, overwrite: bool = False, dtyp
             sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
         save_pipekit_file(family, cfg, sd, dst)
     elif direction == "to_hf":
-        if os.path.exists(dst) and not os.path.isdir(dst):
-            raise FileExistsError(f"{dst} is a file; give a directory for the Hugging Face model")
+        check_hf_out_dir(dst, overwrite)  # before reading what may be a large checkpoint
         family, cfg, sd = load_pipekit_file(src)
         save_hf_checkpoint(family, sd, cfg, dst, overwrite=overwrite, dtype=dtype)
     else:
@@ -518,10 +614,13 @@ def add_convert_args(parser: argparse.ArgumentParser) -> None:
     """Arguments of `pipekit convert`."""
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face model dir (config.json + weights)")
-    src.add_argument("--to-hf", metavar="PIPEKIT_FILE", help="a pipekit model file (family, config, state_dict)")
+    src.add_argument("--to-hf", metavar="MODEL", help="a model pipekit saved: a model.pt, a checkpoint dir "
+                     "(checkpoints/step_N) or a checkpoints root (its newest complete checkpoint)")
     parser.add_argument("--out", required=True, help="the pipekit file (--from-hf) or HF model dir (--to-hf) to write")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast floating weights (default: keep)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out file, or the model files in an existing --out dir "
+                             "(other files in it are kept)")
 
 
 def run_convert(args: argparse.Namespace) -> int:
@@ -534,7 +633,7 @@ def run_convert(args: argparse.Namespace) -> int:
             raise
         print(f"pipekit convert: {e}", file=sys.stderr)
         return 2
-    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
+    except (ValueError, KeyError, OSError) as e:
         said = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) quotes its message
         print(f"pipekit convert: {said}", file=sys.stderr)
         return 2

@@ -49,9 +49,10 @@ read) and an all-gather is one broadcast per shard; NCCL gets the real ones.
 Stage 2 trades memory for traffic: microbatch m's gradients are reduced
 before microbatch m+1's backward, M reductions per step where stages 0/1 do one.
 
-Expert seam: a param group may carry its own `dp_group` (experts sharded over
-ep ranks have a smaller data-parallel group); buckets, reductions, sharding
-and the norm follow each group's own dp group.
+Experts: a param group may carry its own `dp_group` (experts sharded over ep
+ranks have a smaller data-parallel group) and an `ep_group` (the ranks holding
+the other experts); buckets, reductions, sharding and the norm follow each
+group's own dp group, and the norm sums over its ep group.
 
 A parameter that got no gradient anywhere in its dp group this step (an
 expert that received no tokens) is skipped by the wrapped optimizer, as torch's
@@ -87,6 +88,7 @@ class Bucket:
     group_index: int
     dp_group: Any
     segment: Any
+    ep_group: Any = None  # experts: the group their parameters are sharded over (summed in the norm)
     param_buf: torch.Tensor = field(init=False)
     offsets: dict = field(default_factory=dict)  # id(param) -> (start, numel)
     grad_buf: torch.Tensor | None = None  # full bucket (stages 0, 1; stage 2 while in flight)
@@ -177,6 +179,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         buckets: list[Bucket] = []
         for gi, group in enumerate(self.param_groups):
             dp_group = group.get("dp_group", self.default_dp_group)
+            ep_group = group.get("ep_group")
             runs: dict[tuple, list[nn.Parameter]] = {}
             for p in group["params"]:
                 if p.requires_grad:
@@ -189,6 +192,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 backward_order = sorted(reversed(params), key=first_use, reverse=True)  # stable: ties reversed
                 for chunk in _chunks(backward_order, self.bucket_numel):
                     buckets.append(self._make_bucket(chunk, gi, dp_group, counted, segment))
+                    buckets[-1].ep_group = ep_group
         return buckets
 
     def _make_bucket(self, params, gi, dp_group, counted, segment) -> Bucket:
@@ -229,7 +233,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self.optimizer_class(groups)
 
     def _hyper(self, gi: int) -> dict:
-        return {k: v for k, v in self.param_groups[gi].items() if k not in ("params", "dp_group")}
+        return {k: v for k, v in self.param_groups[gi].items() if k not in ("params", "dp_group", "ep_group")}
 
     # ---- gradients ----------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -437,7 +441,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         device = self.buckets[0].param_buf.device if self.buckets else _device(self.module)
         by_group: dict[Any, torch.Tensor] = {}
         for b in self.buckets:
-            key = b.dp_group if self.stage > 0 else None
+            key = (b.dp_group if self.stage > 0 else None, b.ep_group)
             part = by_group.setdefault(key, torch.zeros((), dtype=torch.float64, device=device))
             g = b.master.grad
             first = 0 if self.stage == 0 else b.shard.start  # where this rank's gradient starts in the bucket
@@ -446,9 +450,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if lo < hi:
                     part += g[lo - first:hi - first].double().pow(2).sum()
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for group, part in by_group.items():
-            if group is not None:
-                dist.all_reduce(part, group=group)
+        for groups, part in by_group.items():
+            for group in groups:  # its dp shards, then (experts) the other ranks' experts
+                if group is not None:
+                    dist.all_reduce(part, group=group)
             total += part
         topo = getattr(self.module, "topology", None)
         for group in (getattr(topo, "pp_group", None), getattr(topo, "tp_group", None)):

@@ -1,0 +1,106 @@
+"""Grouped matrix products over variable-size groups: the seam where kernels plug in.
+
+A backend is a function `fn(x_NI, w_EIO, sizes) -> y_NO`: the rows of `x` come
+sorted by expert, `sizes[e]` of them for expert e (a list of Python ints that
+sums to N, zeros allowed), and rows of group e are multiplied by `w[e]`.
+Autograd must flow to `x` and `w`. Register new ones with `register_backend`.
+
+  loop        a Python loop of `x[a:b] @ w[e]` over contiguous slices; any
+              device and dtype (float64 included). Empty groups still enter
+              the graph, so `w` always gets a gradient and every rank's
+              backward reaches its collectives.
+  grouped_mm  `torch._grouped_mm` (one call for all groups): CUDA in bf16 in
+              practice; this torch also runs it on CPU for float32/bf16 when
+              rows are 16-byte aligned. Where it refuses a (device, dtype)
+              the refusal is remembered and the loop runs instead.
+  megablocks  `grouped_gemm.ops.gmm` through megablocks (CUDA, bf16); only
+              when asked for by name, never required; on a CPU tensor it runs
+              the loop. Not exercised by pipekit's tests (no CUDA there).
+  auto        grouped_mm where it runs, else loop.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+import torch
+
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, list], torch.Tensor]
+
+
+def loop_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    pieces = torch.split(x_NI, sizes)
+    return torch.cat([piece @ w_EIO[e] for e, piece in enumerate(pieces)])
+
+
+_REFUSED: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) where _grouped_mm raised
+
+
+def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` may run on these operands (dtype, 16-byte alignment, no earlier refusal)."""
+    if not hasattr(torch, "_grouped_mm") or (x.device.type, x.dtype) in _REFUSED or x.dtype != w.dtype:
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1]))
+
+
+def torch_grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    if not grouped_mm_runs(x_NI, w_EIO):
+        return loop_mm(x_NI, w_EIO, sizes)
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x_NI.device)
+    try:
+        return _ContiguousGrad.apply(torch._grouped_mm(x_NI.contiguous(), w_EIO.contiguous(), offs=offs))
+    except RuntimeError:  # this (device, dtype) is not supported by this build: loop from now on
+        _REFUSED.add((x_NI.device.type, x_NI.dtype))
+        return loop_mm(x_NI, w_EIO, sizes)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; makes the incoming gradient contiguous (_grouped_mm's backward rejects an
+    expanded one, such as the gradient of a `.sum()`)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def megablocks_available() -> bool:
+    return importlib.util.find_spec("megablocks") is not None
+
+
+def megablocks_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    if x_NI.device.type != "cuda":
+        return loop_mm(x_NI, w_EIO, sizes)
+    from megablocks import grouped_gemm_util as gg  # noqa: PLC0415 - optional, CUDA only
+
+    if not gg.grouped_gemm_is_available():
+        raise RuntimeError("backend='megablocks' needs the grouped_gemm package (pip install grouped_gemm)")
+    return gg.ops.gmm(x_NI.contiguous(), w_EIO.contiguous(), torch.tensor(sizes, dtype=torch.int64), trans_b=False)
+
+
+def auto_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    return torch_grouped_mm(x_NI, w_EIO, sizes)
+
+
+BACKENDS: dict[str, GroupedMM] = {"auto": auto_mm, "loop": loop_mm, "grouped_mm": torch_grouped_mm,
+                                  "megablocks": megablocks_mm}
+
+
+def register_backend(name: str, fn: GroupedMM) -> None:
+    """Add (or replace) a grouped-matmul backend selectable as `MoEMLP(..., backend=name)`."""
+    BACKENDS[name] = fn
+
+
+def check_backend(name: str) -> None:
+    """ValueError for an unknown backend, or for megablocks when it is not installed."""
+    if name not in BACKENDS:
+        raise ValueError(f"backend={name!r} is not one of {sorted(BACKENDS)}")
+    if name == "megablocks" and not megablocks_available():
+        raise ValueError("backend='megablocks' needs the megablocks package, which is not installed "
+                         "(pip install megablocks); backend='auto' needs nothing extra")
