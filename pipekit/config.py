@@ -19,12 +19,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .schedules import SCHEDULES, ScheduleError, build_schedule
 
-FAMILIES = ("gpt2", "llama", "toy")
+FAMILIES = ("gpt2", "llama", "mixtral", "toy")
 
 
 @dataclass
 class ModelConfig:
-    family: str = "gpt2"  # gpt2 | llama | toy
+    family: str = "gpt2"  # gpt2 | llama | mixtral | toy
     flavour: str = "tiny"  # a named size of the family (pipekit.models FLAVOURS)
     # Any of these, when set, overrides the flavour's value.
     vocab_size: Optional[int] = None
@@ -37,6 +37,14 @@ class ModelConfig:
     tie_embeddings: Optional[bool] = None
     rope_theta: Optional[float] = None
     vocab_pad_multiple: Optional[int] = None  # tables padded to a multiple of this (default 128; masked, exact)
+    # mixtral (MoE): routed experts, experts per token, always-on shared experts, router settings
+    n_experts: Optional[int] = None
+    top_k: Optional[int] = None
+    n_shared_experts: Optional[int] = None
+    score: Optional[str] = None  # softmax | sigmoid
+    aux_loss_coef: Optional[float] = None
+    z_loss_coef: Optional[float] = None
+    capacity_factor: Optional[float] = None  # unset: dropless
 
 
 @dataclass
@@ -367,6 +375,13 @@ def _check_model_fits(cfg: Config, model, specs: list) -> None:
         shown = vocab if padded == vocab else (
             f"{vocab}, padded to {padded} (a multiple of its vocab_pad_multiple={model.vocab_pad_multiple}),")
         raise ConfigError(f"model.vocab_size={shown} is not divisible by parallel.tp={p.tp}")
+    experts = getattr(model, "n_experts", None)
+    if experts is not None and experts % p.ep:
+        divisors = [d for d in range(1, p.dp + 1) if p.dp % d == 0 and experts % d == 0]
+        raise ConfigError(f"model.n_experts={experts} is not divisible by parallel.ep={p.ep}; use an ep among {divisors}")
+    if experts is None and p.ep > 1:
+        raise ConfigError(f"parallel.ep={p.ep} shards experts, but model.family={cfg.model.family} has none; "
+                          f"use parallel.ep=1 or an MoE family (mixtral)")
     max_len = getattr(model, "max_seq_len", None)
     if max_len is not None and cfg.train.seq_len > max_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={max_len}")

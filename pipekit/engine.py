@@ -138,6 +138,11 @@ class PipelineEngine:
     ):
         self.module = module
         self.optimizer = optimizer
+        if (optimizer is not None and not isinstance(optimizer, ZeroOptimizer) and getattr(module.topology, "ep", 1) > 1
+                and any(getattr(p, "expert_parallel", False) for p in module.parameters())):
+            raise ValueError("expert parallelism (ep > 1) needs pipekit.optim.ZeroOptimizer (any stage): a plain "
+                             "torch optimizer's gradients would be averaged over the whole dp group, but each "
+                             "expert lives on one rank of its ep group")
         self.clip_grad_norm = clip_grad_norm
         self.lr_scheduler = lr_scheduler
         self.last_grad_norm: float | None = None

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from pipekit import LayerSpec
 from pipekit.auxloss import metrics, scaled_backward
 from pipekit.layers import tensor_parallel
+from pipekit.layers.parallel import expert_parallel
 from pipekit.moe import BACKENDS, Experts, MoEMLP, apply_bias_updates, capacity
 from pipekit.moe.grouped import grouped_mm_runs, megablocks_available
 from pipekit.testing import run_distributed
@@ -409,6 +410,15 @@ def test_experts_are_seeded_by_global_index_at_every_ep():
     assert not torch.equal(full.experts.w_gate[0], full.experts.w_gate[1])
 
 
+def test_ep_group_defaults_to_the_current_expert_parallel_group():
+    with expert_parallel(FakeGroup(4, 2)):
+        layer = MoEMLP(12, 8, 8, 2)
+        plain = MoEMLP(12, 8, 8, 2, ep_group=FakeGroup(1))
+    assert layer.ep_group.size() == 4 and layer.experts.first == 4 and layer.experts.w_up.shape[0] == 2
+    assert plain.experts.first == 0 and plain.experts.w_up.shape[0] == 8
+    assert MoEMLP(12, 8, 8, 2).ep_group is None
+
+
 def test_expert_parameters_are_marked_and_none_is_tp_sharded():
     with tensor_parallel(FakeGroup(2, 1)):
         layer = LayerSpec(MoEMLP, 12, 8, 4, 2, activation="gelu", bias=True,
@@ -497,9 +507,10 @@ def _ep_build(kw, group):
 
 
 def _ep_run(layer, x, g):
+    metrics.pop()
     out, xg, grads = run(layer, x, g)
     bias = layer.router.expert_bias
-    return {"out": out, "x_grad": xg, "grads": grads, "first": layer.experts.first,
+    return {"dropped": metrics.pop()["moe/dropped"][0].item(), "out": out, "x_grad": xg, "grads": grads, "first": layer.experts.first,
             "params": {n: p.detach().clone() for n, p in layer.experts.named_parameters()},
             "bias": None if bias is None else bias.clone()}
 
@@ -526,6 +537,7 @@ def test_expert_parallel_matches_ep1_on_each_ranks_tokens():
     counts = torch.stack([r["dead"]["counts"] for r in per_rank])  # (rank, E) at ep=1
     assert counts[:, 6:].sum() == 0  # experts 6, 7 get nothing anywhere
     assert (counts[:, :6] == 0).any()  # some living expert gets nothing on some rank
+    assert sum(r["capacity"][1]["dropped"] for r in per_rank) > 0  # capacity drops happen
     for name in EP_CASES:
         for ep in (2, 4):
             for r, res in enumerate(per_rank):
@@ -534,6 +546,7 @@ def test_expert_parallel_matches_ep1_on_each_ranks_tokens():
                 where = f"{name}, ep={ep}, rank {r}"
                 torch.testing.assert_close(many["out"], one["out"], **TOL, msg=lambda m: f"{where}: {m}")
                 torch.testing.assert_close(many["x_grad"], one["x_grad"], **TOL, msg=lambda m: f"{where}: {m}")
+                assert many["dropped"] == one["dropped"], where
                 n = 8 // ep
                 local = slice(many["first"], many["first"] + n)
                 assert many["first"] == (r % ep) * n

@@ -29,13 +29,16 @@ class TransformerBlock(nn.Module):
     rotary embedding with `rope_theta`. With `n_layers_for_init`, the output
     projections (`attn.o`, `mlp.proj` / `mlp.down`) start at std
     0.02/sqrt(2*n_layers) (GPT-2's scaled init), in either style.
+    `mlp`, when given, builds the feed-forward part instead of the style's dense
+    MLP: `mlp(dim, hidden, group=..., init_std=..., out_init_std=...)` -> a module
+    (B, T, dim) -> (B, T, dim), e.g. an MoE layer; the block is otherwise the same.
     Communication: two all-reduces forward (attn.o, mlp's output layer) and
     the backward all-reduces of attention and the MLP inputs.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, hidden: int | None = None,
                  style: str = "gpt2", norm_eps: float | None = None, rope_theta: float = 10000.0,
-                 n_layers_for_init: int | None = None, group=None):
+                 n_layers_for_init: int | None = None, group=None, mlp=None):
         super().__init__()
         if style not in STYLES:
             raise ValueError(f"style={style!r} is not one of {STYLES}")
@@ -51,8 +54,11 @@ class TransformerBlock(nn.Module):
                                         rope_theta=None if gpt2 else rope_theta,
                                         init_std=std, out_init_std=out_std, group=group)
         self.norm2 = LayerNorm(dim, eps) if gpt2 else RMSNorm(dim, eps)
-        mlp_cls = GeluMLP if gpt2 else SwiGLUMLP
-        self.mlp = mlp_cls(dim, hidden, bias=gpt2, group=group, init_std=std, out_init_std=out_std)
+        if mlp is None:
+            mlp_cls = GeluMLP if gpt2 else SwiGLUMLP
+            self.mlp = mlp_cls(dim, hidden, bias=gpt2, group=group, init_std=std, out_init_std=out_std)
+        else:
+            self.mlp = mlp(dim, hidden, group=group, init_std=std, out_init_std=out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))

@@ -1,10 +1,11 @@
 """The model zoo as LayerSpec lists: GPT-2 and Llama (with Hugging Face
 conversion in `pipekit.models.hf`), and a tiny built-in language model
-(`toy_lm`) for demos and the engine's parity tests. Mixtral-style MoE joins
-with its own issue."""
+(`toy_lm`) for demos and the engine's parity tests, and Mixtral-style MoE
+models (Llama blocks with `pipekit.moe` feed-forward layers)."""
 
 from .gpt2 import GPT2Config, gpt2_loss, gpt2_specs, padded_vocab
 from .llama import LlamaConfig, llama_loss, llama_specs
+from .mixtral import MixtralConfig, mixtral_loss, mixtral_specs
 from .registry import (
     FAMILIES,
     config_from_dict,
@@ -29,6 +30,9 @@ __all__ = [
     "LlamaConfig",
     "llama_specs",
     "llama_loss",
+    "MixtralConfig",
+    "mixtral_specs",
+    "mixtral_loss",
     "FAMILIES",
     "get_model",
     "config_from_dict",

@@ -11,7 +11,7 @@ from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any, Callable
 
 from ..spec import LayerSpec
-from . import gpt2, llama
+from . import gpt2, llama, mixtral
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(gpt2.GPT2Config, gpt2.FLAVOURS, gpt2.gpt2_specs, gpt2.gpt2_loss),
     "llama": Family(llama.LlamaConfig, llama.FLAVOURS, llama.llama_specs, llama.llama_loss),
+    "mixtral": Family(mixtral.MixtralConfig, mixtral.FLAVOURS, mixtral.mixtral_specs, mixtral.mixtral_loss),
 }
 
 
@@ -93,7 +94,7 @@ def model_loss(cfg) -> LayerSpec:
     return FAMILIES[family_of(cfg)].loss(cfg)
 
 
-def count_params(cfg, *, embedding_lookups: bool = True, padded: bool = True) -> int:
+def count_params(cfg, *, embedding_lookups: bool = True, padded: bool = True, active: bool = False) -> int:
     """Number of parameters of the whole model, tied ones counted once.
 
     With `embedding_lookups=False`, leaves out tables used only by lookup
@@ -105,7 +106,10 @@ def count_params(cfg, *, embedding_lookups: bool = True, padded: bool = True) ->
     padded rows (`padded_vocab(cfg)`), as built, stored and optimised, and as
     Megatron counts them; `padded=False` counts `vocab_size` rows: the size of
     the unpadded model (what Hugging Face's `num_parameters()` and the papers
-    report, e.g. 124,439,808 for GPT-2 small, whose padded count is 36,096 more)."""
+    report, e.g. 124,439,808 for GPT-2 small, whose padded count is 36,096 more).
+
+    `active=True` counts, for an MoE model, only the experts a token uses (top_k
+    routed ones, and the shared ones): what its FLOPs per token see."""
     D, L = cfg.dim, cfg.n_layers
     V = cfg.padded_vocab if padded else cfg.vocab_size
     head = 0 if cfg.tie_embeddings else V * D
@@ -113,10 +117,15 @@ def count_params(cfg, *, embedding_lookups: bool = True, padded: bool = True) ->
         block = (4 * D * D + 4 * D) + (8 * D * D + 4 * D + D) + 2 * 2 * D  # attn, mlp, two LayerNorms
         lookups = cfg.max_seq_len * D + (V * D if not cfg.tie_embeddings else 0)
         total = V * D + cfg.max_seq_len * D + L * block + 2 * D + head
-    elif isinstance(cfg, llama.LlamaConfig):
+    elif isinstance(cfg, (llama.LlamaConfig, mixtral.MixtralConfig)):
         hd = D // cfg.n_heads
         attn = 2 * D * cfg.n_heads * hd + 2 * D * cfg.n_kv_heads * hd
-        block = attn + 3 * D * cfg.hidden + 2 * D
+        if isinstance(cfg, mixtral.MixtralConfig):
+            routed = (cfg.top_k if active else cfg.n_experts) * 3 * D * cfg.hidden
+            ffn = routed + cfg.n_experts * D + cfg.n_shared_experts * 3 * D * cfg.hidden  # + router, shared
+        else:
+            ffn = 3 * D * cfg.hidden
+        block = attn + ffn + 2 * D
         lookups = V * D if not cfg.tie_embeddings else 0
         total = V * D + L * block + D + head
     else:
@@ -137,4 +146,4 @@ def flops_per_token(cfg, seq_len: int) -> int:
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     attn_dim = cfg.n_heads * (cfg.dim // cfg.n_heads)
-    return 6 * count_params(cfg, embedding_lookups=False) + 12 * cfg.n_layers * attn_dim * seq_len
+    return 6 * count_params(cfg, embedding_lookups=False, active=True) + 12 * cfg.n_layers * attn_dim * seq_len

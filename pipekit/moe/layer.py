@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .. import auxloss
-from ..layers.parallel import _SharedRef, group_rank, group_size
+from ..layers.parallel import _SharedRef, current_ep_group, group_rank, group_size
 from .dispatch import DROP_POLICIES, all_reduce_counts, combine, expert_parallel_apply, permute, plan_dispatch
 from .experts import ACTIVATIONS, Experts, SharedExpert
 from .grouped import check_backend
@@ -26,10 +26,12 @@ class MoEMLP(nn.Module):
     are the `Router`'s; `capacity_factor` / `drop_policy` are dispatch.py's
     (None: dropless); `backend` names the grouped matmul (grouped.py).
 
-    Expert parallelism: with `ep_group` (ep ranks, each with its OWN tokens),
-    experts are sharded over the group and tokens travel by all_to_all
-    (dispatch.py). The router and shared experts are replicated and each rank
-    routes its own tokens. `balance_group` is the group whose summed loads
+    Expert parallelism: experts are sharded over `ep_group` (None: the group
+    of the innermost `pipekit.layers.parallel.expert_parallel(...)` block at
+    construction, which PipelineModule sets from `Topology.ep_group`; outside
+    any, no ep) and tokens travel by all_to_all (dispatch.py). The ep ranks
+    hold different tokens; the router and shared experts are replicated and
+    each rank routes its own tokens. `balance_group` is the group whose summed loads
     drive the aux-free bias update (default `ep_group`; pass the whole
     data-parallel group to keep the bias identical on every replica).
 
@@ -67,6 +69,7 @@ class MoEMLP(nn.Module):
                  name: str | None = None, layer_index: int | None = None, init_std: float = 0.02,
                  out_init_std: float | None = None, seed: int | None = None):
         super().__init__()
+        ep_group = current_ep_group() if ep_group is None else ep_group
         ep = group_size(ep_group)
         _check_layer(n_experts, ep, activation, capacity_factor, drop_policy, n_shared_experts, backend,
                      bias_update)

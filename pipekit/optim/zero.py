@@ -369,7 +369,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             g = self._owned_grad(b)
             g = g if g.dtype == self.master_dtype else g.to(self.master_dtype)
-            g.mul_(1.0 / (b.dp_size * self.loss_scale))
+            g.mul_(1.0 / (b.dp_size * _size(b.ep_group) * self.loss_scale))  # experts: summed over ep tokens too
             b.master.grad = g
             grads.append(g)
         self.last_step_skipped = self._overflow(grads)
@@ -404,18 +404,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (one all-reduce per dp group). The others are skipped by the wrapped optimizer, as
         torch's optimizers skip a parameter whose .grad is None: an expert that received no
         tokens anywhere keeps its weights, moments and step count, as in one process. Tied
-        layers shared by pipeline ranks count as touched."""
+        layers shared by pipeline ranks count as touched; an expert-parallel grouped weight
+        counts as touched when any ep rank's share of it is (as the whole tensor is at ep=1)."""
         touched = set(self._touched)
         tie_groups = getattr(self.module, "tie_groups", {})
         by_group: dict[Any, list[nn.Parameter]] = {}
         for b in self.buckets:
             if isinstance(b.segment, str) and b.segment in tie_groups:
                 touched.update(id(p) for p in b.params)
-            elif b.dp_group is not None:
-                by_group.setdefault(b.dp_group, []).extend(b.params)
-        for group, params in by_group.items():
+            elif b.dp_group is not None or b.ep_group is not None:
+                by_group.setdefault((b.dp_group, b.ep_group), []).extend(b.params)
+        for groups, params in by_group.items():
             flags = torch.tensor([id(p) in touched for p in params], dtype=torch.uint8, device=self._state_device())
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            for group in groups:  # experts: a grouped weight is touched when any rank's share of it is
+                if group is not None:
+                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
             touched.update(id(p) for p, f in zip(params, flags.tolist()) if f)
         return touched
 
@@ -730,6 +733,10 @@ def _segments(module) -> tuple[Callable, Callable, Callable]:
     counted = {id(p): in_norm[name] for name, p in module.named_parameters()}
     return ((lambda p: segment.get(id(p), "other")), (lambda p: counted.get(id(p), True)),
             (lambda p: first_use.get(id(p), 0)))
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
 
 
 def _is_gloo(group) -> bool:

@@ -1,0 +1,123 @@
+"""Mixtral-style MoE models (Llama with MoE feed-forward blocks) as a spec list.
+
+    [0]        embedding: VocabParallelEmbedding                      ids (B, T) -> (B, T, D)
+    [1..L]     LayerSpec(TransformerBlock, style="llama", mlp=MoE)    (B, T, D) -> (B, T, D)
+    [L+1]      LayerSpec(RMSNorm)
+    [L+2]      head: VocabParallelHead(D, V)                          (B, T, D) -> (B, T, Vp/tp)
+
+Every block is a Llama block whose MLP is a `pipekit.moe.MoEMLP`: `n_experts`
+SwiGLU experts of width `hidden`, `top_k` per token, softmax router with the
+top-k weights renormalised (Mixtral), plus optionally `n_shared_experts`
+always-on experts (DeepSeek-style; with many small routed experts, that is the
+"fine-grained" design). The router's load-balancing loss is weighted by
+`aux_loss_coef` (HF Mixtral's `router_aux_loss_coef`), the z-loss by
+`z_loss_coef`. Experts are sharded over the expert-parallel group the
+PipelineModule builds layers under (`parallel.ep`).
+
+Parameter names: `layers.{i}.mlp.router.weight` (E, D), `layers.{i}.mlp.experts.
+w_gate` / `w_up` (E, D, H) and `w_down` (E, H, D); the rest as in llama.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Optional
+
+from ..layers import RMSNorm, TransformerBlock, VocabParallelCrossEntropy, VocabParallelEmbedding
+from ..layers.parallel import current_ep_group
+from ..spec import LayerSpec, TiedLayerSpec
+from .gpt2 import VocabParallelHead, check_positive, padded_vocab, vocab_logits
+
+
+@dataclass
+class MixtralConfig:
+    vocab_size: int
+    max_seq_len: int
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    hidden: int  # each routed expert's SwiGLU width
+    n_experts: int = 8
+    top_k: int = 2
+    n_shared_experts: int = 0  # always-on experts beside the routed ones (one dense MLP of n_shared * hidden)
+    score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    aux_loss_coef: float = 0.02
+    z_loss_coef: float = 0.0
+    capacity_factor: Optional[float] = None  # None: dropless
+    norm_eps: float = 1e-5
+    rope_theta: float = 1000000.0
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    vocab_pad_multiple: int = 128
+
+    @property
+    def padded_vocab(self) -> int:
+        return padded_vocab(self)
+
+    def __post_init__(self):
+        check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden",
+                              "n_experts", "top_k", "vocab_pad_multiple"))
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or (self.dim // self.n_heads) % 2:
+            raise ValueError(f"MixtralConfig: dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads} "
+                             "need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head dim")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"MixtralConfig: top_k={self.top_k} exceeds n_experts={self.n_experts}")
+        if self.n_shared_experts < 0:
+            raise ValueError(f"MixtralConfig: n_shared_experts must be >= 0, got {self.n_shared_experts}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"MixtralConfig: capacity_factor must be > 0 (or None: dropless), "
+                             f"got {self.capacity_factor}")
+        if self.score not in ("softmax", "sigmoid"):
+            raise ValueError(f"MixtralConfig: score={self.score!r} is not one of ['softmax', 'sigmoid']")
+
+
+# Sizes: `tiny` (Mixtral-style: 8 experts, top-2) and `deepseek_tiny` (fine-grained: 16 small
+# experts, top-4, one shared expert, sigmoid scores) are ours, CPU-sized. 8x7b: Mistral AI's
+# "Mixtral of Experts" (Jiang et al. 2024) and the HF config mistralai/Mixtral-8x7B-v0.1.
+FLAVOURS: dict[str, MixtralConfig] = {
+    "tiny": MixtralConfig(vocab_size=256, max_seq_len=128, n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden=128,
+                          n_experts=8, top_k=2, rope_theta=10000.0),
+    "deepseek_tiny": MixtralConfig(vocab_size=256, max_seq_len=128, n_layers=2, dim=64, n_heads=4, n_kv_heads=2,
+                                   hidden=32, n_experts=16, top_k=4, n_shared_experts=1, score="sigmoid",
+                                   aux_loss_coef=0.001, rope_theta=10000.0),
+    "8x7b": MixtralConfig(vocab_size=32000, max_seq_len=32768, n_layers=32, dim=4096, n_heads=32, n_kv_heads=8,
+                          hidden=14336, n_experts=8, top_k=2, aux_loss_coef=0.02),
+}
+
+
+def moe_mlp(dim: int, hidden: int, *, group=None, init_std: float = 0.02, out_init_std: float | None = None,
+            cfg: MixtralConfig, layer_index: int):
+    """The MoE feed-forward part of block `layer_index`, on the current expert-parallel group."""
+    from ..moe import MoEMLP
+
+    return MoEMLP(dim, hidden, cfg.n_experts, cfg.top_k, activation="swiglu", score=cfg.score,
+                  aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef, capacity_factor=cfg.capacity_factor,
+                  n_shared_experts=cfg.n_shared_experts, ep_group=current_ep_group(), layer_index=layer_index,
+                  init_std=init_std, out_init_std=out_init_std)
+
+
+def mixtral_specs(cfg: MixtralConfig) -> list:
+    """The spec list of `cfg` (see the module docstring for its layout and names)."""
+    rows = cfg.padded_vocab
+    if cfg.tie_embeddings:
+        embed = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
+        head = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std,
+                             forward_fn=partial(vocab_logits, vocab_size=cfg.vocab_size))
+    else:
+        embed = LayerSpec(VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
+        head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, rows, init_std=cfg.init_std)
+    blocks = [
+        LayerSpec(TransformerBlock, cfg.dim, cfg.n_heads, cfg.n_kv_heads, hidden=cfg.hidden, style="llama",
+                  norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
+                  mlp=partial(moe_mlp, cfg=cfg, layer_index=i + 1))
+        for i in range(cfg.n_layers)
+    ]
+    return [embed, *blocks, LayerSpec(RMSNorm, cfg.dim, cfg.norm_eps), head]
+
+
+def mixtral_loss(cfg: MixtralConfig | None = None) -> LayerSpec:
+    """Mean next-token cross-entropy on vocab-parallel logits (the router losses are attached
+    inside the blocks, pipekit.auxloss)."""
+    return LayerSpec(VocabParallelCrossEntropy)
