@@ -23,6 +23,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+from . import auxloss
 from .atomic import torch_save_atomic, write_atomic
 from .checkpoint import (CheckpointError, full_state_dict, latest_checkpoint, load_checkpoint,
                          save_checkpoint, step_dir)
@@ -273,11 +274,14 @@ def train(cfg: Config) -> dict:
                  start_step=start)
     train_data = batches(cfg, topo, "train", path, start_step=start)
     root, saved_at = checkpoint_root(cfg), None
+    has_moe = getattr(model_config(cfg.model), "n_experts", None) is not None
+    auxloss.metrics.pop()
     with StopRequests() as stop:
         for step in range(start + 1, cfg.train.steps + 1):
             lr = engine.optimizer.param_groups[0]["lr"]
             engine.record_timeline = step == cfg.logging.trace_step
             loss = engine.train_batch(train_data)
+            routed = auxloss.metrics.pop()  # MoE layers' counts of this step's forward passes
             check_finite(loss, step, engine, root)
             if engine.record_timeline:
                 write_trace(cfg, topo, engine, step)
@@ -285,7 +289,9 @@ def train(cfg: Config) -> dict:
             if _due(step, cfg.data.val_every, cfg.train.steps):
                 with log.paused():
                     val = validate(cfg, topo, engine, path)
-            log.step(step, loss, lr, val)
+                auxloss.metrics.pop()  # validation's forward passes are not the step's
+            moe = moe_summary(topo, routed) if has_moe and log.logged(step, val) else None
+            log.step(step, loss, lr, val, moe)
             _injected_fault(step, topo)
             stopping = stop.requested(topo)
             if root and (_due(step, cfg.checkpoint.every, -1) or stopping
@@ -298,6 +304,40 @@ def train(cfg: Config) -> dict:
     summary = log.finish()
     save_weights(cfg, topo, engine, path)
     return summary
+
+
+def moe_summary(topo: Topology, local: dict) -> dict | None:
+    """Per MoE layer, over every rank's tokens of the step: tokens per expert, the max and
+    mean load (token-slots per expert) and their ratio, dropped token-slots, and the mean
+    aux and z losses; on rank 0 (None elsewhere). Collective (one all_gather_object)."""
+    mine = {k: (v.tolist(), n) for k, (v, n) in local.items()} if topo.tp_rank == 0 else {}  # tp: replicas
+    everyone = [mine]
+    if topo.world_size > 1 and dist.is_initialized():
+        everyone = [None] * topo.world_size
+        dist.all_gather_object(everyone, mine)
+    if topo.rank != 0:
+        return None
+    layers: dict[str, dict] = {}
+    for part in everyone:
+        for name, (value, n) in part.items():
+            layer, key = name.rsplit("/", 1)
+            d = layers.setdefault(layer, {"tokens": None, "dropped": 0.0, "aux": [0.0, 0], "z": [0.0, 0]})
+            if key == "tokens_per_expert":
+                d["tokens"] = value if d["tokens"] is None else [a + b for a, b in zip(d["tokens"], value)]
+            elif key == "dropped":
+                d["dropped"] += value
+            elif key in ("aux_loss", "z_loss"):
+                d[key[0] if key == "z_loss" else "aux"][0] += value
+                d[key[0] if key == "z_loss" else "aux"][1] += n
+    out = {}
+    for layer, d in sorted(layers.items(), key=lambda kv: int(kv[0].rsplit("/", 1)[-1]) if kv[0][-1].isdigit() else 0):
+        tokens = d["tokens"] or [0.0]
+        mean = sum(tokens) / len(tokens)
+        out[layer] = {"tokens_per_expert": [int(t) for t in tokens], "max_load": max(tokens), "mean_load": mean,
+                      "imbalance": max(tokens) / mean if mean else None, "dropped": int(d["dropped"]),
+                      "aux_loss": d["aux"][0] / d["aux"][1] if d["aux"][1] else None,
+                      "z_loss": d["z"][0] / d["z"][1] if d["z"][1] else None}
+    return out
 
 
 def _injected_fault(step: int, topo: Topology) -> None:
@@ -580,7 +620,11 @@ class Logger:
         finally:
             self.start += time.perf_counter() - start
 
-    def step(self, step: int, loss: float, lr: float, val: float | None) -> None:
+    def logged(self, step: int, val: float | None) -> bool:
+        """Whether step `step` is written out (the same answer on every rank)."""
+        return step % self.cfg.logging.log_every == 0 or val is not None or step in (1, self.cfg.train.steps)
+
+    def step(self, step: int, loss: float, lr: float, val: float | None, moe: dict | None = None) -> None:
         elapsed = time.perf_counter() - self.start  # training time only
         tps = self.tokens_per_step * (step - self.start_step) / elapsed
         rec = {"step": step, "loss": loss, "lr": lr,
@@ -589,6 +633,8 @@ class Logger:
                "mfu": tps * self.flops_per_token / self.peak if self.peak else None, "elapsed_s": elapsed}
         if val is not None:
             rec["val_loss"] = val
+        if moe:
+            rec["moe"] = moe
         self.history.append(rec)
         if not self.active:
             return
@@ -598,15 +644,14 @@ class Logger:
         if rec["skipped"]:
             self._print(f"step {step}: fp16 gradient overflow on some rank; the step was skipped on every rank, "
                         f"loss scale now {rec['loss_scale']:g}")
-        if (step % self.cfg.logging.log_every == 0 or val is not None or rec["skipped"]
-                or step in (1, self.cfg.train.steps)):
+        if self.logged(step, val) or rec["skipped"]:
             self._record(rec)
 
     def _record(self, rec: dict) -> None:
         val = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
         if self.bar is None or not self.bar.disable:
             self._print(f"step {rec['step']:5d}  loss {rec['loss']:.4f}{val}  lr {rec['lr']:.2e}  "
-                        f"{rec['tokens_per_s']:,.0f} tok/s  mfu {_percent(rec['mfu'])}")
+                        f"{rec['tokens_per_s']:,.0f} tok/s  mfu {_percent(rec['mfu'])}{_moe_text(rec.get('moe'))}")
         if self.file:
             self.file.write(json.dumps(rec) + "\n")
             self.file.flush()
@@ -614,6 +659,10 @@ class Logger:
             for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
                 if rec.get(key) is not None:
                     self.tb.add_scalar(f"train/{key}", rec[key], rec["step"])
+            for layer, m in (rec.get("moe") or {}).items():
+                for key in ("imbalance", "dropped", "aux_loss", "z_loss"):
+                    if m.get(key) is not None:
+                        self.tb.add_scalar(f"{layer}/{key}", m[key], rec["step"])
 
     def stopped(self, step: int, why: str, path: str | None) -> None:
         """Say, in one line, where an interrupted run stopped and how to continue it."""
@@ -647,6 +696,15 @@ class Logger:
             if self.tb:
                 self.tb.close()
         return summary
+
+
+def _moe_text(moe: dict | None) -> str:
+    """"  moe load max/mean 1.42 (moe/3), dropped 0" for the log line ("" without MoE layers)."""
+    if not moe:
+        return ""
+    worst = max(moe, key=lambda k: moe[k]["imbalance"] or 0.0)
+    dropped = sum(m["dropped"] for m in moe.values())
+    return f"  moe load max/mean {moe[worst]['imbalance'] or 0:.2f} ({worst}), dropped {dropped}"
 
 
 def _metrics_file(path: str, start_step: int):

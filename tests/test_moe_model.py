@@ -40,7 +40,12 @@ def losses(out: str) -> list[float]:
 def _layouts(tmp: str) -> dict:
     out = {}
     for name, layout in WITH_AUX.items():
-        train(load_config(None, [*BASE, *layout, f"logging.out_dir={tmp}/{name}"]))
+        train(load_config(None, [*BASE, *layout, f"logging.out_dir={tmp}/{name}", "checkpoint.every=2"]))
+        out[name] = losses(f"{tmp}/{name}")
+    # Layout-free experts: saved sharded over ep=2 at step 2, resumed at ep=1 and at tp=2 x ep=2.
+    ckpt = f"{tmp}/pp2_dp2_ep2_zero1/checkpoints/step_00000002"
+    for name, layout in (("resumed_ep1", WITH_AUX["pp2_dp2"]), ("resumed_tp2_ep2", WITH_AUX["tp2_dp2_ep2_zero2"])):
+        train(load_config(None, [*BASE, *layout, f"logging.out_dir={tmp}/{name}", f"train.resume={ckpt}"]))
         out[name] = losses(f"{tmp}/{name}")
     train(load_config(None, [*BASE, *NO_AUX, "parallel.pp=2", "parallel.dp=2", "parallel.ep=2",
                              "optimizer.zero_stage=2", f"logging.out_dir={tmp}/no_aux"]))
@@ -59,6 +64,11 @@ def test_expert_parallel_layouts_train_the_same_model(runs):
     assert len(want) == 3
     for name in WITH_AUX:
         assert runs[name] == pytest.approx(want, abs=1e-10), name
+
+
+def test_a_checkpoint_with_sharded_experts_resumes_at_other_ep(runs):
+    for name in ("resumed_ep1", "resumed_tp2_ep2"):
+        assert runs[name] == pytest.approx(runs["pp2_dp2"][2:], abs=1e-10), name
 
 
 def test_without_the_aux_loss_any_layout_is_one_process(runs, tmp_path):
