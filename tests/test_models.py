@@ -64,7 +64,7 @@ def test_get_model_defaults_and_overrides():
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: get_model("bert"), r"valid families: \['gpt2', 'llama'\]"),
+    (lambda: get_model("bert"), r"valid families: \['gpt2', 'llama', 'mixtral'\]"),
     (lambda: get_model("gpt2", "huge"), r"valid flavours: \['tiny', '124m', '355m', '774m', '1.5b'\]"),
     (lambda: get_model("llama", n_kv_head=2),
      r"unknown llama config key\(s\) \['n_kv_head'\]; valid keys: .*'n_kv_heads'"),
@@ -116,6 +116,7 @@ KNOWN_PARAMS = {
     ("llama", "2-7b"): 6_738_415_616,
     ("llama", "3-8b"): 8_030_261_248,
     ("llama", "3-70b"): 70_553_706_496,
+    ("mixtral", "8x7b"): 46_702_792_704,  # "46.7B total, 12.9B active" (Jiang et al. 2024)
 }
 
 
@@ -147,6 +148,20 @@ def meta_count(specs: list) -> int:
 def test_count_params_matches_the_spec_list(family, flavour, tied):
     cfg = get_model(family, flavour, n_layers=2, tie_embeddings=tied)  # the blocks repeat: two show the formula
     assert count_params(cfg) == meta_count(model_specs(cfg))
+
+
+@pytest.mark.parametrize("moe", [dict(n_experts=4), dict(n_experts=4, n_shared_experts=2, top_k=1)])
+def test_gpt2_moe_count_params_matches_the_spec_list(moe):
+    cfg = get_model("gpt2", "tiny", n_layers=2, **moe)
+    assert count_params(cfg) == meta_count(model_specs(cfg))
+    dense = get_model("gpt2", "tiny", n_layers=2)
+    per_expert = 8 * cfg.dim * cfg.dim + 5 * cfg.dim  # fc, proj and their biases
+    routed = (count_params(cfg) - count_params(cfg, active=True)) / cfg.n_layers
+    assert routed == (cfg.n_experts - cfg.top_k) * per_expert and count_params(dense, active=True) == count_params(dense)
+
+
+def test_mixtral_8x7b_active_parameters():
+    assert count_params(get_model("mixtral", "8x7b"), padded=False, active=True) == 12_879_925_248
 
 
 def test_count_params_matches_transformers():

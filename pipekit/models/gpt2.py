@@ -29,6 +29,8 @@ Parameter names (the same at every pp/tp): `tied.embed.wte.weight`,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -59,11 +61,22 @@ class GPT2Config:
     # The token table and the head get vocab_size rounded up to a multiple of this (1: no padding);
     # the padded ids' logits are -inf. Independent of tp, which must divide the padded size.
     vocab_pad_multiple: int = 128
+    # GPT-2-MoE: with n_experts set, every block's MLP is an MoE layer of n_experts GELU experts
+    # (width 4*dim, with biases), top_k per token (see pipekit.moe.MoEMLP for the router options).
+    n_experts: Optional[int] = None
+    top_k: int = 2
+    n_shared_experts: int = 0
+    score: str = "softmax"
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    capacity_factor: Optional[float] = None
 
     def __post_init__(self):
         check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "vocab_pad_multiple"))
         if self.dim % self.n_heads:
             raise ValueError(f"GPT2Config: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_experts is not None:
+            check_moe(self)
 
     @property
     def padded_vocab(self) -> int:
@@ -74,6 +87,20 @@ def padded_vocab(cfg) -> int:
     """Rows of the token table and the head: `cfg.vocab_size` rounded up to `cfg.vocab_pad_multiple`."""
     m = cfg.vocab_pad_multiple
     return -(-cfg.vocab_size // m) * m
+
+
+def check_moe(cfg) -> None:
+    """The MoE fields of a model config (n_experts, top_k, n_shared_experts, capacity_factor, score)."""
+    name = type(cfg).__name__
+    check_positive(cfg, ("n_experts", "top_k"))
+    if cfg.top_k > cfg.n_experts:
+        raise ValueError(f"{name}: top_k={cfg.top_k} exceeds n_experts={cfg.n_experts}")
+    if cfg.n_shared_experts < 0:
+        raise ValueError(f"{name}: n_shared_experts must be >= 0, got {cfg.n_shared_experts}")
+    if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
+        raise ValueError(f"{name}: capacity_factor must be > 0 (or None: dropless), got {cfg.capacity_factor}")
+    if cfg.score not in ("softmax", "sigmoid"):
+        raise ValueError(f"{name}: score={cfg.score!r} is not one of ['softmax', 'sigmoid']")
 
 
 def check_positive(cfg, names: tuple[str, ...]) -> None:
@@ -173,10 +200,17 @@ def gpt2_specs(cfg: GPT2Config) -> list:
     else:
         embed = LayerSpec(GPT2Embedding, *embed_args, **embed_kw)
         head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, cfg.padded_vocab, init_std=cfg.init_std)
+    def mlp(i: int):
+        if cfg.n_experts is None:
+            return None
+        from .mixtral import moe_mlp
+
+        return partial(moe_mlp, cfg=cfg, layer_index=i + 1, activation="gelu", bias=True)
+
     blocks = [
         LayerSpec(TransformerBlock, cfg.dim, cfg.n_heads, hidden=4 * cfg.dim, style="gpt2",
-                  norm_eps=cfg.norm_eps, n_layers_for_init=cfg.n_layers)
-        for _ in range(cfg.n_layers)
+                  norm_eps=cfg.norm_eps, n_layers_for_init=cfg.n_layers, mlp=mlp(i))
+        for i in range(cfg.n_layers)
     ]
     return [embed, *blocks, LayerSpec(LayerNorm, cfg.dim, cfg.norm_eps), head]
 

@@ -1,4 +1,4 @@
-"""Hugging Face interchange: GPT2LMHeadModel and LlamaForCausalLM weights and configs.
+"""Hugging Face interchange: GPT2LMHeadModel, LlamaForCausalLM and MixtralForCausalLM weights and configs.
 
 A pipekit *full* state dict (`pipekit.checkpoint.full_state_dict`: every
 tensor whole, named as in one process) maps one-to-one onto a transformers
@@ -13,6 +13,16 @@ Llama   names only. HF's Llama checkpoints already use the `rotate_half`
         rotary convention (its conversion script permuted Meta's interleaved
         q/k rows once), and so does `pipekit.layers.apply_rotary`, so q_proj
         and k_proj are copied as they are (the logits tests prove it).
+Mixtral attention and norms as Llama; the router `mlp.router` is HF's `mlp.gate`. The
+        experts, pipekit's (E, D, H) `w_gate`, `w_up` and (E, H, D) `w_down`, are
+        HF's fused `mlp.experts.gate_up_proj` (E, 2H, D: the H gate rows, then the
+        H up rows, each (out, in) as F.linear takes it) and `down_proj` (E, D, H),
+        transposed. Import also reads the per-expert form files hold (transformers
+        < 5, and what 5.x's save_pretrained still writes): `block_sparse_moe.gate`,
+        `block_sparse_moe.experts.{e}.w1` (gate, (H, D)), `.w3` (up), `.w2` (down,
+        (D, H)). Export writes the fused in-memory form, which from_pretrained loads
+        as it is. HF's Mixtral routes by softmax and has no shared experts: configs
+        with `score="sigmoid"` or `n_shared_experts > 0` are refused both ways.
 
 With tied embeddings `lm_head.weight` is the token table: written into the
 HF state dict (as the same tensor, like `model.state_dict()`), left out of
@@ -54,9 +64,10 @@ import torch
 from ..atomic import publish, publish_dir, remove, torch_save_atomic, write_atomic
 from .gpt2 import GPT2Config
 from .llama import LlamaConfig
+from .mixtral import MixtralConfig
 from .registry import FAMILIES, config_from_dict, family_of, model_specs
 
-HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama"}  # HF model_type -> pipekit family
+HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral"}  # HF model_type -> pipekit family
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")  # buffers, not weights
 
 
@@ -65,6 +76,11 @@ def _check_family(family: str, cfg) -> None:
         raise ValueError(f"unknown model family {family!r}; valid families: {sorted(FAMILIES)}")
     if family_of(cfg) != family:
         raise ValueError(f"family {family!r} was given with a {type(cfg).__name__}; they must agree")
+    if family == "mixtral":
+        _check_mixtral(cfg)
+    if family == "gpt2" and cfg.n_experts is not None:
+        raise ValueError(f"this GPT-2 has MoE blocks (n_experts={cfg.n_experts}), which Hugging Face's GPT-2 "
+                         f"lacks; only dense GPT-2 models convert")
 
 
 def _embed_prefix(cfg) -> str:
@@ -124,13 +140,18 @@ def _gpt2_to_hf(sd: dict, cfg: GPT2Config) -> dict:
 
 
 # ---- Llama ---------------------------------------------------------------------
-def _llama_pairs(cfg: LlamaConfig) -> list[tuple[str, str]]:
+_LLAMA_MLP = (("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj"))
+
+
+def _llama_pairs(cfg: LlamaConfig | MixtralConfig, mlp: tuple = _LLAMA_MLP) -> list[tuple[str, str]]:
+    """(pipekit name, HF name) of every tensor; `mlp`: the (ours, theirs) pairs of the feed-forward
+    part (Mixtral's experts are mapped apart: their layouts differ)."""
     L = cfg.n_layers
     e = "tied.embed.weight" if cfg.tie_embeddings else "layers.0.weight"
     pairs = [(e, "model.embed_tokens.weight")]
     names = (("norm1", "input_layernorm"), ("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"),
              ("attn.v", "self_attn.v_proj"), ("attn.o", "self_attn.o_proj"), ("norm2", "post_attention_layernorm"),
-             ("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj"))
+             *mlp)
     for i in range(L):
         pairs += [(f"layers.{i + 1}.{ours}.weight", f"model.layers.{i}.{theirs}.weight") for ours, theirs in names]
     pairs.append((f"layers.{L + 1}.weight", "model.norm.weight"))
@@ -148,6 +169,60 @@ def _llama_from_hf(hf: dict, cfg: LlamaConfig) -> dict:
 
 def _llama_to_hf(sd: dict, cfg: LlamaConfig) -> dict:
     out = {theirs: _get(sd, ours) for ours, theirs in _llama_pairs(cfg)}
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+# ---- Mixtral -------------------------------------------------------------------
+def _check_mixtral(cfg: MixtralConfig) -> None:
+    """Refuse what HF's Mixtral lacks (its routing is softmax, it has no shared experts)."""
+    extras = ([f"n_shared_experts={cfg.n_shared_experts}"] if cfg.n_shared_experts else []) + \
+             ([f"score={cfg.score!r}"] if cfg.score != "softmax" else [])
+    if extras:
+        raise ValueError(f"this Mixtral config has {' and '.join(extras)}, which Hugging Face's Mixtral lacks "
+                         f"(softmax routing, no shared experts); only configs with score='softmax' and "
+                         f"n_shared_experts=0 convert")
+
+
+def _mixtral_experts_from_hf(hf: dict, cfg: MixtralConfig, i: int, used: set) -> dict:
+    """Block i's router and experts in pipekit's names and layouts, from the fused form or
+    (when the block has it) the per-expert one."""
+    p, ours, H = f"model.layers.{i}.", f"layers.{i + 1}.mlp.", cfg.hidden
+    old = p + "block_sparse_moe."
+    if p + "mlp.experts.gate_up_proj" not in hf and old + "gate.weight" in hf:
+        per = {n: torch.stack([_take(hf, f"{old}experts.{e}.{n}.weight", used).t() for e in range(cfg.n_experts)])
+               for n in ("w1", "w3", "w2")}  # w1, w3: (H, D) -> (E, D, H); w2: (D, H) -> (E, H, D)
+        router, gate, up, down = _take(hf, old + "gate.weight", used), per["w1"], per["w3"], per["w2"]
+    else:
+        router = _take(hf, p + "mlp.gate.weight", used)
+        gate_up = _take(hf, p + "mlp.experts.gate_up_proj", used)  # (E, 2H, D)
+        if gate_up.dim() != 3 or gate_up.shape[1] != 2 * H:
+            raise ValueError(f"{p}mlp.experts.gate_up_proj has shape {tuple(gate_up.shape)}; the config needs "
+                             f"(n_experts, 2 * hidden = {2 * H}, dim)")
+        gate, up = gate_up.transpose(1, 2).split(H, dim=2)  # (E, D, H) each
+        down = _take(hf, p + "mlp.experts.down_proj", used).transpose(1, 2)  # (E, D, H) -> (E, H, D)
+    return {ours + "router.weight": router, ours + "experts.w_gate": gate.contiguous(),
+            ours + "experts.w_up": up.contiguous(), ours + "experts.w_down": down.contiguous()}
+
+
+def _mixtral_from_hf(hf: dict, cfg: MixtralConfig) -> dict:
+    used = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    out = {ours: _take(hf, theirs, used) for ours, theirs in _llama_pairs(cfg, mlp=())}
+    for i in range(cfg.n_layers):
+        out.update(_mixtral_experts_from_hf(hf, cfg, i, used))
+    _check_all_used(hf, used)
+    return out
+
+
+def _mixtral_to_hf(sd: dict, cfg: MixtralConfig) -> dict:
+    """The fused form of transformers >= 5 (what MixtralForCausalLM holds in memory)."""
+    out = {theirs: _get(sd, ours) for ours, theirs in _llama_pairs(cfg, mlp=(("mlp.router", "mlp.gate"),))}
+    for i in range(cfg.n_layers):
+        ours, theirs = f"layers.{i + 1}.mlp.experts.", f"model.layers.{i}.mlp.experts."
+        gate_up = torch.cat([_get(sd, ours + "w_gate"), _get(sd, ours + "w_up")], dim=2)  # (E, D, 2H)
+        out[theirs + "gate_up_proj"] = gate_up.transpose(1, 2).contiguous()  # (E, 2H, D)
+        out[theirs + "down_proj"] = _get(sd, ours + "w_down").transpose(1, 2).contiguous()  # (E, D, H)
     if cfg.tie_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -224,8 +299,8 @@ def _check_shapes(sd: dict, cfg, family: str) -> None:
             raise ValueError(f"{name}: the config gives shape {shape}, the weights have {tuple(sd[name].shape)}")
 
 
-_FROM_HF: dict[str, Callable] = {"gpt2": _gpt2_from_hf, "llama": _llama_from_hf}
-_TO_HF: dict[str, Callable] = {"gpt2": _gpt2_to_hf, "llama": _llama_to_hf}
+_FROM_HF: dict[str, Callable] = {"gpt2": _gpt2_from_hf, "llama": _llama_from_hf, "mixtral": _mixtral_from_hf}
+_TO_HF: dict[str, Callable] = {"gpt2": _gpt2_to_hf, "llama": _llama_to_hf, "mixtral": _mixtral_to_hf}
 
 
 def from_hf_state_dict(family: str, hf_sd: dict, cfg) -> dict[str, torch.Tensor]:
@@ -237,21 +312,22 @@ def from_hf_state_dict(family: str, hf_sd: dict, cfg) -> dict[str, torch.Tensor]
 
 
 def to_hf_state_dict(family: str, full_sd: dict, cfg) -> dict[str, torch.Tensor]:
-    """A pipekit full state dict (padded) -> the state dict of GPT2LMHeadModel / LlamaForCausalLM
-    (vocab_size rows: the padded ones dropped)."""
+    """A pipekit full state dict (padded) -> the state dict of GPT2LMHeadModel / LlamaForCausalLM /
+    MixtralForCausalLM (vocab_size rows: the padded ones dropped)."""
     _check_family(family, cfg)
     _check_shapes(full_sd, cfg, family)
     return _TO_HF[family](_strip_vocab(full_sd, cfg), cfg)
 
 
 # ---- configs -------------------------------------------------------------------
-def config_from_hf(hf_config) -> GPT2Config | LlamaConfig:
-    """A transformers config (object, or config.json as a dict) -> GPT2Config / LlamaConfig.
+def config_from_hf(hf_config) -> GPT2Config | LlamaConfig | MixtralConfig:
+    """A transformers config (object, or config.json as a dict) -> GPT2Config / LlamaConfig / MixtralConfig.
 
     Raises a ValueError for architecture options pipekit does not implement."""
     d = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     model_type = d.get("model_type")
-    build = {"gpt2": _gpt2_config_from_hf, "llama": _llama_config_from_hf}.get(model_type)
+    build = {"gpt2": _gpt2_config_from_hf, "llama": _llama_config_from_hf,
+             "mixtral": _mixtral_config_from_hf}.get(model_type)
     if build is None:
         raise ValueError(f"unsupported Hugging Face model_type {model_type!r}; supported: {sorted(HF_MODEL_TYPES)}")
     try:
@@ -282,6 +358,11 @@ def _gpt2_config_from_hf(d: dict) -> GPT2Config:
 
 
 def _llama_config_from_hf(d: dict) -> LlamaConfig:
+    return LlamaConfig(**_llama_fields(d, theta=10000.0, eps=1e-6))
+
+
+def _llama_fields(d: dict, theta: float, eps: float) -> dict:
+    """The config fields Llama and Mixtral share; `theta`, `eps`: transformers' defaults for the family."""
     _require(d, {"hidden_act": ("silu", ("silu",)), "attention_bias": (False, (False,)), "mlp_bias": (False, (False,))})
     rope = d.get("rope_parameters") or {}  # transformers >= 5
     scaling = d.get("rope_scaling") or {}  # older config.json files
@@ -293,12 +374,29 @@ def _llama_config_from_hf(d: dict) -> LlamaConfig:
     if d.get("head_dim") not in (None, dim // heads):
         raise ValueError(f"Hugging Face config has head_dim={d['head_dim']}; "
                          f"pipekit needs hidden_size/num_attention_heads = {dim // heads}")
-    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-    return LlamaConfig(vocab_size=d["vocab_size"], max_seq_len=d["max_position_embeddings"],
-                       n_layers=d["num_hidden_layers"], dim=dim, n_heads=heads,
-                       n_kv_heads=d.get("num_key_value_heads") or heads, hidden=d["intermediate_size"],
-                       norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-                       tie_embeddings=d.get("tie_word_embeddings", False), init_std=d.get("initializer_range", 0.02))
+    theta = rope.get("rope_theta", d.get("rope_theta", theta))
+    return dict(vocab_size=d["vocab_size"], max_seq_len=d["max_position_embeddings"], n_layers=d["num_hidden_layers"],
+                dim=dim, n_heads=heads, n_kv_heads=d.get("num_key_value_heads") or heads, hidden=d["intermediate_size"],
+                norm_eps=d.get("rms_norm_eps", eps), rope_theta=float(theta),
+                tie_embeddings=d.get("tie_word_embeddings", False), init_std=d.get("initializer_range", 0.02))
+
+
+def _mixtral_config_from_hf(d: dict) -> MixtralConfig:
+    if d.get("sliding_window") is not None:
+        raise ValueError(f"Hugging Face config has sliding_window={d['sliding_window']!r}; pipekit has no "
+                         "sliding-window attention (only null converts)")
+    if d.get("router_jitter_noise"):
+        raise ValueError(f"Hugging Face config has router_jitter_noise={d['router_jitter_noise']!r}; pipekit's "
+                         "Mixtral routes without input jitter (only 0 converts)")
+    fields = _llama_fields(d, theta=1000000.0, eps=1e-5)
+    top_k = d["num_experts_per_tok"]
+    coef = _scaled(d.get("router_aux_loss_coef", 0.001), top_k / fields["n_layers"])
+    return MixtralConfig(**fields, n_experts=d["num_local_experts"], top_k=top_k, aux_loss_coef=coef)
+
+
+def _scaled(coef: float, factor: float) -> float:
+    """`coef * factor` to 12 significant digits, so that a round trip gives the number back."""
+    return float(f"{coef * factor:.12g}")
 
 
 def _token_id(default: int, vocab_size: int) -> int | None:
@@ -306,7 +404,18 @@ def _token_id(default: int, vocab_size: int) -> int | None:
 
 
 def hf_config_from(cfg):
-    """GPT2Config / LlamaConfig -> the matching transformers config object."""
+    """GPT2Config / LlamaConfig / MixtralConfig -> the matching transformers config object.
+
+    Router loss: pipekit attaches `aux_loss_coef * aux_l` in every block l, aux_l = E * sum_i
+    f_li P_li with f counted per token-slot (pipekit.moe.router); HF adds one
+    `router_aux_loss_coef * aux_HF`, aux_HF = E * sum_i F_i P_i over the layer means F_i (top-k
+    assignments per token, summing to top_k) and P_i, so aux_HF = top_k * aux_l for one layer.
+    The two give the router of every block the same gradient when the layers' loads agree,
+    and the same loss value with one layer, at
+        aux_loss_coef = router_aux_loss_coef * top_k / n_layers,
+    the conversion both ways (to 12 significant digits). `output_router_logits` is written
+    False (HF's default: it then trains without the term unless asked) and not read;
+    `z_loss_coef` and `capacity_factor` have no HF form: export is dropless, without z-loss."""
     try:
         import transformers
     except ImportError as e:
@@ -322,13 +431,21 @@ def hf_config_from(cfg):
             tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std,
             bos_token_id=eos, eos_token_id=eos, architectures=["GPT2LMHeadModel"],
         )
-    return transformers.LlamaConfig(
+    common = dict(
         vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_seq_len, hidden_size=cfg.dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
         head_dim=cfg.dim // cfg.n_heads, intermediate_size=cfg.hidden, hidden_act="silu", rms_norm_eps=cfg.norm_eps,
         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, initializer_range=cfg.init_std,
-        attention_bias=False, mlp_bias=False, bos_token_id=_token_id(1, cfg.vocab_size),
-        eos_token_id=_token_id(2, cfg.vocab_size), architectures=["LlamaForCausalLM"],
+        bos_token_id=_token_id(1, cfg.vocab_size), eos_token_id=_token_id(2, cfg.vocab_size),
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False,
+                                        architectures=["LlamaForCausalLM"])
+    _check_mixtral(cfg)
+    return transformers.MixtralConfig(
+        **common, num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
+        router_aux_loss_coef=_scaled(cfg.aux_loss_coef, cfg.n_layers / cfg.top_k), router_jitter_noise=0.0,
+        output_router_logits=False, sliding_window=None, architectures=["MixtralForCausalLM"],
     )
 
 
@@ -576,8 +693,9 @@ def load_pipekit_file(path: str):
     (family, config, full state dict)."""
     obj = read_saved_model(path)
     if obj["family"] not in FAMILIES:
+        *others, last = sorted(set(HF_MODEL_TYPES.values()))
         raise ValueError(f"{obj.get('path', path)} holds a {obj['family']!r} model, which has no Hugging Face "
-                         f"form; only {' and '.join(sorted(FAMILIES))} models convert")
+                         f"form; only {', '.join(others)} and {last} models convert")
     cfg = config_from_dict(obj["family"], obj["config"])
     sd = obj["state_dict"]
     if "vocab_pad_multiple" not in obj["config"]:  # written before vocab padding: tables of vocab_size rows

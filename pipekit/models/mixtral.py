@@ -9,9 +9,11 @@ Every block is a Llama block whose MLP is a `pipekit.moe.MoEMLP`: `n_experts`
 SwiGLU experts of width `hidden`, `top_k` per token, softmax router with the
 top-k weights renormalised (Mixtral), plus optionally `n_shared_experts`
 always-on experts (DeepSeek-style; with many small routed experts, that is the
-"fine-grained" design). The router's load-balancing loss is weighted by
-`aux_loss_coef` (HF Mixtral's `router_aux_loss_coef`), the z-loss by
-`z_loss_coef`. Experts are sharded over the expert-parallel group the
+"fine-grained" design). Each block's router load-balancing loss is weighted by
+`aux_loss_coef`, the z-loss by `z_loss_coef`. HF Mixtral adds one loss for
+all layers together, `router_aux_loss_coef` times top_k times (about) the
+mean of pipekit's per-layer losses, so `aux_loss_coef = router_aux_loss_coef *
+top_k / n_layers` gives the same pressure per layer (what HF conversion does). Experts are sharded over the expert-parallel group the
 PipelineModule builds layers under (`parallel.ep`).
 
 Parameter names: `layers.{i}.mlp.router.weight` (E, D), `layers.{i}.mlp.experts.
@@ -27,7 +29,7 @@ from typing import Optional
 from ..layers import RMSNorm, TransformerBlock, VocabParallelCrossEntropy, VocabParallelEmbedding
 from ..layers.parallel import current_ep_group
 from ..spec import LayerSpec, TiedLayerSpec
-from .gpt2 import VocabParallelHead, check_positive, padded_vocab, vocab_logits
+from .gpt2 import VocabParallelHead, check_moe, check_positive, padded_vocab, vocab_logits
 
 
 @dataclass
@@ -62,15 +64,7 @@ class MixtralConfig:
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or (self.dim // self.n_heads) % 2:
             raise ValueError(f"MixtralConfig: dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads} "
                              "need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head dim")
-        if self.top_k > self.n_experts:
-            raise ValueError(f"MixtralConfig: top_k={self.top_k} exceeds n_experts={self.n_experts}")
-        if self.n_shared_experts < 0:
-            raise ValueError(f"MixtralConfig: n_shared_experts must be >= 0, got {self.n_shared_experts}")
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"MixtralConfig: capacity_factor must be > 0 (or None: dropless), "
-                             f"got {self.capacity_factor}")
-        if self.score not in ("softmax", "sigmoid"):
-            raise ValueError(f"MixtralConfig: score={self.score!r} is not one of ['softmax', 'sigmoid']")
+        check_moe(self)
 
 
 # Sizes: `tiny` (Mixtral-style: 8 experts, top-2) and `deepseek_tiny` (fine-grained: 16 small
@@ -83,16 +77,17 @@ FLAVOURS: dict[str, MixtralConfig] = {
                                    hidden=32, n_experts=16, top_k=4, n_shared_experts=1, score="sigmoid",
                                    aux_loss_coef=0.001, rope_theta=10000.0),
     "8x7b": MixtralConfig(vocab_size=32000, max_seq_len=32768, n_layers=32, dim=4096, n_heads=32, n_kv_heads=8,
-                          hidden=14336, n_experts=8, top_k=2, aux_loss_coef=0.02),
+                          hidden=14336, n_experts=8, top_k=2, aux_loss_coef=0.02 * 2 / 32),  # HF's 0.02
 }
 
 
 def moe_mlp(dim: int, hidden: int, *, group=None, init_std: float = 0.02, out_init_std: float | None = None,
-            cfg: MixtralConfig, layer_index: int):
-    """The MoE feed-forward part of block `layer_index`, on the current expert-parallel group."""
+            cfg, layer_index: int, activation: str = "swiglu", bias: bool = False):
+    """The MoE feed-forward part of block `layer_index` of a config with MoE fields (Mixtral's,
+    or GPT-2's with n_experts set), on the current expert-parallel group."""
     from ..moe import MoEMLP
 
-    return MoEMLP(dim, hidden, cfg.n_experts, cfg.top_k, activation="swiglu", score=cfg.score,
+    return MoEMLP(dim, hidden, cfg.n_experts, cfg.top_k, activation=activation, bias=bias, score=cfg.score,
                   aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef, capacity_factor=cfg.capacity_factor,
                   n_shared_experts=cfg.n_shared_experts, ep_group=current_ep_group(), layer_index=layer_index,
                   init_std=init_std, out_init_std=out_init_std)

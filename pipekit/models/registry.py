@@ -114,7 +114,11 @@ def count_params(cfg, *, embedding_lookups: bool = True, padded: bool = True, ac
     V = cfg.padded_vocab if padded else cfg.vocab_size
     head = 0 if cfg.tie_embeddings else V * D
     if isinstance(cfg, gpt2.GPT2Config):
-        block = (4 * D * D + 4 * D) + (8 * D * D + 4 * D + D) + 2 * 2 * D  # attn, mlp, two LayerNorms
+        mlp = 8 * D * D + 4 * D + D
+        if cfg.n_experts is not None:  # GPT-2-MoE: routed (all, or the top_k a token uses), shared, router
+            shared = cfg.n_shared_experts * (8 * D * D + 4 * D) + D if cfg.n_shared_experts else 0
+            mlp = (cfg.top_k if active else cfg.n_experts) * mlp + shared + cfg.n_experts * D
+        block = (4 * D * D + 4 * D) + mlp + 2 * 2 * D  # attn, mlp, two LayerNorms
         lookups = cfg.max_seq_len * D + (V * D if not cfg.tie_embeddings else 0)
         total = V * D + cfg.max_seq_len * D + L * block + 2 * D + head
     elif isinstance(cfg, (llama.LlamaConfig, mixtral.MixtralConfig)):
