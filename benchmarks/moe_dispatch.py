@@ -1,6 +1,6 @@
 """Tokens/s of MoEMLP's dropless dispatch against the naive per-expert mask loop, and ep=2 against ep=1, on CPU.
 
-Run:  python benchmarks/moe_dispatch.py            # ~2-3 min; --quick: a smoke run (writes nothing); --steps N, --warmup N
+Run:  python benchmarks/moe_dispatch.py    # ~2-3 min; --quick: a smoke run (writes nothing); --steps, --warmup
 
 What is measured
 ----------------
@@ -14,10 +14,14 @@ how tokens reach their experts and come back:
   naive mask loop    HF Mixtral's `MixtralSparseMoeBlock` shape: for each
                      expert, `torch.where(experts_TK == e)` over ALL token-slots
                      (a boolean mask over every token), gather those rows,
-                     run the expert, `index_add` its weighted output.
+                     run the expert (`w[e]` of the stacked weights, as
+                     transformers 5's MixtralExperts indexes its 3D
+                     parameters), `index_add` its weighted output.
   pipekit, loop      `MoEMLP(backend="loop")`: one stable sort of the slots by
                      expert, one gather, a loop of matmuls over contiguous
-                     slices, one index_add.
+                     slices (weights unbound once, so backward stacks the E
+                     weight gradients instead of adding E zero-padded
+                     ones), one index_add.
   pipekit, grouped_mm  `MoEMLP(backend="grouped_mm")`: the same permutation,
                      each projection one `torch._grouped_mm` call (this torch
                      runs it on CPU float32 for 16-byte-aligned rows).
@@ -130,7 +134,8 @@ def dispatch_rows(name: str, case: dict, warmup: int, steps: int) -> list[dict]:
     for k in layers:
         med = statistics.median(times[k])
         rows.append({"case": name, **case, "variant": k, "step_s": times[k], "step_s_median": med,
-                     "tokens_per_s": case["tokens"] / med, "max_abs_diff_vs_naive": (outs[k] - base).abs().max().item()})
+                     "tokens_per_s": case["tokens"] / med,
+                     "max_abs_diff_vs_naive": (outs[k] - base).abs().max().item()})
     naive = rows[0]["step_s_median"]
     for r in rows:
         r["speedup_vs_naive"] = naive / r["step_s_median"]

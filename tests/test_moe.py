@@ -209,7 +209,7 @@ def test_capacity_drops_exactly_the_slots_its_policy_names(policy):
     got = run(layer, x, g)
     assert_same(got, run_reference(layer, x, g, dropped=DROPPED[policy]))
     assert not torch.allclose(got[0], reference_moe(layer, x))  # the drops matter
-    assert metrics.pop()[f"moe/dropped"][0].item() == 2
+    assert metrics.pop()["moe/dropped"][0].item() == 2
 
 
 def test_capacity_drops_nothing_when_it_suffices_and_counts_rounding():
@@ -247,14 +247,20 @@ def test_aux_and_z_loss_values_equal_the_formulas(score):
 
 
 def test_balanced_routing_gives_aux_one():
-    """f_i = P_i = 1/E gives E * E * (1/E)^2 = 1, at any top_k (HF Mixtral's form would give top_k)."""
-    layer = build(dim=4, n_experts=4, top_k=2)
-    with torch.no_grad():
-        layer.router.weight.zero_()
-    x = torch.randn(1, 8, 4)
-    routing = layer.router(x.reshape(-1, 4))
-    routing.counts_E[:] = 4  # force f = 1/E (ties make topk's choice arbitrary)
-    assert math.isclose(layer.router._aux(torch.full((8, 4), 0.25), routing.counts_E).item(), 1.0)
+    """f_i = P_i = 1/E gives E * E * (1/E)^2 = 1, at any top_k."""
+    router = build(dim=4, n_experts=4, top_k=2).router
+    aux = router._aux(torch.full((8, 4), 0.25), torch.full((4,), 4))
+    assert math.isclose(aux.item(), 1.0)
+
+
+def test_hf_mixtral_aux_loss_is_top_k_times_ours():
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    layer = build(n_experts=8, top_k=2, router_std=0.3)
+    x, _ = inputs()
+    x_TD = x.reshape(-1, 12)
+    ours = layer.router(x_TD).aux_loss
+    theirs = mixtral.load_balancing_loss_func((x_TD @ layer.router.weight.T,), 8, top_k=2)
+    torch.testing.assert_close(theirs.double(), 2 * ours, atol=1e-6, rtol=1e-6)  # HF counts in float32
 
 
 @pytest.mark.parametrize("coefs", [(0.0, 0.0), (0.1, 0.0), (0.0, 0.01), (0.3, 0.05)])
@@ -510,7 +516,8 @@ def _ep_run(layer, x, g):
     metrics.pop()
     out, xg, grads = run(layer, x, g)
     bias = layer.router.expert_bias
-    return {"dropped": metrics.pop()["moe/dropped"][0].item(), "out": out, "x_grad": xg, "grads": grads, "first": layer.experts.first,
+    return {"dropped": metrics.pop()["moe/dropped"][0].item(), "out": out, "x_grad": xg, "grads": grads,
+            "first": layer.experts.first,
             "params": {n: p.detach().clone() for n, p in layer.experts.named_parameters()},
             "bias": None if bias is None else bias.clone()}
 

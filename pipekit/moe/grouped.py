@@ -10,9 +10,11 @@ Autograd must flow to `x` and `w`. Register new ones with `register_backend`.
               the graph, so `w` always gets a gradient and every rank's
               backward reaches its collectives.
   grouped_mm  `torch._grouped_mm` (one call for all groups): CUDA in bf16 in
-              practice; this torch also runs it on CPU for float32/bf16 when
-              rows are 16-byte aligned. Where it refuses a (device, dtype)
-              the refusal is remembered and the loop runs instead.
+              practice; torch 2.13 also runs it on CPU in float32/bf16. It
+              needs rows of x and w[e] whose byte lengths are multiples of 16
+              (else, and for float64, the loop runs). A (device, dtype) where
+              its forward raises is remembered and the loop runs from then
+              on; a refusal in its backward is not caught.
   megablocks  `grouped_gemm.ops.gmm` through megablocks (CUDA, bf16); only
               when asked for by name, never required; on a CPU tensor it runs
               the loop. Not exercised by pipekit's tests (no CUDA there).
@@ -30,8 +32,9 @@ GroupedMM = Callable[[torch.Tensor, torch.Tensor, list], torch.Tensor]
 
 
 def loop_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    pieces = torch.split(x_NI, sizes)
-    return torch.cat([piece @ w_EIO[e] for e, piece in enumerate(pieces)])
+    # unbind, not w[e]: each w[e]'s backward would add a full (E, I, O) zero-padded gradient
+    # (E^2 I O work: 7x slower at E=64); unbind's backward stacks the E pieces once
+    return torch.cat([piece @ w_I_O for piece, w_I_O in zip(torch.split(x_NI, sizes), w_EIO.unbind(0))])
 
 
 _REFUSED: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) where _grouped_mm raised

@@ -58,6 +58,11 @@ class MoEMLP(nn.Module):
     input, so its input gradient needs no tp all-reduce. On the meta device
     the block returns an empty tensor of the input's shape (routing is data
     dependent). Split sizes are read on the host (a sync per layer call).
+    The aux and z losses are computed per call, over the tokens of one
+    microbatch on one rank (Megatron's default): unlike the token-level main
+    loss, their values and gradients depend on how the global batch is split
+    (dp, ep, microbatches), as do capacity drops, whose capacity counts the
+    tokens of the call.
     """
 
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int = 2, *, activation: str = "swiglu",
@@ -132,10 +137,9 @@ class MoEMLP(nn.Module):
             auxloss.metrics.record(f"{self.name}/{key}", value)
 
     def extra_repr(self) -> str:
-        ep = group_size(self.ep_group)
-        cap = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}, " \
-                                                              f"drop_policy={self.drop_policy!r}"
-        return f"name={self.name!r}, ep={ep}, {cap}"
+        cap = ("dropless" if self.capacity_factor is None
+               else f"capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}")
+        return f"name={self.name!r}, ep={group_size(self.ep_group)}, {cap}"
 
 
 def apply_bias_updates(model: nn.Module) -> None:
