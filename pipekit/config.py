@@ -19,7 +19,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .schedules import SCHEDULES, ScheduleError, build_schedule
 
-FAMILIES = ("gpt2", "llama", "mixtral", "toy")
+# The ModelConfig keys that are sizes: when set, each must be >= 1 (checked with the key named as given).
+_MODEL_SIZES = ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden",
+                "vocab_pad_multiple", "n_experts", "top_k")
 
 
 @dataclass
@@ -206,10 +208,6 @@ def _check_positive(cfg: Config) -> None:
         ("schedule.microbatches", s.microbatches), ("schedule.chunks_per_rank", s.chunks_per_rank),
         ("train.steps", t.steps), ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
         ("logging.log_every", cfg.logging.log_every), ("checkpoint.keep", cfg.checkpoint.keep)]])
-    if cfg.model.family == "toy":  # the zoo's configs check their own sizes (models.get_model)
-        m = cfg.model
-        _check_rules([(f"model.{key}", value, value >= 1, ">= 1") for key, value in
-                      [("vocab_size", m.vocab_size), ("dim", m.dim), ("n_layers", m.n_layers)] if value is not None])
 
 
 def check_config(cfg: Config) -> None:
@@ -220,7 +218,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (experts are sharded over "
                           f"groups of ep data-parallel ranks); use an ep among {[d for d in range(1, p.dp + 1) if p.dp % d == 0]}")
     _check_choice("schedule.name", s.name, SCHEDULES)
-    _check_choice("model.family", cfg.model.family, FAMILIES)
+    _check_model_family(cfg.model)
     _check_choice("train.dtype", t.dtype, ("float32", "float64"))
     _check_choice("optimizer.decay", cfg.optimizer.decay, ("cosine", "constant"))
     _check_choice("optimizer.name", cfg.optimizer.name, ("adamw", "sgd"))
@@ -387,20 +385,31 @@ def _check_model_fits(cfg: Config, model, specs: list) -> None:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={max_len}")
 
 
+def _check_model_family(m: ModelConfig) -> None:
+    """model.family is in the zoo's registry, and the sizes it takes that are set are >= 1
+    (the keys it does not take are refused by name in `model_config`)."""
+    from .models import FAMILIES, model_keys
+
+    _check_choice("model.family", m.family, FAMILIES)
+    takes = set(model_keys(m.family))
+    _check_rules([(f"model.{key}", getattr(m, key), getattr(m, key) >= 1, ">= 1") for key in _MODEL_SIZES
+                  if key in takes and getattr(m, key) is not None])
+
+
 def model_config(model: ModelConfig):
-    """The family's typed model config: the flavour, with the set fields overriding it."""
+    """The family's typed model config: the flavour, with the set fields overriding it
+    (the registry maps them onto the family's own field names)."""
+    from .models import get_model, model_keys
+
     overrides = {f.name: getattr(model, f.name) for f in fields(model) if f.name not in ("family", "flavour")}
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    if model.family == "toy":
-        from .models.toy import ToyConfig
-
-        mapping = {"vocab_size": "vocab", "dim": "dim", "n_layers": "blocks"}
-        bad = sorted(set(overrides) - set(mapping))
-        if bad:
-            raise ConfigError(f"model.{bad[0]} does not apply to the toy model; it takes {sorted(mapping)}")
-        return ToyConfig(**{mapping[k]: v for k, v in overrides.items()})
-    from .models import get_model
-
+    try:
+        takes = sorted(set(model_keys(model.family)) & {f.name for f in fields(model)})
+    except ValueError as e:  # an unknown family
+        raise ConfigError(f"model: {e}") from e
+    bad = sorted(set(overrides) - set(takes))
+    if bad:
+        raise ConfigError(f"model.{bad[0]} does not apply to the {model.family} model; it takes {takes}")
     try:
         return get_model(model.family, model.flavour, **overrides)
     except ValueError as e:
@@ -408,27 +417,21 @@ def model_config(model: ModelConfig):
 
 
 def model_vocab(model) -> int:
-    """The vocabulary size of a typed model config (the toy model calls it `vocab`)."""
-    return getattr(model, "vocab_size", None) or model.vocab
+    """The vocabulary size of a typed model config (`pipekit.models.model_vocab`)."""
+    from .models import model_vocab as vocab
+
+    return vocab(model)
 
 
 def model_specs(model) -> list:
     """The spec list of a typed model config (nothing is built)."""
-    from .models import toy
+    from .models import model_specs as specs
 
-    if isinstance(model, toy.ToyConfig):
-        return toy.toy_lm(model)
-    from .models import model_specs as zoo_specs
-
-    return zoo_specs(model)
+    return specs(model)
 
 
 def model_loss(model):
-    """The loss of a typed model config: the toy's cross-entropy, or the zoo's (vocab-parallel) loss spec."""
-    from .models import toy
+    """The loss of a typed model config: the zoo's vocab-parallel loss spec, or the toy's plain function."""
+    from .models import model_loss as loss
 
-    if isinstance(model, toy.ToyConfig):
-        return toy.lm_loss
-    from .models import model_loss as zoo_loss
-
-    return zoo_loss(model)
+    return loss(model)

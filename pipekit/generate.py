@@ -21,10 +21,6 @@ from .pipeline import PipelineModule
 
 def model_config_from(family: str, config: dict):
     """Rebuild the typed model config saved beside the weights."""
-    if family == "toy":
-        from .models.toy import ToyConfig
-
-        return ToyConfig(**config)
     from .models import config_from_dict
 
     return config_from_dict(family, config)

@@ -414,3 +414,13 @@ def test_state_dict_mismatches_are_named(cases):
         hf.to_hf_state_dict("gpt2", case.full, case.cfg)
     with pytest.raises(ValueError, match="valid families"):
         hf.from_hf_state_dict("bert", case.hf_sd, case.cfg)
+
+
+def test_the_toy_family_has_no_hf_form():
+    """The registry's `hf=False` refuses the toy model in one line, wherever it is asked."""
+    toy = get_model("toy")
+    said = "'toy' model, which has no Hugging Face form; only gpt2, llama and mixtral models convert"
+    for call in (lambda: hf.hf_config_from(toy), lambda: hf.to_hf_state_dict("toy", {}, toy),
+                 lambda: hf.from_hf_state_dict("toy", {}, toy)):
+        with pytest.raises(ValueError, match=said):
+            call()

@@ -29,6 +29,7 @@ from pipekit.models import (
     count_params,
     flops_per_token,
     get_model,
+    model_keys,
     model_loss,
     model_specs,
     padded_vocab,
@@ -64,7 +65,7 @@ def test_get_model_defaults_and_overrides():
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: get_model("bert"), r"valid families: \['gpt2', 'llama', 'mixtral'\]"),
+    (lambda: get_model("bert"), r"valid families: \['gpt2', 'llama', 'mixtral', 'toy'\]"),
     (lambda: get_model("gpt2", "huge"), r"valid flavours: \['tiny', '124m', '355m', '774m', '1.5b'\]"),
     (lambda: get_model("llama", n_kv_head=2),
      r"unknown llama config key\(s\) \['n_kv_head'\]; valid keys: .*'n_kv_heads'"),
@@ -72,6 +73,11 @@ def test_get_model_defaults_and_overrides():
     (lambda: get_model("llama", n_kv_heads=3), "n_heads=4 is not divisible by n_kv_heads=3"),
     (lambda: get_model("llama", n_layers=0), "n_layers must be a positive int"),
     (lambda: with_overrides(get_model("gpt2"), hidden=3), r"unknown gpt2 config key\(s\) \['hidden'\]"),
+    (lambda: get_model("toy", n_heads=2),
+     r"unknown toy config key\(s\) \['n_heads'\]; valid keys: .*'blocks'.* \(or vocab_size for vocab, n_layers for blocks\)"),
+    (lambda: get_model("toy", vocab_size=8, vocab=8), "'vocab_size' is given twice, also as 'vocab'"),
+    (lambda: get_model("toy", "huge"), r"valid flavours: \['tiny'\]"),
+    (lambda: get_model("toy", n_layers=0), "ToyConfig: blocks must be a positive int"),
 ])
 def test_bad_configs_are_named(call, match):
     with pytest.raises(ValueError, match=match):
@@ -103,6 +109,43 @@ def test_config_check_uses_the_padded_vocab():
                "is not divisible by parallel.tp=5")
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(str(ROOT / "configs/gpt2_1.5b.yaml"), ["parallel.tp=5"])
+
+
+# ---- the registry: every family, the toy model too ------------------------------------------
+def test_the_toy_model_registers_like_the_other_families():
+    """Its flavour, the common keys the registry maps onto its fields, its spec list and
+    plain loss, its vocabulary, and its size and FLOPs in closed form (no attention: 6 * N,
+    what train.py's fallback gave it before)."""
+    from pipekit.models import ToyConfig, family_of, lm_loss, model_vocab, toy_lm
+
+    assert get_model("toy") == ToyConfig()
+    cfg = get_model("toy", "tiny", vocab_size=64, dim=64, n_layers=3)  # configs/toy.yaml
+    assert cfg == ToyConfig(vocab=64, dim=64, blocks=3) and family_of(cfg) == "toy"
+    assert with_overrides(cfg, n_layers=1).blocks == 1 and with_overrides(cfg, blocks=2).blocks == 2
+    assert config_from_dict("toy", asdict(cfg)) == cfg  # what model.pt and checkpoints store
+    assert model_keys("toy") == ["vocab_size", "dim", "wide_dim", "n_layers", "mlp_ratio"]
+    assert repr(model_specs(cfg)) == repr(toy_lm(cfg)) and model_loss(cfg) is lm_loss
+    assert model_vocab(cfg) == 64 and model_vocab(get_model("gpt2", vocab_size=61)) == 61
+    assert count_params(cfg) == count_params(cfg, embedding_lookups=False) == meta_count(model_specs(cfg)) == 89_024
+    assert flops_per_token(cfg, 32) == flops_per_token(cfg, 1) == 6 * 89_024
+
+
+def test_config_generate_and_train_do_not_branch_on_a_family():
+    for name in ("config.py", "generate.py", "train.py"):
+        source = (ROOT / "pipekit" / name).read_text()
+        assert "ToyConfig" not in source and not re.search(r"""== ["'](toy|gpt2|llama|mixtral)["']""", source), name
+
+
+def test_shared_parts_live_in_common():
+    """Llama and Mixtral borrow nothing from gpt2.py; the helpers stay importable from it."""
+    from pipekit.models import common, gpt2, mixtral
+
+    for name in ("check_positive", "check_moe", "padded_vocab", "vocab_logits", "VocabParallelHead",
+                 "mask_padded_vocab", "moe_mlp"):
+        assert getattr(gpt2, name) is getattr(common, name), name
+    assert mixtral.moe_mlp is common.moe_mlp
+    for name in ("llama.py", "mixtral.py"):
+        assert not re.search(r"from \.gpt2|import gpt2", (ROOT / "pipekit/models" / name).read_text()), name
 
 
 # ---- sizes and FLOPs ---------------------------------------------------------------
@@ -146,7 +189,8 @@ def meta_count(specs: list) -> int:
 @pytest.mark.parametrize("family,flavour", ALL_FLAVOURS)
 @pytest.mark.parametrize("tied", [True, False])
 def test_count_params_matches_the_spec_list(family, flavour, tied):
-    cfg = get_model(family, flavour, n_layers=2, tie_embeddings=tied)  # the blocks repeat: two show the formula
+    tie = {"tie_embeddings": tied} if "tie_embeddings" in model_keys(family) else {}  # the toy's table is its head
+    cfg = get_model(family, flavour, n_layers=2, **tie)  # the blocks repeat: two show the formula
     assert count_params(cfg) == meta_count(model_specs(cfg))
 
 

@@ -1,32 +1,40 @@
-"""The model zoo as LayerSpec lists: GPT-2 and Llama (with Hugging Face
-conversion in `pipekit.models.hf`), and a tiny built-in language model
-(`toy_lm`) for demos and the engine's parity tests, and Mixtral-style MoE
-models (Llama blocks with `pipekit.moe` feed-forward layers)."""
+"""The model zoo as LayerSpec lists, one registry entry per family (`FAMILIES`):
+GPT-2 and Llama (with Hugging Face conversion in `pipekit.models.hf`),
+Mixtral-style MoE models (Llama blocks with `pipekit.moe` feed-forward layers),
+and a tiny built-in language model (`toy`, `toy_lm`) for demos and the engine's
+parity tests. The parts the families share live in `pipekit.models.common`."""
 
-from .gpt2 import GPT2Config, gpt2_loss, gpt2_specs, padded_vocab
+from .common import VocabParallelHead, moe_mlp, padded_vocab
+from .gpt2 import GPT2Config, gpt2_loss, gpt2_specs
 from .llama import LlamaConfig, llama_loss, llama_specs
 from .mixtral import MixtralConfig, mixtral_loss, mixtral_specs
 from .registry import (
     FAMILIES,
+    Family,
     config_from_dict,
     count_params,
     family_of,
     flops_per_token,
     get_model,
+    model_keys,
     model_loss,
     model_specs,
+    model_vocab,
     with_overrides,
 )
-from .toy import ToyConfig, synthetic_batches, toy_lm
+from .toy import ToyConfig, lm_loss, synthetic_batches, toy_lm
 
 __all__ = [
     "ToyConfig",
     "toy_lm",
+    "lm_loss",
     "synthetic_batches",
     "GPT2Config",
     "gpt2_specs",
     "gpt2_loss",
     "padded_vocab",
+    "VocabParallelHead",
+    "moe_mlp",
     "LlamaConfig",
     "llama_specs",
     "llama_loss",
@@ -34,12 +42,15 @@ __all__ = [
     "mixtral_specs",
     "mixtral_loss",
     "FAMILIES",
+    "Family",
     "get_model",
     "config_from_dict",
     "with_overrides",
     "family_of",
+    "model_keys",
     "model_specs",
     "model_loss",
+    "model_vocab",
     "count_params",
     "flops_per_token",
 ]

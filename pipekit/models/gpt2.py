@@ -11,15 +11,10 @@ the full (B, T, Vp) logits never exist on one rank. With
 `tie_embeddings=False` the embedding is a plain `LayerSpec` and the head a
 bias-free `VocabParallelHead` (names `layers.0.*`, `layers.{L+2}.weight`).
 
-Vocabulary padding (Megatron's `--make-vocab-size-divisible-by`): the token
-table and the head have Vp = `padded_vocab(cfg)` rows, `vocab_size` rounded up
-to `vocab_pad_multiple`, so that tp can divide it (GPT-2's 50,257 = 29 * 1733
-becomes 50,304). Vp depends on the config only, never on tp: every layout
-builds the same padded model from the same draws. The padded rows are
-initialised like the others but never used: ids are < vocab_size, and the
-head sets the logits of padded ids to -inf on the shard that holds them, so
-softmax and loss are exactly the unpadded model's and the padded rows get
-zero gradient. Hugging Face import pads with zero rows, export strips them.
+Vocabulary padding: the token table and the head have Vp = `padded_vocab(cfg)`
+rows and the padded ids' logits are -inf (see `pipekit.models.common`).
+With `n_experts` set, every block's MLP is `common.moe_mlp` (GELU experts with
+biases), passed to the block as its `mlp=` factory.
 
 Parameter names (the same at every pp/tp): `tied.embed.wte.weight`,
 `tied.embed.wpe.weight`, `layers.{i}.norm1.weight`, `layers.{i}.attn.q.weight`
@@ -33,19 +28,20 @@ from functools import partial
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..layers import (
-    ColumnParallelLinear,
-    LayerNorm,
-    TransformerBlock,
-    VocabParallelCrossEntropy,
-    VocabParallelEmbedding,
-    copy_to_tp,
-)
-from ..layers.parallel import group_rank, normal_full
+from ..layers import LayerNorm, TransformerBlock, VocabParallelCrossEntropy, VocabParallelEmbedding
+from ..layers.parallel import normal_full
 from ..spec import LayerSpec, TiedLayerSpec
+from .common import (  # noqa: F401 - the shared helpers, importable from here as before
+    VocabParallelHead,
+    check_moe,
+    check_positive,
+    mask_padded_vocab,
+    moe_mlp,
+    padded_vocab,
+    vocab_logits,
+)
 
 
 @dataclass
@@ -81,34 +77,6 @@ class GPT2Config:
     @property
     def padded_vocab(self) -> int:
         return padded_vocab(self)
-
-
-def padded_vocab(cfg) -> int:
-    """Rows of the token table and the head: `cfg.vocab_size` rounded up to `cfg.vocab_pad_multiple`."""
-    m = cfg.vocab_pad_multiple
-    return -(-cfg.vocab_size // m) * m
-
-
-def check_moe(cfg) -> None:
-    """The MoE fields of a model config (n_experts, top_k, n_shared_experts, capacity_factor, score)."""
-    name = type(cfg).__name__
-    check_positive(cfg, ("n_experts", "top_k"))
-    if cfg.top_k > cfg.n_experts:
-        raise ValueError(f"{name}: top_k={cfg.top_k} exceeds n_experts={cfg.n_experts}")
-    if cfg.n_shared_experts < 0:
-        raise ValueError(f"{name}: n_shared_experts must be >= 0, got {cfg.n_shared_experts}")
-    if cfg.capacity_factor is not None and not cfg.capacity_factor > 0:
-        raise ValueError(f"{name}: capacity_factor must be > 0 (or None: dropless), got {cfg.capacity_factor}")
-    if cfg.score not in ("softmax", "sigmoid"):
-        raise ValueError(f"{name}: score={cfg.score!r} is not one of ['softmax', 'sigmoid']")
-
-
-def check_positive(cfg, names: tuple[str, ...]) -> None:
-    """Raise a ValueError naming the first field of `cfg` that is not a positive int."""
-    for name in names:
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{type(cfg).__name__}: {name} must be a positive int, got {value!r}")
 
 
 # Sizes: `tiny` is ours (a byte vocabulary, CPU-sized); the others are the four
@@ -148,45 +116,9 @@ class GPT2Embedding(nn.Module):
         return self.wte(ids) + self.wpe(pos)  # (B, T, D) + (T, D)
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, vocab_start: int) -> torch.Tensor:
-    """Logits (..., V_shard) of global ids [vocab_start, vocab_start + V_shard), with those of
-    padded ids (>= vocab_size) set to -inf; returned as they are when the shard has none.
-    No communication: each rank masks its own shard. The masked entries get zero gradient."""
-    v_shard = logits.shape[-1]
-    if vocab_start + v_shard <= vocab_size:
-        return logits
-    ids = torch.arange(vocab_start, vocab_start + v_shard, device=logits.device)
-    return logits.masked_fill(ids >= vocab_size, float("-inf"))
-
-
-def vocab_logits(embedding: VocabParallelEmbedding, h: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
-    """The tied head on a vocab-parallel table: (B, T, D) -> (B, T, Vp/tp), this rank's vocab slice,
-    the ids >= `vocab_size` (padding; None: no padding) masked to -inf.
-
-    Communication: none forward; backward all-reduces the gradient of `h` over tp."""
-    logits = F.linear(copy_to_tp(h, embedding.group), embedding.weight)
-    if vocab_size is None:
-        return logits
-    return mask_padded_vocab(logits, vocab_size, embedding.vocab_start)
-
-
 def tied_logits(module: GPT2Embedding, h: torch.Tensor) -> torch.Tensor:
     """`forward_fn` of the tied head: logits from the embedding's `wte` shard, padding masked."""
     return vocab_logits(module.wte, h, module.vocab_size)
-
-
-class VocabParallelHead(ColumnParallelLinear):
-    """The untied head: a bias-free `ColumnParallelLinear(dim, padded_vocab)` whose
-    logits (B, T, Vp/tp) have the padded ids (>= vocab_size) masked to -inf.
-    Same parameter (`weight`), same draws and same communication as the plain layer."""
-
-    def __init__(self, dim: int, vocab_size: int, padded_vocab: int | None = None, init_std: float = 0.02):
-        super().__init__(dim, padded_vocab or vocab_size, bias=False, gather_output=False, init_std=init_std)
-        self.vocab_size = vocab_size
-        self.vocab_start = group_rank(self.group) * self.weight.shape[0]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mask_padded_vocab(super().forward(x), self.vocab_size, self.vocab_start)
 
 
 def gpt2_specs(cfg: GPT2Config) -> list:
@@ -200,11 +132,10 @@ def gpt2_specs(cfg: GPT2Config) -> list:
     else:
         embed = LayerSpec(GPT2Embedding, *embed_args, **embed_kw)
         head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, cfg.padded_vocab, init_std=cfg.init_std)
-    def mlp(i: int):
+
+    def mlp(i: int):  # the block's feed-forward factory: None (the dense GELU MLP) or MoE
         if cfg.n_experts is None:
             return None
-        from .mixtral import moe_mlp
-
         return partial(moe_mlp, cfg=cfg, layer_index=i + 1, activation="gelu", bias=True)
 
     blocks = [
@@ -218,3 +149,19 @@ def gpt2_specs(cfg: GPT2Config) -> list:
 def gpt2_loss(cfg: GPT2Config | None = None) -> LayerSpec:
     """Mean next-token cross-entropy on vocab-parallel logits (labels are the shifted ids)."""
     return LayerSpec(VocabParallelCrossEntropy)
+
+
+def gpt2_params(cfg: GPT2Config, *, padded: bool = True, active: bool = False) -> tuple[int, int]:
+    """(parameters, those of them in lookup-only tables: the position table, and the token
+    table when it is not also the head), in closed form (see `registry.count_params`)."""
+    D, L = cfg.dim, cfg.n_layers
+    V = cfg.padded_vocab if padded else cfg.vocab_size
+    mlp = 8 * D * D + 4 * D + D
+    if cfg.n_experts is not None:  # GPT-2-MoE: routed (all, or the top_k a token uses), shared, router
+        shared = cfg.n_shared_experts * (8 * D * D + 4 * D) + D if cfg.n_shared_experts else 0
+        mlp = (cfg.top_k if active else cfg.n_experts) * mlp + shared + cfg.n_experts * D
+    block = (4 * D * D + 4 * D) + mlp + 2 * 2 * D  # attn, mlp, two LayerNorms
+    head = 0 if cfg.tie_embeddings else V * D
+    total = V * D + cfg.max_seq_len * D + L * block + 2 * D + head
+    lookups = cfg.max_seq_len * D + (0 if cfg.tie_embeddings else V * D)  # wpe, and wte when untied
+    return total, lookups

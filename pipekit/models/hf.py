@@ -71,9 +71,19 @@ HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "mixtral": "mixtral"}  # HF 
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")  # buffers, not weights
 
 
+def _check_hf_form(family: str, what: str = "this is a") -> None:
+    """Refuse, in one line, a family that has no Hugging Face form (`what` names the model)."""
+    if family in FAMILIES and FAMILIES[family].hf:
+        return
+    *others, last = [name for name, fam in FAMILIES.items() if fam.hf]
+    raise ValueError(f"{what} {family!r} model, which has no Hugging Face form; "
+                     f"only {', '.join(others)} and {last} models convert")
+
+
 def _check_family(family: str, cfg) -> None:
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; valid families: {sorted(FAMILIES)}")
+    _check_hf_form(family)
     if family_of(cfg) != family:
         raise ValueError(f"family {family!r} was given with a {type(cfg).__name__}; they must agree")
     if family == "mixtral":
@@ -423,6 +433,7 @@ def hf_config_from(cfg):
                           name="transformers") from e
 
     family = family_of(cfg)
+    _check_hf_form(family)
     if family == "gpt2":
         eos = _token_id(50256, cfg.vocab_size)
         return transformers.GPT2Config(
@@ -692,10 +703,7 @@ def load_pipekit_file(path: str):
     """Read a model pipekit saved (`read_saved_model`: a model.pt or a checkpoint) ->
     (family, config, full state dict)."""
     obj = read_saved_model(path)
-    if obj["family"] not in FAMILIES:
-        *others, last = sorted(set(HF_MODEL_TYPES.values()))
-        raise ValueError(f"{obj.get('path', path)} holds a {obj['family']!r} model, which has no Hugging Face "
-                         f"form; only {', '.join(others)} and {last} models convert")
+    _check_hf_form(obj["family"], f"{obj.get('path', path)} holds a")
     cfg = config_from_dict(obj["family"], obj["config"])
     sd = obj["state_dict"]
     if "vocab_pad_multiple" not in obj["config"]:  # written before vocab padding: tables of vocab_size rows

@@ -9,7 +9,7 @@ Untied (the default, as in Llama-3 8B/70B) the embedding is `layers.0.weight`
 and the head `layers.{L+2}.weight`; with `tie_embeddings=True` both are one
 `TiedLayerSpec("embed")` (`tied.embed.weight`) and the head multiplies by the
 embedding's vocab shard. The token table and the head have Vp =
-`padded_vocab(cfg)` rows and the padded ids' logits are -inf (see gpt2.py).
+`padded_vocab(cfg)` rows and the padded ids' logits are -inf (see common.py).
 Rotary positions 0..T-1 are made inside attention from the sequence length
 (no position input travels between stages).
 Limits: no Llama-3.1 rope frequency scaling, no KV cache.
@@ -18,11 +18,11 @@ Limits: no Llama-3.1 rope frequency scaling, no KV cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from typing import Callable, Optional
 
-from ..layers import RMSNorm, TransformerBlock, VocabParallelCrossEntropy, VocabParallelEmbedding
-from ..spec import LayerSpec, TiedLayerSpec
-from .gpt2 import VocabParallelHead, check_positive, padded_vocab, vocab_logits
+from ..layers import RMSNorm, TransformerBlock, VocabParallelCrossEntropy
+from ..spec import LayerSpec
+from .common import check_positive, padded_vocab, vocab_table_and_head
 
 
 @dataclass
@@ -74,20 +74,16 @@ FLAVOURS: dict[str, LlamaConfig] = {
 }
 
 
-def llama_specs(cfg: LlamaConfig) -> list:
-    """The spec list of `cfg` (see the module docstring for its layout and names)."""
-    rows = cfg.padded_vocab
-    if cfg.tie_embeddings:
-        embed = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
-        head = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std,
-                             forward_fn=partial(vocab_logits, vocab_size=cfg.vocab_size))
-    else:
-        embed = LayerSpec(VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
-        head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, rows, init_std=cfg.init_std)
+def llama_specs(cfg: LlamaConfig, mlp: Optional[Callable[[int], Callable]] = None) -> list:
+    """The spec list of `cfg` (see the module docstring for its layout and names).
+
+    `mlp(i)`, when given, is block i's feed-forward factory (`TransformerBlock`'s `mlp=`):
+    mixtral.py builds its MoE model as this list with MoE factories."""
+    embed, head = vocab_table_and_head(cfg)
     blocks = [
         LayerSpec(TransformerBlock, cfg.dim, cfg.n_heads, cfg.n_kv_heads, hidden=cfg.hidden, style="llama",
-                  norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta)
-        for _ in range(cfg.n_layers)
+                  norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, mlp=mlp(i) if mlp else None)
+        for i in range(cfg.n_layers)
     ]
     return [embed, *blocks, LayerSpec(RMSNorm, cfg.dim, cfg.norm_eps), head]
 
@@ -95,3 +91,17 @@ def llama_specs(cfg: LlamaConfig) -> list:
 def llama_loss(cfg: LlamaConfig | None = None) -> LayerSpec:
     """Mean next-token cross-entropy on vocab-parallel logits."""
     return LayerSpec(VocabParallelCrossEntropy)
+
+
+def llama_params(cfg: LlamaConfig, *, padded: bool = True, active: bool = False,
+                 ffn: Optional[int] = None) -> tuple[int, int]:
+    """(parameters, those of them in lookup-only tables: the token table when untied), in
+    closed form (see `registry.count_params`). `ffn`: each block's feed-forward parameters
+    (default: the SwiGLU MLP's 3 * dim * hidden; mixtral.py gives its MoE layer's)."""
+    D, L = cfg.dim, cfg.n_layers
+    V = cfg.padded_vocab if padded else cfg.vocab_size
+    hd = D // cfg.n_heads
+    attn = 2 * D * cfg.n_heads * hd + 2 * D * cfg.n_kv_heads * hd  # q, o; k, v
+    block = attn + (3 * D * cfg.hidden if ffn is None else ffn) + 2 * D  # and two RMSNorms
+    head = 0 if cfg.tie_embeddings else V * D
+    return V * D + L * block + D + head, (0 if cfg.tie_embeddings else V * D)

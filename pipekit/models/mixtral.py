@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 
-from ..layers import RMSNorm, TransformerBlock, VocabParallelCrossEntropy, VocabParallelEmbedding
-from ..layers.parallel import current_ep_group
-from ..spec import LayerSpec, TiedLayerSpec
-from .gpt2 import VocabParallelHead, check_moe, check_positive, padded_vocab, vocab_logits
+from ..layers import VocabParallelCrossEntropy
+from ..spec import LayerSpec
+from .common import check_moe, check_positive, moe_mlp, padded_vocab
+from .llama import llama_params, llama_specs
 
 
 @dataclass
@@ -81,38 +81,22 @@ FLAVOURS: dict[str, MixtralConfig] = {
 }
 
 
-def moe_mlp(dim: int, hidden: int, *, group=None, init_std: float = 0.02, out_init_std: float | None = None,
-            cfg, layer_index: int, activation: str = "swiglu", bias: bool = False):
-    """The MoE feed-forward part of block `layer_index` of a config with MoE fields (Mixtral's,
-    or GPT-2's with n_experts set), on the current expert-parallel group."""
-    from ..moe import MoEMLP
-
-    return MoEMLP(dim, hidden, cfg.n_experts, cfg.top_k, activation=activation, bias=bias, score=cfg.score,
-                  aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef, capacity_factor=cfg.capacity_factor,
-                  n_shared_experts=cfg.n_shared_experts, ep_group=current_ep_group(), layer_index=layer_index,
-                  init_std=init_std, out_init_std=out_init_std)
-
-
 def mixtral_specs(cfg: MixtralConfig) -> list:
-    """The spec list of `cfg` (see the module docstring for its layout and names)."""
-    rows = cfg.padded_vocab
-    if cfg.tie_embeddings:
-        embed = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
-        head = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std,
-                             forward_fn=partial(vocab_logits, vocab_size=cfg.vocab_size))
-    else:
-        embed = LayerSpec(VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
-        head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, rows, init_std=cfg.init_std)
-    blocks = [
-        LayerSpec(TransformerBlock, cfg.dim, cfg.n_heads, cfg.n_kv_heads, hidden=cfg.hidden, style="llama",
-                  norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-                  mlp=partial(moe_mlp, cfg=cfg, layer_index=i + 1))
-        for i in range(cfg.n_layers)
-    ]
-    return [embed, *blocks, LayerSpec(RMSNorm, cfg.dim, cfg.norm_eps), head]
+    """The spec list of `cfg` (see the module docstring for its layout and names): Llama's,
+    with block i's feed-forward factory `common.moe_mlp` for layer index i + 1."""
+    return llama_specs(cfg, mlp=lambda i: partial(moe_mlp, cfg=cfg, layer_index=i + 1))
 
 
 def mixtral_loss(cfg: MixtralConfig | None = None) -> LayerSpec:
     """Mean next-token cross-entropy on vocab-parallel logits (the router losses are attached
     inside the blocks, pipekit.auxloss)."""
     return LayerSpec(VocabParallelCrossEntropy)
+
+
+def mixtral_params(cfg: MixtralConfig, *, padded: bool = True, active: bool = False) -> tuple[int, int]:
+    """(parameters, those in lookup-only tables), as `llama_params` with each block's MoE layer:
+    the routed experts (all, or with `active` the top_k a token uses), the router and the shared experts."""
+    D = cfg.dim
+    routed = (cfg.top_k if active else cfg.n_experts) * 3 * D * cfg.hidden
+    ffn = routed + cfg.n_experts * D + cfg.n_shared_experts * 3 * D * cfg.hidden
+    return llama_params(cfg, padded=padded, ffn=ffn)

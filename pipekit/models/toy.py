@@ -6,6 +6,10 @@ only, residual MLP blocks of two different widths joined by projections, a
 plain function in the list, and a final norm. Tokens do not mix across
 positions (there is no attention), so `synthetic_batches` draws a task that a
 per-position model can learn: label = (a * token + b) mod vocab.
+
+It is a zoo family like the others (`get_model("toy")`, `pipekit train
+configs/toy.yaml`): the registry maps the common keys `vocab_size` and
+`n_layers` onto its fields `vocab` and `blocks`. It has no Hugging Face form.
 """
 
 from __future__ import annotations
@@ -18,15 +22,23 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..spec import LayerSpec, TiedLayerSpec
+from .common import check_positive
 
 
 @dataclass
 class ToyConfig:
-    vocab: int = 64
+    vocab: int = 64  # the common key vocab_size
     dim: int = 32
     wide_dim: int = 48
-    blocks: int = 2  # blocks at each width
+    blocks: int = 2  # blocks at each width (the common key n_layers)
     mlp_ratio: int = 2
+
+    def __post_init__(self):
+        check_positive(self, ("vocab", "dim", "wide_dim", "blocks", "mlp_ratio"))
+
+
+# Sizes: ours. `tiny` is the defaults; configs/toy.yaml widens it (vocab_size 64, dim 64, n_layers 3).
+FLAVOURS: dict[str, ToyConfig] = {"tiny": ToyConfig()}
 
 
 class TokenEmbedding(nn.Module):
@@ -112,6 +124,23 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 lm_loss.ignore_index = -100  # a token-level mean: the engine weighs microbatches by valid tokens
+
+
+def toy_loss(cfg: ToyConfig | None = None):
+    """The loss of the toy model: the plain function `lm_loss` (its logits are not vocab-parallel)."""
+    return lm_loss
+
+
+def toy_params(cfg: ToyConfig, *, padded: bool = True, active: bool = False) -> tuple[int, int]:
+    """(parameters, those in lookup-only tables: none, the table is also the head), in closed
+    form. No padding and no experts: `padded` and `active` change nothing."""
+    d, w, r, n = cfg.dim, cfg.wide_dim, cfg.mlp_ratio, cfg.blocks
+
+    def block(width: int) -> int:  # LayerNorm, up, down
+        return 2 * width + (width + 1) * r * width + (r * width + 1) * width
+
+    ends = cfg.vocab * d + d + 2 * d  # the tied table, AddPositions' scale, the final LayerNorm
+    return ends + n * (block(d) + block(w)) + (d + 1) * w + (w + 1) * d, 0
 
 
 def synthetic_batches(vocab: int, batch_size: int, seq_len: int, *, seed: int = 0, a: int = 5, b: int = 3):
