@@ -371,10 +371,11 @@ def parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_train)
 
     q = sub.add_parser("plan", help="simulate a schedule and print its timeline and figures")
-    q.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved_1f1b")
+    q.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | dualpipe_v")
     q.add_argument("--pp", type=int, required=True)
     q.add_argument("--microbatches", type=int, required=True)
-    q.add_argument("--virtual", type=int, default=1, help="virtual stages per rank (interleaved_1f1b)")
+    q.add_argument("--virtual", type=int, default=None,
+                   help="virtual stages per rank (interleaved_1f1b; default: the schedule's own)")
     q.add_argument("--f-cost", type=float, default=1.0)
     q.add_argument("--b-cost", type=float, default=2.0)
     q.add_argument("--json", action="store_true", help="print one JSON object")

@@ -59,7 +59,7 @@ class ParallelConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    name: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | dualpipe_v (or a registered one)
     microbatches: int = 4  # per optimizer step and dp replica
     chunks_per_rank: int = 1  # virtual stages per rank (interleaved_1f1b)
     partition: str = "parameters"  # uniform | parameters | type:REGEX
@@ -235,14 +235,20 @@ def check_config(cfg: Config) -> None:
             f"train.global_batch={t.global_batch} must equal train.micro_batch * schedule.microbatches * parallel.dp = "
             f"{t.micro_batch} * {s.microbatches} * {p.dp} = {want}"
         )
-    model = model_config(cfg.model)
-    specs = model_specs(model)
-    _check_model_fits(cfg, model, specs)
-    _check_layer_choices(cfg, specs)
     try:
-        build_schedule(s.name, p.pp, s.microbatches, s.chunks_per_rank)
+        schedule = build_schedule(s.name, p.pp, s.microbatches, schedule_chunks(s))
     except ScheduleError as e:
         raise ConfigError(f"schedule: {e}") from e
+    model = model_config(cfg.model)
+    specs = model_specs(model)
+    _check_model_fits(cfg, model, specs, schedule.chunks_per_rank)
+    _check_layer_choices(cfg, specs)
+
+
+def schedule_chunks(s: ScheduleConfig) -> int | None:
+    """The chunks per rank to build `s` with: as set, or (1, the default, for any schedule but
+    interleaved_1f1b) None: the schedule's own (2 for zbv and dualpipe_v)."""
+    return s.chunks_per_rank if s.chunks_per_rank > 1 or s.name == "interleaved_1f1b" else None
 
 
 def _check_optimizer(cfg: Config) -> None:
@@ -355,13 +361,13 @@ def _check_device(cfg: Config) -> None:
         raise ConfigError(str(e)) from e
 
 
-def _check_model_fits(cfg: Config, model, specs: list) -> None:
-    p, s = cfg.parallel, cfg.schedule
+def _check_model_fits(cfg: Config, model, specs: list, chunks: int) -> None:
+    p = cfg.parallel
     n_specs = len(specs)
-    if n_specs < p.pp * s.chunks_per_rank:
+    if n_specs < p.pp * chunks:
         raise ConfigError(
             f"the model has {n_specs} layers (model.n_layers={getattr(model, 'n_layers', '?')} blocks plus "
-            f"embedding, norm and head), fewer than parallel.pp * schedule.chunks_per_rank = {p.pp * s.chunks_per_rank} stages"
+            f"embedding, norm and head), fewer than parallel.pp * chunks per rank = {p.pp * chunks} stages"
         )
     for key in ("n_heads", "n_kv_heads"):
         value = getattr(model, key, None)

@@ -5,21 +5,28 @@ One optimizer step (`train_batch`) is:
 1. read this rank's batch, split it into M microbatches (only the first stage
    uses the inputs and only the last the labels; other ranks use the shapes);
 2. run this rank's lowered action list from the schedule, one handler per
-   action kind: F, B (full backward), SEND_F/RECV_F, SEND_B/RECV_B;
+   action kind: F, B (full backward), I (input grads only) and W (weight
+   grads only; see `pipekit.split_backward`), SEND_F/RECV_F, SEND_B/RECV_B;
 3. wait for the posted sends; sum the gradients of tied layers over the
    pipeline ranks that hold them; average all gradients over the
    data-parallel group (one flat all-reduce per dtype);
 4. step the optimizer and return the mean microbatch loss, the same on
    every rank.
 
+The schedule is a `pipekit.schedules.Schedule` (or a registered name, built
+here for the module's pp, chunks and microbatches); its placement of virtual
+stages must be the module's. The eval program is its forwards alone, itself a
+validated Schedule.
+
 With a `pipekit.optim.ZeroOptimizer` the optimizer owns step 3 and the
-clipping: each backward pass runs inside `optimizer.backward_pass(...)` (so
-ZeRO-2 reduce-scatters during backward), the loss is multiplied by its loss
-scale (fp16), and `optimizer.step()` reduces, unscales, checks for overflow
-(a skipped step does not advance the LR schedule), clips and updates. A
-half-precision module (`precision="bf16"`) needs it, for fp32 master
-weights; float inputs are cast to the module's dtype and the last stage's
-outputs to fp32 before the loss.
+clipping: each pass that accumulates parameter grads (B, or W after its I)
+runs inside `optimizer.backward_pass(...)` (so ZeRO-2 reduce-scatters during
+backward; a stage's parameters are final after its last B or W), the loss
+is multiplied by its loss scale (fp16), and `optimizer.step()` reduces,
+unscales, checks for overflow (a skipped step does not advance the LR
+schedule), clips and updates. A half-precision module (`precision="bf16"`)
+needs it, for fp32 master weights; float inputs are cast to the module's
+dtype and the last stage's outputs to fp32 before the loss.
 
 The loss of each microbatch is weighted before its backward so that the
 gradients are those of the loss of the whole batch, as in one process: by
@@ -37,10 +44,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import auxloss, comm
+from . import auxloss, comm, split_backward
 from .optim import ZeroOptimizer
 from .pipeline import PipelineModule
-from .schedules import Action, Kind, Schedule, TimelineEvent, build_schedule, lower
+from .schedules import SCHEDULES, Action, Kind, Schedule, TimelineEvent, build_schedule
+from .schedules.ir import WEIGHT_GRAD_KINDS
 from .topology import DEFAULT_TIMEOUT
 
 
@@ -112,8 +120,13 @@ class PipelineEngine:
     Args:
         module: this rank's PipelineModule.
         optimizer: a torch optimizer over `module.parameters()` (None: eval only).
-        schedule: "gpipe", "1f1b" or "interleaved_1f1b".
-        num_microbatches: M, microbatches per optimizer step.
+        schedule: a `pipekit.schedules.Schedule`, or the name of a registered one
+            ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", ...; see
+            `pipekit.schedules.SCHEDULES`), built for the module's pp and
+            chunks_per_rank. Its placement must be the module's (build the module
+            with `placement=schedule`, or placement="v" for zbv).
+        num_microbatches: M, microbatches per optimizer step (default: the
+            Schedule's, or 1 with a name).
         record_timeline: keep every action's measured start/end (seconds since
             `self.step_start`, a `time.perf_counter()` reading) in `self.timeline`,
             in the simulator's format.
@@ -129,8 +142,8 @@ class PipelineEngine:
         module: PipelineModule,
         *,
         optimizer: torch.optim.Optimizer | None = None,
-        schedule: str = "1f1b",
-        num_microbatches: int = 1,
+        schedule: str | Schedule = "1f1b",
+        num_microbatches: int | None = None,
         record_timeline: bool = False,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         clip_grad_norm: float | None = None,
@@ -149,25 +162,18 @@ class PipelineEngine:
         self.last_step_skipped = False
         self.topo = module.topology
         self.timeout = timeout
-        if schedule != "interleaved_1f1b" and module.chunks_per_rank != 1:
-            raise ValueError(
-                f"schedule {schedule!r} runs one stage per rank, but the module has "
-                f"chunks_per_rank={module.chunks_per_rank}; use schedule='interleaved_1f1b' or chunks_per_rank=1"
-            )
-        self.schedule: Schedule = build_schedule(schedule, self.topo.pp, num_microbatches, module.chunks_per_rank)
-        self.num_microbatches = num_microbatches
+        self.schedule: Schedule = self._resolve_schedule(schedule, num_microbatches)
+        self.num_microbatches = self.schedule.microbatches
         self.actions = list(self.schedule.ranks[self.topo.pp_rank])
-        unsupported = [a for a in self.actions if a.kind == Kind.W]
-        if unsupported:
-            raise NotImplementedError(f"split weight-gradient actions ({unsupported[0]}) are not executed by this engine yet")
-        self.eval_actions = self._forward_only_actions()
+        self.eval_actions = list(self.schedule.forward_only().ranks[self.topo.pp_rank])
         self.last_stage = module.num_stages - 1
         self.record_timeline = record_timeline
         self.timeline: list[TimelineEvent] = []
         self.handlers = {
             Kind.F: self._forward,
             Kind.B: self._backward,
-            Kind.BW: self._backward,
+            Kind.I: self._backward_input,
+            Kind.W: self._backward_weight,
             Kind.SEND_F: self._send_forward,
             Kind.RECV_F: self._recv_forward,
             Kind.SEND_B: self._send_backward,
@@ -187,9 +193,29 @@ class PipelineEngine:
         self._io_key = None
 
     # ---- set-up -------------------------------------------------------
-    def _forward_only_actions(self) -> list[Action]:
-        compute = [[a for a in self.schedule.compute_actions(r) if a.kind == Kind.F] for r in range(self.topo.pp)]
-        return lower(compute, self.schedule.placement)[self.topo.pp_rank]
+    def _resolve_schedule(self, schedule, num_microbatches) -> Schedule:
+        """The Schedule to run, checked against the module: same pp, same placement."""
+        module, pp = self.module, self.topo.pp
+        if isinstance(schedule, str):
+            schedule = build_schedule(schedule, pp, 1 if num_microbatches is None else num_microbatches,
+                                      module.chunks_per_rank)
+        elif not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule must be a registered name ({', '.join(SCHEDULES)}) or a "
+                            f"pipekit.schedules.Schedule, got {type(schedule).__name__}")
+        elif num_microbatches is not None and num_microbatches != schedule.microbatches:
+            raise ValueError(f"num_microbatches={num_microbatches}, but schedule {schedule.name!r} runs "
+                             f"{schedule.microbatches}; leave num_microbatches out to take the schedule's")
+        if schedule.pp != pp:
+            raise ValueError(f"schedule {schedule.name!r} is for pp={schedule.pp}, but the topology has pp={pp}")
+        if schedule.placement != module.placement:
+            named = getattr(SCHEDULES.get(schedule.name), "placement", None)
+            hint = f" or placement={named!r}" if isinstance(named, str) else ""
+            raise ValueError(
+                f"schedule {schedule.name!r} places virtual stages on ranks {schedule.placement}, but the module "
+                f"was built with placement {module.placement}; build it with PipelineModule(..., "
+                f"placement=<the Schedule>{hint}, chunks_per_rank={schedule.chunks_per_rank})"
+            )
+        return schedule
 
     def _params_of_stage(self, stage: int) -> list:
         """The parameters a backward pass over `stage` gives gradients to (tied layers included)."""
@@ -208,7 +234,7 @@ class PipelineEngine:
         """(stage, microbatch) of a backward action -> the parameters whose gradients are
         complete for the step once it has run (its stage's last backward, or for a layer
         used by two local stages, the later of theirs)."""
-        last = {a.stage: (i, a.microbatch) for i, a in enumerate(self.actions) if a.kind in (Kind.B, Kind.BW)}
+        last = {a.stage: (i, a.microbatch) for i, a in enumerate(self.actions) if a.kind in WEIGHT_GRAD_KINDS}
         final: dict[int, tuple] = {}  # id(p) -> (action index, stage, microbatch, p)
         for s, params in self._stage_params.items():
             if s not in last:
@@ -283,6 +309,7 @@ class PipelineEngine:
         self._stash: dict = {}  # (stage, mb) -> (stage input, stage output or scaled loss)
         self._inbox: dict = {}  # (stage, mb) -> stage input (received, or from a local stage)
         self._grads: dict = {}  # (stage, mb) -> grads of the stage's float outputs
+        self._weight_work: dict = {}  # (stage, mb) -> what W still has to do after I
         self._outbox: dict = {}  # (stage, kind, mb) -> tensors waiting for their SEND
         self._posted: list = []
         self._losses: list[torch.Tensor] = []
@@ -298,7 +325,7 @@ class PipelineEngine:
             if self.record_timeline:
                 self.timeline.append(TimelineEvent(self.topo.pp_rank, str(action), start - t0, time.perf_counter() - t0))
         comm.wait_all(self._posted, self.timeout)
-        leftover = [*self._stash, *self._inbox, *self._grads] if training else []
+        leftover = [*self._stash, *self._inbox, *self._grads, *self._weight_work] if training else []
         assert not leftover, f"rank {self.topo.rank}: unconsumed activations/grads after the step: {leftover}"
 
     def _failure_report(self, actions: list[Action], step: int, error: Exception) -> str:
@@ -344,25 +371,57 @@ class PipelineEngine:
             self._outputs.append(out)
 
     def _backward(self, a: Action) -> None:
+        """B: the full backward of (stage, microbatch): input grad and weight grads."""
         s, m = a.stage, a.microbatch
+        x, outs, grads = self._backward_operands(s, m)
+        with self._weight_pass(s, m), self._aux_scale():
+            if outs:
+                torch.autograd.backward(outs, grads)
+        self._hand_back(s, m, [t.grad if t.grad is not None else torch.zeros_like(t) for t in comm.float_entries(x)])
+
+    def _backward_input(self, a: Action) -> None:
+        """I: only the input grad; what the weight grads need is kept for W."""
+        s, m = a.stage, a.microbatch
+        x, outs, grads = self._backward_operands(s, m)
+        inputs = comm.float_entries(x) if s > 0 else []
+        with self._aux_scale():
+            input_grads, work = split_backward.backward_input(outs, grads, inputs, self._stage_params[s])
+        self._weight_work[(s, m)] = work
+        self._hand_back(s, m, input_grads)
+
+    def _backward_weight(self, a: Action) -> None:
+        """W: the weight grads of (stage, microbatch), from where its I stopped."""
+        s, m = a.stage, a.microbatch
+        if (s, m) not in self._weight_work:
+            raise RuntimeError(f"weight grads of microbatch {m} on stage {s} before its input grads (I)")
+        with self._weight_pass(s, m), self._aux_scale():
+            split_backward.backward_weight(self._weight_work.pop((s, m)))
+
+    def _backward_operands(self, s: int, m: int):
+        """(stage input, outputs to differentiate, their grads) of (stage, microbatch)."""
         if (s, m) not in self._stash:
             raise RuntimeError(f"backward of microbatch {m} on stage {s} before its forward")
         x, out = self._stash.pop((s, m))
-        passing = (self.optimizer.backward_pass(self._stage_params[s], self._final_params.get((s, m), ()))
-                   if self.zero else contextlib.nullcontext())
-        # A layer's auxiliary loss (pipekit.auxloss.attach) counts as the mean over microbatches,
-        # scaled like the main loss for fp16.
-        aux_scale = (self.optimizer.loss_scale if self.zero else 1.0) / self.num_microbatches
-        with passing, auxloss.scaled_backward(aux_scale):
-            if s == self.last_stage:
-                torch.autograd.backward(out)
-            else:
-                pairs = [(o, g) for o, g in zip(comm.float_entries(out), self._grads.pop((s, m))) if o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if s == self.last_stage:
+            return x, [out], [None]  # the weighted (and fp16-scaled) loss
+        pairs = [(o, g) for o, g in zip(comm.float_entries(out), self._grads.pop((s, m))) if o.requires_grad]
+        return x, [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _weight_pass(self, s: int, m: int):
+        """A pass that accumulates stage s's parameter grads (inside ZeRO's bucketing)."""
+        if not self.zero:
+            return contextlib.nullcontext()
+        return self.optimizer.backward_pass(self._stage_params[s], self._final_params.get((s, m), ()))
+
+    def _aux_scale(self):
+        """A layer's auxiliary loss (pipekit.auxloss.attach) counts as the mean over microbatches,
+        scaled like the main loss for fp16."""
+        return auxloss.scaled_backward((self.optimizer.loss_scale if self.zero else 1.0) / self.num_microbatches)
+
+    def _hand_back(self, s: int, m: int, grads: list) -> None:
+        """Give the input grad of (stage, microbatch) to the previous stage: local, or sent."""
         if s == 0:
             return
-        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in comm.float_entries(x)]
         if self.module.stage_rank(s - 1) == self.topo.pp_rank:
             self._grads[(s - 1, m)] = grads
         else:

@@ -1,7 +1,9 @@
 """PipelineModule: the layers of this rank's pipeline stage(s), and nothing else.
 
 The spec list is cut into `pp * chunks_per_rank` virtual stages; virtual stage
-`s` lives on pipeline rank `s % pp` (looping placement). Each rank builds only
+`s` lives on pipeline rank `placement[s]`: looping (`s % pp`) by default, the
+V of ZBV (`placement="v"`), or exactly where a `Schedule` puts it
+(`placement=schedule`), which the engine checks. Each rank builds only
 the layers of its own stages, each seeded by its global index, and names them
 by that index (`layers.7.weight`), so a parameter has the same name in every
 layout. Tied layers live under `tied.<key>` on every rank that uses them.
@@ -28,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .layers.parallel import expert_parallel, tensor_parallel
 from .partition import partition as partition_specs
-from .schedules import looping_placement
+from .schedules import resolve_placement
 from .spec import LayerSpec, TiedLayerSpec, build_layer, spec_name
 from .topology import Topology
 
@@ -57,7 +59,12 @@ class PipelineModule(nn.Module):
         topology: the process grid; None means one process (pp=1, dp=1).
         partition: "parameters", "uniform", "type:REGEX", or explicit boundaries.
         seed: base seed; layer i is initialised from (seed, i).
-        chunks_per_rank: virtual stages per rank (> 1 for interleaved 1F1B).
+        chunks_per_rank: virtual stages per rank (> 1 for interleaved 1F1B, 2 for
+            ZBV); None: 1, or what `placement` implies.
+        placement: which pipeline rank hosts each virtual stage: "looping" (stage s
+            on rank s % pp), "v" (rank r holds r and 2pp-1-r), a tuple of ranks,
+            or a `pipekit.schedules.Schedule` (its placement: the module then
+            builds what that schedule runs here).
         activation_checkpoint_interval: recompute every run of this many layers
             in backward instead of keeping their activations (0: off).
         checkpoint_layers: regex on layer class names; matching layers are
@@ -74,7 +81,8 @@ class PipelineModule(nn.Module):
         topology: Topology | None = None,
         partition: str | list[int] = "parameters",
         seed: int = 0,
-        chunks_per_rank: int = 1,
+        chunks_per_rank: int | None = None,
+        placement="looping",
         activation_checkpoint_interval: int = 0,
         checkpoint_layers: str | None = None,
         device: torch.device | str | None = None,
@@ -87,7 +95,7 @@ class PipelineModule(nn.Module):
         self.has_loss = loss_fn is not None  # on every rank, also where a loss module is not built
         self.topology = topology if topology is not None else Topology(pp=1, dp=1)
         self.seed = seed
-        if chunks_per_rank < 1:
+        if chunks_per_rank is not None and chunks_per_rank < 1:
             raise ValueError(f"chunks_per_rank must be >= 1, got {chunks_per_rank}")
         if activation_checkpoint_interval < 0:
             raise ValueError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
@@ -95,10 +103,10 @@ class PipelineModule(nn.Module):
             raise ValueError(f"precision={precision!r} is not one of {list(PRECISIONS)}")
         self.precision = precision
         self.compile = compile
-        self.chunks_per_rank = chunks_per_rank
-        self.num_stages = self.topology.pp * chunks_per_rank
+        self.placement = resolve_placement(placement, self.topology.pp, chunks_per_rank)
+        self.num_stages = len(self.placement)
+        self.chunks_per_rank = self.num_stages // self.topology.pp
         self.boundaries = partition_specs(self.specs, self.num_stages, partition)
-        self.placement = looping_placement(self.topology.pp, chunks_per_rank)
         self.local_stages = [s for s in range(self.num_stages) if self.placement[s] == self.topology.pp_rank]
         self.checkpoint_interval = activation_checkpoint_interval
         self.checkpoint_pattern = re.compile(checkpoint_layers) if checkpoint_layers else None

@@ -71,15 +71,19 @@ def make_optimizer(module: PipelineModule, cfg: Config) -> ZeroOptimizer:
 
 
 def build(cfg: Config, topo: Topology) -> PipelineEngine:
+    from .config import schedule_chunks
+    from .schedules import build_schedule
+
     mcfg = model_config(cfg.model)
     s = cfg.schedule
+    schedule = build_schedule(s.name, topo.pp, s.microbatches, schedule_chunks(s))  # what module and engine read
     module = PipelineModule(
         model_specs(mcfg),
         loss_fn=model_loss(mcfg),
         topology=topo,
         partition=s.partition,
         seed=cfg.train.seed,
-        chunks_per_rank=s.chunks_per_rank,
+        placement=schedule,
         activation_checkpoint_interval=s.activation_checkpoint_interval,
         checkpoint_layers=s.checkpoint_layers,
         precision=cfg.train.precision,
@@ -88,7 +92,7 @@ def build(cfg: Config, topo: Topology) -> PipelineEngine:
     opt = make_optimizer(module, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     return PipelineEngine(
-        module, optimizer=opt, schedule=s.name, num_microbatches=s.microbatches,
+        module, optimizer=opt, schedule=schedule, num_microbatches=s.microbatches,
         clip_grad_norm=cfg.optimizer.clip_grad_norm, lr_scheduler=sched,
     )
 
@@ -517,7 +521,7 @@ def write_trace(cfg: Config, topo: Topology, engine: PipelineEngine, step: int) 
     schedule with the measured mean F and B times: Chrome-trace JSON, and PNGs when
     matplotlib is installed. Gathers the timelines over the pipeline group (collective).
     Limit: ranks' clocks are compared directly, which holds on one machine only."""
-    from .schedules import TimelineEvent, render_png, simulate, to_chrome_trace
+    from .schedules import TimelineEvent, mean_costs, render_png, simulate, to_chrome_trace
 
     mine = [TimelineEvent(e.rank, e.action, e.start + engine.step_start, e.end + engine.step_start)
             for e in engine.timeline]
@@ -530,7 +534,7 @@ def write_trace(cfg: Config, topo: Topology, engine: PipelineEngine, step: int) 
     events = [e for part in everyone for e in part]
     t0 = min(e.start for e in events)
     measured = [TimelineEvent(e.rank, e.action, e.start - t0, e.end - t0) for e in events]
-    costs = {k: _mean_duration(measured, k) for k in ("F", "B")}
+    costs = mean_costs(measured)
     predicted = simulate(engine.schedule, costs=costs).timeline
     for name, timeline in (("measured", measured), ("simulated", predicted)):
         base = os.path.join(cfg.logging.out_dir, f"timeline_step{step}_{name}")
@@ -540,13 +544,6 @@ def write_trace(cfg: Config, topo: Topology, engine: PipelineEngine, step: int) 
         except ImportError:
             pass
     print(f"wrote the measured and simulated timelines of step {step} to {cfg.logging.out_dir}", flush=True)
-
-
-def _mean_duration(events, kind: str) -> float:
-    from .schedules import Action
-
-    spans = [e.end - e.start for e in events if Action.parse(e.action).kind.value == kind]
-    return sum(spans) / len(spans)
 
 
 def save_weights(cfg: Config, topo: Topology, engine: PipelineEngine, data_path: str | None) -> None:

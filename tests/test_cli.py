@@ -52,7 +52,7 @@ def test_plan_rejects_bad_input(capsys):
         (["parallel.pp=two"], "parallel.pp"),
         (["train.global_batch=30"], "train.global_batch=30 must equal train.micro_batch * schedule.microbatches * parallel.dp = 8 * 4 * 1 = 32"),
         (["schedule.name=zigzag"], "schedule.name='zigzag'"),
-        (["parallel.pp=20"], "fewer than parallel.pp * schedule.chunks_per_rank = 20"),
+        (["parallel.pp=20"], "fewer than parallel.pp * chunks per rank = 20"),
         (["parallel.tp=3"], "model.vocab_size=64 is not divisible by parallel.tp=3"),
         (["model.hidden=5"], "model.hidden does not apply to the toy model"),
         (["train.dtype=float16"], "train.dtype='float16' is not one of"),

@@ -44,7 +44,7 @@ def parse(rows):
         ("0F1", Action(0, Kind.F, 1)),
         ("3B0", Action(3, Kind.B, 0)),
         ("12W7", Action(12, Kind.W, 7)),
-        ("1BW2", Action(1, Kind.BW, 2)),
+        ("1I2", Action(1, Kind.I, 2)),
         ("0SEND_F1", Action(0, Kind.SEND_F, 1)),
         ("4RECV_F0", Action(4, Kind.RECV_F, 0)),
         ("1SEND_B3", Action(1, Kind.SEND_B, 3)),
@@ -63,6 +63,11 @@ def test_action_parse_rejects_bad_text(bad):
         Action.parse(bad)
     assert repr(bad) in str(err.value)
     assert isinstance(err.value, ScheduleError)
+
+
+def test_action_parse_points_the_old_fused_form_at_b():
+    with pytest.raises(ScheduleError, match="the full backward is 'B' \\('1B2'\\)"):
+        Action.parse("1BW2")
 
 
 def test_action_coerces_and_rejects_kind_strings():
@@ -263,12 +268,13 @@ GOOD_1F1B = [
             ["0F0 1F0 1B0"],
             (0, 0),
             1,
-            "stage 0 microbatch 0 (rank 0) needs exactly one of B or BW, found none",
+            "stage 0 microbatch 0 (rank 0) needs either B (full backward) or I and W (split backward), found none",
             id="missing-b",
         ),
-        pytest.param(["0F0 0B0 0BW0"], (0,), 1, "found ['B', 'BW']", id="b-and-bw"),
-        pytest.param(["0F0 0BW0 0W0"], (0,), 1, "has a W but no B", id="w-with-bw"),
-        pytest.param(["0F0 0W0 0B0"], (0,), 1, "0W0 needs 0B0 earlier (weight grad after input grad)", id="w-before-b"),
+        pytest.param(["0F0 0B0 0I0 0W0"], (0,), 1, "found ['B', 'I', 'W']", id="b-and-split"),
+        pytest.param(["0F0 0B0 0W0"], (0,), 1, "found ['B', 'W']", id="w-after-full-b"),
+        pytest.param(["0F0 0I0"], (0,), 1, "found ['I']", id="i-without-w"),
+        pytest.param(["0F0 0W0 0I0"], (0,), 1, "0W0 needs 0I0 earlier (weight grad after input grad)", id="w-before-i"),
         pytest.param(["0F0 0F0 0B0"], (0,), 1, "0F0 appears 2 times", id="duplicate"),
         pytest.param(["1F0 1B0", "0F0 0B0"], (0, 1), 1, "stage 1 is placed on rank 1", id="wrong-rank"),
         pytest.param(["0F0 0B0 0F3 0B3"], (0,), 2, "names microbatch 3; valid are 0..1", id="bad-microbatch"),
@@ -290,11 +296,20 @@ def test_validate_catches_broken_schedules(rows, placement, m, message):
     assert message in str(err.value)
 
 
-def test_validate_accepts_split_and_fused_backward():
-    split = parse(["0F0 0SEND_F0 0RECV_B0 0B0 0W0", "1RECV_F0 1F0 1B0 1SEND_B0 1W0"])
-    fused = parse(["0F0 0SEND_F0 0RECV_B0 0BW0", "1RECV_F0 1F0 1BW0 1SEND_B0"])
+def test_validate_accepts_split_and_full_backward():
+    split = parse(["0F0 0SEND_F0 0RECV_B0 0I0 0W0", "1RECV_F0 1F0 1I0 1SEND_B0 1W0"])
+    full = parse(["0F0 0SEND_F0 0RECV_B0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"])
+    mixed = parse(["0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0I1 0W1", "1RECV_F0 1F0 1I0 1SEND_B0 "
+                   "1RECV_F1 1F1 1B1 1SEND_B1 1W0"])
     validate(split, (0, 1), 1)
-    validate(fused, (0, 1), 1)
+    validate(full, (0, 1), 1)
+    validate(mixed, (0, 1), 2)
+
+
+def test_validate_forward_only_programs():
+    validate(parse(["0F0 0SEND_F0", "1RECV_F0 1F0"]), (0, 1), 1, backward=False)
+    with pytest.raises(ScheduleError, match="a forward-only program has no backward, found \\['B'\\]"):
+        validate(parse(["0F0 0B0"]), (0,), 1, backward=False)
 
 
 # ---------------------------------------------------------------- simulation
@@ -364,18 +379,17 @@ def test_simulate_costs_latency_and_timeline():
 
 
 def test_simulate_split_backward_memory():
-    s = _schedule(["0F0 0SEND_F0 0RECV_B0 0B0 0W0", "1RECV_F0 1F0 1B0 1SEND_B0 1W0"], (0, 1), 1)
-    result = simulate(s, {"B": 1, "W": 1})
+    s = _schedule(["0F0 0SEND_F0 0RECV_B0 0I0 0W0", "1RECV_F0 1F0 1I0 1SEND_B0 1W0"], (0, 1), 1)
+    result = simulate(s)
     assert result.makespan == 5
     assert result.bubble_fraction == pytest.approx(0.4)
     assert result.bubble_per_rank == pytest.approx([0.4, 0.4])
     assert result.peak_activations == [1, 1]
 
 
-def test_simulate_reports_deadlock():
-    s = _schedule(["0RECV_B0 0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"], (0, 1), 1)
+def test_a_schedule_that_deadlocks_cannot_be_made():
     with pytest.raises(ScheduleError, match="deadlock: rank 0 waits on 0RECV_B0"):
-        simulate(s)
+        _schedule(["0RECV_B0 0F0 0SEND_F0 0B0", "1RECV_F0 1F0 1B0 1SEND_B0"], (0, 1), 1)
 
 
 @pytest.mark.parametrize(
@@ -393,14 +407,17 @@ def test_simulate_rejects_bad_costs(costs, message):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("zb1p", 2, 4), "unknown schedule 'zb1p'; choose one of: gpipe, 1f1b, interleaved_1f1b"),
+        (("zb1p", 2, 4), "unknown schedule 'zb1p'; choose one of: gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv"),
         (("1f1b", 0, 4), "pp must be >= 1, got 0"),
         (("gpipe", 2, 0), "microbatches must be >= 1, got 0"),
         (("1f1b", 2, -3), "microbatches must be >= 1, got -3"),
         (("1f1b", "2", 4), "pp must be an integer >= 1, got '2'"),
         (("interleaved_1f1b", 2, 4, 0), "chunks_per_rank must be >= 1, got 0"),
-        (("gpipe", 2, 4, 2), "only interleaved_1f1b takes chunks_per_rank"),
-        (("1f1b", 2, 4, 3), "got chunks_per_rank=3"),
+        (("gpipe", 2, 4, 2), "gpipe runs 1 chunk per rank, got chunks_per_rank=2; only "
+                              "interleaved_1f1b, zbv, dualpipe_v take chunks_per_rank=2"),
+        (("1f1b", 2, 4, 3), "got chunks_per_rank=3; only interleaved_1f1b takes chunks_per_rank=3"),
+        (("zbv", 2, 4, 1), "zbv runs 2 chunks per rank, got chunks_per_rank=1"),
+        (("dualpipe_v", 2, 3), "dualpipe_v needs at least 2*pp=4 microbatches, got 3"),
         (
             ("interleaved_1f1b", 4, 6, 2),
             "interleaved_1f1b needs the microbatch count to be a multiple of pp=4, got 6; try 4 or 8",
@@ -417,7 +434,8 @@ def test_bad_input_messages(args, message):
 
 
 def test_schedules_names():
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved_1f1b")
+    assert list(SCHEDULES)[:6] == ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipe_v"]
+    assert "zbv" in SCHEDULES and "zigzag" not in SCHEDULES
 
 
 # ---------------------------------------------------------------- reports and drawing

@@ -1,15 +1,23 @@
 """The schedule IR: actions, the message each receive needs, and `Schedule`.
 
-An `Action` is (virtual stage, kind, microbatch). Compute kinds are `F`
-(forward), `B` (backward; input-grad only when the same (stage, microbatch)
-also has a `W`, else the full backward), `W` (weight grad only) and `BW`
-(explicitly fused full backward). Communication kinds are named after the
-LOCAL stage of the rank that runs them:
+An `Action` is (virtual stage, kind, microbatch). Each compute kind means
+one thing wherever it stands (torch.distributed.pipelining's names):
+
+- `F`: forward;
+- `B`: the full backward: input grad and weight grads in one pass;
+- `I`: backward for the input grad only (the first half of a split backward);
+- `W`: the weight grads of a stage whose `I` already ran (the second half).
+
+A (stage, microbatch) has one `F` and either one `B`, or one `I` and one `W`.
+Communication kinds are named after the LOCAL stage of the rank that runs them:
 
 - `SEND_F(s, m)`: send F(s, m)'s output to the rank of stage s+1;
 - `RECV_F(s, m)`: receive F(s, m)'s input from the rank of stage s-1;
-- `SEND_B(s, m)`: send B(s, m)'s input grad to the rank of stage s-1;
+- `SEND_B(s, m)`: send the input grad of B or I(s, m) to the rank of stage s-1;
 - `RECV_B(s, m)`: receive the grad of F(s, m)'s output from stage s+1.
+
+A `Schedule` is validated when it is made (`validate`), so every `Schedule`
+is a runnable program.
 
 Pure Python: nothing here imports torch.
 """
@@ -28,19 +36,20 @@ class ScheduleError(ValueError):
 class Kind(str, Enum):
     F = "F"
     B = "B"
+    I = "I"  # noqa: E741 - torch's letter for the input-grad backward
     W = "W"
-    BW = "BW"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
 
 
-COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
-BACKWARD_KINDS = frozenset({Kind.B, Kind.BW})
+INPUT_GRAD_KINDS = frozenset({Kind.B, Kind.I})  # produce the grad sent to the previous stage
+WEIGHT_GRAD_KINDS = frozenset({Kind.B, Kind.W})  # accumulate parameter grads and free the activation
 
-# Longest kinds first so "BW" is not read as "B" followed by garbage.
+# Longest kinds first so "SEND_F" is not read as a shorter kind followed by garbage.
 _KIND_ALTERNATION = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"^(\d+)({_KIND_ALTERNATION})(\d+)$")
 
@@ -68,6 +77,10 @@ class Action:
     def parse(cls, text: str) -> Action:
         """Inverse of `str`: "0F1" -> Action(0, Kind.F, 1); "2RECV_B5" likewise."""
         match = _ACTION_RE.match(text.strip()) if isinstance(text, str) else None
+        if match is None and isinstance(text, str) and re.match(r"^\d+BW\d+$", text.strip()):
+            full = text.strip().replace("BW", "B")
+            raise ScheduleError(f"cannot parse action {text!r}: the full backward is 'B' ('{full}'); "
+                                "a split backward is 'I' (input grad) then 'W' (weight grads)")
         if match is None:
             raise ScheduleError(
                 f"cannot parse action {text!r}: expected <stage><kind><microbatch> such as "
@@ -121,11 +134,14 @@ def format_actions(actions) -> str:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A complete, lowered pipeline program: one action list per rank.
+    """A complete, validated pipeline program: one action list per rank.
 
     `placement[s]` is the rank hosting virtual stage s; `ranks[r]` is rank r's
-    lowered list (compute plus SEND/RECV) in execution order. Build one with
-    `build_schedule`, which has already validated it.
+    lowered list (compute plus SEND/RECV) in execution order. Making one runs
+    `validate`, so a `Schedule` that exists is runnable: the module reads which
+    stages live where from it, the engine runs it, the simulator and the
+    pictures draw it. Build one with `build_schedule` (a registered generator)
+    or `schedule_from_table` (a hand-written action table).
     """
 
     name: str
@@ -134,6 +150,20 @@ class Schedule:
     microbatches: int
     placement: tuple[int, ...]
     ranks: tuple[tuple[Action, ...], ...]
+    backward: bool = True  # False: an eval program of forwards only (see `forward_only`)
+
+    def __post_init__(self):
+        from .validate import validate  # validate imports this module
+
+        object.__setattr__(self, "placement", tuple(self.placement))
+        object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
+        if len(self.ranks) != self.pp or len(self.placement) != self.pp * self.chunks_per_rank:
+            raise ScheduleError(
+                f"schedule {self.name!r}: pp={self.pp} and chunks_per_rank={self.chunks_per_rank} need "
+                f"{self.pp} action lists and {self.pp * self.chunks_per_rank} placed stages, got "
+                f"{len(self.ranks)} and {len(self.placement)}"
+            )
+        validate(self.ranks, self.placement, self.microbatches, backward=self.backward)
 
     @property
     def num_stages(self) -> int:
@@ -151,6 +181,14 @@ class Schedule:
     def compute_actions(self, rank: int) -> list[Action]:
         self._check_rank(rank)
         return [a for a in self.ranks[rank] if a.is_compute]
+
+    def forward_only(self) -> Schedule:
+        """The same forwards in the same order per rank, without backward: the eval program."""
+        from .lowering import lower
+
+        compute = [[a for a in self.compute_actions(r) if a.kind is Kind.F] for r in range(self.pp)]
+        return Schedule(self.name, self.pp, self.chunks_per_rank, self.microbatches, self.placement,
+                        lower(compute, self.placement), backward=False)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.pp:

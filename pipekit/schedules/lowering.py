@@ -3,10 +3,10 @@
 Plan, for a message between stages on different ranks:
 
 1. Each RECV goes immediately before the compute action that consumes it:
-   RECV_F(s, m) before F(s, m); RECV_B(s, m) before B(s, m) or BW(s, m).
+   RECV_F(s, m) before F(s, m); RECV_B(s, m) before B(s, m) or I(s, m).
 2. For each directed rank pair (a -> b), the message order is b's RECV order.
 3. On rank a, each SEND goes right after the compute action producing it
-   (F(s, m) -> SEND_F(s, m); B or BW(s, m) -> SEND_B(s, m)), except that it
+   (F(s, m) -> SEND_F(s, m); B or I(s, m) -> SEND_B(s, m)), except that it
    is held while an earlier message of the same pair is still unproduced; a
    held message is flushed right after the compute that unblocks it.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .ir import Action, Kind, ScheduleError, format_actions, matching_recv, matching_send
+from .ir import INPUT_GRAD_KINDS, Action, Kind, ScheduleError, format_actions, matching_recv, matching_send
 
 
 def _recv_for(action: Action, placement) -> Action | None:
@@ -26,7 +26,7 @@ def _recv_for(action: Action, placement) -> Action | None:
     s, n = action.stage, len(placement)
     if action.kind is Kind.F and s > 0 and placement[s - 1] != placement[s]:
         return Action(s, Kind.RECV_F, action.microbatch)
-    if action.kind in (Kind.B, Kind.BW) and s < n - 1 and placement[s + 1] != placement[s]:
+    if action.kind in INPUT_GRAD_KINDS and s < n - 1 and placement[s + 1] != placement[s]:
         return Action(s, Kind.RECV_B, action.microbatch)
     return None
 
@@ -36,7 +36,7 @@ def _send_for(action: Action, placement) -> Action | None:
     s, n = action.stage, len(placement)
     if action.kind is Kind.F and s < n - 1 and placement[s + 1] != placement[s]:
         return Action(s, Kind.SEND_F, action.microbatch)
-    if action.kind in (Kind.B, Kind.BW) and s > 0 and placement[s - 1] != placement[s]:
+    if action.kind in INPUT_GRAD_KINDS and s > 0 and placement[s - 1] != placement[s]:
         return Action(s, Kind.SEND_B, action.microbatch)
     return None
 
@@ -48,6 +48,9 @@ def _check_compute_only(compute, placement) -> None:
                 raise ScheduleError(f"lower() takes compute actions only; rank {r} step {i} is {a}")
             if not 0 <= a.stage < len(placement):
                 raise ScheduleError(f"rank {r} step {i}: {a} names stage {a.stage}, valid 0..{len(placement) - 1}")
+            if placement[a.stage] != r:
+                raise ScheduleError(f"rank {r} step {i}: {a} runs on rank {r} but stage {a.stage} is placed on "
+                                    f"rank {placement[a.stage]}")
 
 
 def _pair_orders(compute, placement) -> dict[tuple[int, int], list[Action]]:
@@ -112,7 +115,7 @@ def _check_all_sent(rank, produced, next_index, orders, placement) -> None:
     for (src, dst), order in orders.items():
         if src == rank and next_index[dst] < len(order):
             missing = order[next_index[dst]]
-            producer = "F" if missing.kind is Kind.F or missing.kind is Kind.SEND_F else "B or BW"
+            producer = "F" if missing.kind is Kind.F or missing.kind is Kind.SEND_F else "B or I"
             raise ScheduleError(
                 f"rank {rank} never sends {missing}, which rank {dst} receives as {matching_recv(missing)}: "
                 f"rank {rank} runs no {producer} of stage {missing.stage} microbatch {missing.microbatch}"

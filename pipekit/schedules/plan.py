@@ -1,39 +1,109 @@
-"""Build a validated `Schedule` and summarise its simulation for `pipekit plan`."""
+"""Build a validated `Schedule` (from a registered generator or an action table) and
+summarise its simulation for `pipekit plan`."""
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import asdict
 
-from .generators import generate, looping_placement
-from .ir import Schedule
+from .generators import get_generator
+from .ir import Action, Schedule, ScheduleError
 from .lowering import lower
+from .placement import check_placement, check_positive, resolve_placement
 from .simulate import resolve_costs, simulate
-from .validate import validate
 
 
-def build_schedule(name: str, pp: int, microbatches: int, chunks_per_rank: int = 1) -> Schedule:
+def build_schedule(name: str, pp: int, microbatches: int, chunks_per_rank: int | None = None) -> Schedule:
     """generate -> lower -> validate; ScheduleError on bad input.
 
-    All three schedules use the looping placement (stage s on rank s % pp).
+    `chunks_per_rank` None takes the schedule's own (2 for zbv and dualpipe_v, else
+    1); stages are placed as the schedule's registration says (looping or v).
     """
-    compute = generate(name, pp, microbatches, chunks_per_rank)
-    placement = looping_placement(pp, chunks_per_rank)
-    lowered = lower(compute, placement)
-    validate(lowered, placement, microbatches)
-    return Schedule(
-        name=name,
-        pp=pp,
-        chunks_per_rank=chunks_per_rank,
-        microbatches=microbatches,
-        placement=placement,
-        ranks=tuple(tuple(actions) for actions in lowered),
-    )
+    generator = get_generator(name)
+    check_positive("pp", pp)
+    check_positive("microbatches", microbatches)
+    chunks = generator.chunks(chunks_per_rank)
+    placement = generator.place(pp, chunks)
+    actions = generator.generate(pp, microbatches, chunks)
+    return _program(name, pp, chunks, microbatches, placement, actions)
 
 
-def plan_report(name: str, pp: int, microbatches: int, chunks_per_rank: int = 1, costs=None) -> dict:
+def _program(name, pp, chunks, microbatches, placement, actions) -> Schedule:
+    """A Schedule of `actions`, lowered first unless they already hold the messages."""
+    if not isinstance(actions, (list, tuple)) or len(actions) != pp:
+        got = f"{len(actions)} lists" if isinstance(actions, (list, tuple)) else repr(actions)
+        raise ScheduleError(f"schedule {name!r} must give one action list per rank ({pp}), got {got}")
+    if not any(a.is_comm for row in actions for a in row if isinstance(a, Action)):
+        actions = lower(actions, placement)
+    return Schedule(name, pp, chunks, microbatches, placement, actions)
+
+
+def parse_table(text: str) -> list[list[Action]]:
+    """One rank per line, actions separated by spaces and/or commas ("0F0, 0F1 0I0 0W0").
+    Blank lines and `#` comments are skipped."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0]
+        tokens = [t for t in re.split(r"[,\s]+", line) if t]
+        if not tokens:
+            continue
+        try:
+            rows.append([Action.parse(t) for t in tokens])
+        except ScheduleError as e:
+            raise ScheduleError(f"line {number}: {e}") from None
+    if not rows:
+        raise ScheduleError("the action table is empty: give one line of actions per rank")
+    return rows
+
+
+def schedule_from_table(text: str, *, name: str = "table", placement=None, microbatches: int | None = None) -> Schedule:
+    """A validated Schedule from an action table (see `parse_table`): rank r's list is line r.
+
+    The table holds compute actions (lowered here) or a whole program with its
+    SEND/RECV actions. `placement` ("looping", "v" or a tuple of ranks) defaults
+    to where the table runs each stage;
+    `microbatches` to one more than the largest microbatch named."""
+    rows = parse_table(text)
+    pp = len(rows)
+    stages = _stages_run_where(rows)
+    if placement is None:
+        missing = [s for s in range(max(stages) + 1) if s not in stages]
+        if missing:
+            raise ScheduleError(f"the table runs no action of stage {missing[0]}; stages are numbered from 0 "
+                                f"up (or pass placement=)")
+        placement = check_placement(tuple(stages[s] for s in range(len(stages))), pp)
+    else:
+        placement = resolve_placement(placement, pp)
+    if microbatches is None:
+        microbatches = 1 + max(a.microbatch for row in rows for a in row)
+    return _program(name, pp, len(placement) // pp, microbatches, placement, rows)
+
+
+def _stages_run_where(rows) -> dict[int, int]:
+    """stage -> the rank whose line runs it; ScheduleError if two lines do."""
+    where: dict[int, int] = {}
+    for r, row in enumerate(rows):
+        for a in row:
+            if where.setdefault(a.stage, r) != r:
+                raise ScheduleError(f"stage {a.stage} runs on two ranks, {where[a.stage]} and {r} ({a}); "
+                                    "each stage lives on one rank")
+    return where
+
+
+def load_schedule(path: str | os.PathLike, *, name: str | None = None, placement=None,
+                  microbatches: int | None = None) -> Schedule:
+    """`schedule_from_table` on a text or CSV file; the name defaults to the file's stem."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    stem = os.path.splitext(os.path.basename(os.fspath(path)))[0]
+    return schedule_from_table(text, name=name or stem, placement=placement, microbatches=microbatches)
+
+
+def plan_report(name: str, pp: int, microbatches: int, chunks_per_rank: int | None = None, costs=None) -> dict:
     """A JSON-able summary: the compute actions per rank and their simulated timeline.
 
-    Costs default to F=1, B=2 (W=1, BW=3); communication is free.
+    Costs default to F=1, B=2, I=1, W=1; communication is free.
     """
     schedule = build_schedule(name, pp, microbatches, chunks_per_rank)
     unit = resolve_costs(costs)
@@ -42,7 +112,8 @@ def plan_report(name: str, pp: int, microbatches: int, chunks_per_rank: int = 1,
         "schedule": name,
         "pp": pp,
         "microbatches": microbatches,
-        "chunks_per_rank": chunks_per_rank,
+        "chunks_per_rank": schedule.chunks_per_rank,
+        "placement": list(schedule.placement),
         "costs": unit,
         "makespan": result.makespan,
         "bubble_fraction": result.bubble_fraction,

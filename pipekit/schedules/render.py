@@ -91,11 +91,11 @@ def _label(action: str, room: int) -> str:
     return text if len(text) <= room else a.kind.value[:room]
 
 
-_COLOURS = {"F": "#4878d0", "B": "#6acc64", "BW": "#6acc64", "W": "#ee854a"}
+_COLOURS = {"F": "#4878d0", "B": "#6acc64", "I": "#8fd18a", "W": "#ee854a"}
 
 
 def render_png(events: list[TimelineEvent], path: str, title: str = "") -> None:
-    """A Gantt chart PNG, one row per rank: F blue, B green, W orange, SEND/RECV grey,
+    """A Gantt chart PNG, one row per rank: F blue, B green, I light green, W orange, SEND/RECV grey,
     each box labelled with its microbatch. Needs matplotlib (`pip install matplotlib`)."""
     try:
         import matplotlib

@@ -15,9 +15,10 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
-from .ir import Action, Kind, Schedule, ScheduleError, matching_send
+from .ir import WEIGHT_GRAD_KINDS, Action, Kind, Schedule, ScheduleError, matching_send
 
-DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "W": 1.0, "BW": 3.0}
+# A full backward costs twice a forward; its halves (input grad I, weight grads W) one each.
+DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,20 @@ def resolve_costs(costs: dict[str, float] | None) -> dict[str, float]:
             raise ScheduleError(f"cost of {key} must be a number >= 0, got {value!r}")
         merged[key] = value
     return merged
+
+
+def mean_costs(events) -> dict[str, float]:
+    """The mean duration of each compute kind in a (measured) timeline: the costs to
+    simulate the same schedule with. Kinds that do not occur are left out."""
+    spans: dict[str, list[float]] = {}
+    for e in events:
+        try:
+            kind = Action.parse(e.action).kind
+        except ScheduleError:
+            continue
+        if kind.value in DEFAULT_COSTS:
+            spans.setdefault(kind.value, []).append(e.end - e.start)
+    return {k: sum(v) / len(v) for k, v in spans.items()}
 
 
 def execute(ranks, placement, duration, comm_latency: float = 0.0) -> list[list[tuple[float, float]]]:
@@ -106,12 +121,14 @@ def _peer_rank(recv: Action, placement):
 
 
 def simulate(schedule: Schedule, costs: dict[str, float] | None = None, comm_latency: float = 0.0) -> SimResult:
-    """Simulate `schedule` under per-kind `costs` (DEFAULT_COSTS: F=1, B=2, W=1, BW=3).
+    """Simulate `schedule` under per-kind `costs` (DEFAULT_COSTS: F=1, B=2, I=1, W=1).
 
     bubble_per_rank[r] = 1 - busy_r / makespan; bubble_fraction = 1 - total
     busy / (pp * makespan); peak_activations[r] = the most (stage, microbatch)
-    pairs on rank r whose F is done and whose releasing backward (W when the
-    pair has a W, else B or BW) is not. The timeline holds compute events only.
+    pairs on rank r whose F is done and whose weight grads (B, or W after an
+    I) are not: an I frees part of a stage's activations, but what W needs
+    stays, and this count does not model the difference. The timeline holds
+    compute events only.
     """
     unit = resolve_costs(costs)
     times = execute(schedule.ranks, schedule.placement, lambda a: unit[a.kind.value], comm_latency)
@@ -133,14 +150,12 @@ def simulate(schedule: Schedule, costs: dict[str, float] | None = None, comm_lat
 
 
 def peak_live_activations(actions) -> int:
-    """Most (stage, mb) pairs held at once, walking one rank's list in order."""
-    has_w = {(a.stage, a.microbatch) for a in actions if a.kind is Kind.W}
+    """Most (stage, mb) pairs held at once (from F to B or W), walking one rank's list in order."""
     live = peak = 0
     for a in actions:
-        key = (a.stage, a.microbatch)
         if a.kind is Kind.F:
             live += 1
             peak = max(peak, live)
-        elif a.kind is Kind.BW or a.kind is Kind.W or (a.kind is Kind.B and key not in has_w):
+        elif a.kind in WEIGHT_GRAD_KINDS:
             live -= 1
     return peak

@@ -6,12 +6,13 @@ Checks, in order, raising ScheduleError at the first failure:
    microbatch are in range and the action runs on the rank hosting its stage;
    no action appears twice; SEND/RECV only across ranks and never past the
    first or last stage;
-2. completeness: every (stage, mb) has one F and exactly one of B or BW; a W
-   only where there is a B;
+2. completeness: every (stage, mb) has one F and either one B (full backward)
+   or one I (input grad) and one W (weight grads); a forward-only program
+   (`backward=False`, for eval) has one F each and no backward at all;
 3. dependencies on each rank: F(s, m) after its input (s == 0, F(s-1, m)
-   earlier when local, else RECV_F(s, m) earlier); B/BW(s, m) after F(s, m)
-   and after its output grad (last stage, B/BW(s+1, m) earlier when local,
-   else RECV_B(s, m) earlier); W(s, m) after B(s, m); a SEND after the
+   earlier when local, else RECV_F(s, m) earlier); B/I(s, m) after F(s, m)
+   and after its output grad (last stage, B/I(s+1, m) earlier when local,
+   else RECV_B(s, m) earlier); W(s, m) after I(s, m); a SEND after the
    compute producing it;
 4. per directed rank pair, the sender's SEND sequence equals the receiver's
    RECV sequence element by element;
@@ -22,14 +23,15 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from .ir import BACKWARD_KINDS, Action, Kind, ScheduleError, matching_recv, matching_send, message_stages
+from .ir import INPUT_GRAD_KINDS, Action, Kind, ScheduleError, matching_recv, matching_send, message_stages
 from .simulate import execute
 
 
-def validate(ranks: list[list[Action]], placement, microbatches: int) -> None:
-    """Raise ScheduleError naming the offending rank/action if `ranks` is not a valid program."""
+def validate(ranks: list[list[Action]], placement, microbatches: int, *, backward: bool = True) -> None:
+    """Raise ScheduleError naming the offending rank/action if `ranks` is not a valid program
+    (a training program; with `backward=False`, a forward-only one)."""
     _check_shape(ranks, placement, microbatches)
-    _check_complete(ranks, placement, microbatches)
+    _check_complete(ranks, placement, microbatches, backward)
     for r, actions in enumerate(ranks):
         _check_dependencies(r, actions, placement)
     _check_pairs(ranks, placement)
@@ -69,22 +71,25 @@ def _check_action(r, i, a, placement, microbatches) -> None:
             raise ScheduleError(f"{where} talks to stage {peer} on the same rank; local hand-offs need no message")
 
 
-def _check_complete(ranks, placement, microbatches) -> None:
+def _check_complete(ranks, placement, microbatches, backward: bool) -> None:
     kinds = defaultdict(set)
     for actions in ranks:
         for a in actions:
             kinds[(a.stage, a.microbatch)].add(a.kind)
     for s in range(len(placement)):
         for m in range(microbatches):
-            have = kinds[(s, m)]
+            have = kinds[(s, m)] - {Kind.F}
             where = f"stage {s} microbatch {m} (rank {placement[s]})"
-            if Kind.F not in have:
+            if Kind.F not in kinds[(s, m)]:
                 raise ScheduleError(f"{where} has no forward {Action(s, Kind.F, m)}")
-            if len(have & BACKWARD_KINDS) != 1:
-                found = sorted(k.value for k in have & BACKWARD_KINDS) or "none"
-                raise ScheduleError(f"{where} needs exactly one of B or BW, found {found}")
-            if Kind.W in have and Kind.B not in have:
-                raise ScheduleError(f"{where} has a W but no B (a fused BW already computes weight grads)")
+            computed = sorted(k.value for k in have if k in (Kind.B, Kind.I, Kind.W))
+            if not backward:
+                if computed:
+                    raise ScheduleError(f"{where}: a forward-only program has no backward, found {computed}")
+            elif have & {Kind.B, Kind.I, Kind.W} not in ({Kind.B}, {Kind.I, Kind.W}):
+                raise ScheduleError(
+                    f"{where} needs either B (full backward) or I and W (split backward), found {computed or 'none'}"
+                )
 
 
 def _check_dependencies(rank, actions, placement) -> None:
@@ -104,7 +109,7 @@ def _needs(a: Action, placement) -> list[tuple[tuple[Action, ...], str]]:
     if a.kind is Kind.F and s > 0:
         local = placement[s - 1] == placement[s]
         return [((Action(s - 1, Kind.F, m),) if local else (Action(s, Kind.RECV_F, m),), "its input")]
-    if a.kind in BACKWARD_KINDS:
+    if a.kind in INPUT_GRAD_KINDS:
         needs = [((Action(s, Kind.F, m),), "backward needs its forward")]
         if s < last:
             local = placement[s + 1] == placement[s]
@@ -112,7 +117,7 @@ def _needs(a: Action, placement) -> list[tuple[tuple[Action, ...], str]]:
             needs.append((grad, "its output grad"))
         return needs
     if a.kind is Kind.W:
-        return [((Action(s, Kind.B, m),), "weight grad after input grad")]
+        return [((Action(s, Kind.I, m),), "weight grad after input grad")]
     if a.kind is Kind.SEND_F:
         return [((Action(s, Kind.F, m),), "the output it sends")]
     if a.kind is Kind.SEND_B:
@@ -122,7 +127,7 @@ def _needs(a: Action, placement) -> list[tuple[tuple[Action, ...], str]]:
 
 def _backwards(stage: int, m: int) -> tuple[Action, ...]:
     """Either backward form of (stage, m) produces its input grad."""
-    return Action(stage, Kind.B, m), Action(stage, Kind.BW, m)
+    return Action(stage, Kind.B, m), Action(stage, Kind.I, m)
 
 
 def _check_pairs(ranks, placement) -> None:
