@@ -292,10 +292,8 @@ def _jsonable(x):
     raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
 
 
-def load_checkpoint(path: str, module: PipelineModule, optimizer=None) -> dict:
-    """Load checkpoint `path` into `module` and `optimizer` at this run's layout (collective);
-    returns its `pipekit.json`. Raises CheckpointError, naming the tensor, when the
-    checkpoint lacks one this model needs or holds it in another shape."""
+def _open(path: str):
+    """(pipekit.json, a DCP reader, what the checkpoint holds by key) of checkpoint `path`."""
     import torch.distributed.checkpoint as dcp
 
     meta = read_meta(path)
@@ -304,6 +302,16 @@ def load_checkpoint(path: str, module: PipelineModule, optimizer=None) -> dict:
         saved = reader.read_metadata().state_dict_metadata
     except Exception as e:  # noqa: BLE001 - DCP raises assorted errors on a damaged .metadata
         raise CheckpointError(f"{path}/.metadata is unreadable ({type(e).__name__}: {e})") from e
+    return meta, reader, saved
+
+
+def load_checkpoint(path: str, module: PipelineModule, optimizer=None) -> dict:
+    """Load checkpoint `path` into `module` and `optimizer` at this run's layout (collective);
+    returns its `pipekit.json`. Raises CheckpointError, naming the tensor, when the
+    checkpoint lacks one this model needs or holds it in another shape."""
+    import torch.distributed.checkpoint as dcp
+
+    meta, reader, saved = _open(path)
     local = _local_tensors(module)
     state, targets = {}, {}
     for name, t in local.items():
@@ -385,12 +393,7 @@ def load_full_weights(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     (no process group): what `convert --to-hf` and `generate` read."""
     import torch.distributed.checkpoint as dcp
 
-    meta = read_meta(path)
-    reader = dcp.FileSystemReader(path)
-    try:
-        saved = reader.read_metadata().state_dict_metadata
-    except Exception as e:  # noqa: BLE001 - DCP raises assorted errors on a damaged .metadata
-        raise CheckpointError(f"{path}/.metadata is unreadable ({type(e).__name__}: {e})") from e
+    meta, reader, saved = _open(path)
     state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in saved.items() if k.startswith("model/")}
     with _quiet():
         try:

@@ -141,3 +141,17 @@ def reference_slice(full: torch.Tensor, p: torch.Tensor, topo) -> torch.Tensor:
     (along `p.tp_shard_dim`), or the whole tensor for a replicated parameter."""
     dim = getattr(p, "tp_shard_dim", None)
     return full if dim is None else full.chunk(topo.tp, dim=dim)[topo.tp_rank]
+
+
+class FakeGroup:
+    """A process group of `size` ranks seen from `rank`, with no way to communicate: enough to
+    build tensor- or expert-parallel layers (construction never communicates) in one process."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank

@@ -48,23 +48,10 @@ from pipekit.layers import (
     tp_slice,
     vocab_parallel_cross_entropy,
 )
-from pipekit.testing import run_distributed
+from pipekit.testing import FakeGroup, run_distributed
 
 SEED = 1234
 TOL = dict(atol=1e-10, rtol=1e-10)
-
-
-class FakeGroup:
-    """A tp group of `size` ranks seen from `rank`, with no way to communicate."""
-
-    def __init__(self, size: int, rank: int = 0):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
 
 
 @pytest.fixture(autouse=True)

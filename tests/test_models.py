@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import pipekit
+from pipekit.testing import FakeGroup
 from pipekit.checkpoint import full_state_dict, load_full_state_dict
 from pipekit.layers import VocabParallelCrossEntropy, tensor_parallel, vocab_parallel_cross_entropy
 from pipekit.models import (
@@ -40,19 +41,6 @@ from pipekit.spec import LayerSpec, TiedLayerSpec, build_layer
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_FLAVOURS = [(family, flavour) for family, fam in FAMILIES.items() for flavour in fam.flavours]
-
-
-class StandInGroup:
-    """A tp "group" of `size` ranks seen from `rank`, for building layers without processes."""
-
-    def __init__(self, size: int, rank: int):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
 
 
 # ---- configs -------------------------------------------------------------------
@@ -274,7 +262,7 @@ def test_tp_shards_are_slices_of_the_one_process_model(family, tied, vocab):
     cfg = get_model(family, n_layers=2, tie_embeddings=tied, **vocab)
     specs = model_specs(cfg)
     whole = build_all(specs)
-    shards = [build_all(specs, StandInGroup(2, r)) for r in range(2)]
+    shards = [build_all(specs, FakeGroup(2, r)) for r in range(2)]
     for i, module in enumerate(whole):
         for name, full in module.state_dict(keep_vars=True).items():
             parts = [dict(s[i].state_dict(keep_vars=True))[name] for s in shards]
@@ -284,7 +272,7 @@ def test_tp_shards_are_slices_of_the_one_process_model(family, tied, vocab):
             if dim is None:
                 assert torch.equal(parts[1], full), f"entry {i} {name}: replicated but differs on rank 1"
     ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
-    shard = run_all(specs, build_all(specs, StandInGroup(2, 1), device="meta"), ids)
+    shard = run_all(specs, build_all(specs, FakeGroup(2, 1), device="meta"), ids)
     assert shard.shape == (2, 8, cfg.padded_vocab // 2)
     assert run_all(specs, whole, torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, cfg.padded_vocab)
 

@@ -24,23 +24,10 @@ from pipekit.layers import tensor_parallel
 from pipekit.layers.parallel import expert_parallel
 from pipekit.moe import BACKENDS, Experts, MoEMLP, apply_bias_updates, capacity
 from pipekit.moe.grouped import grouped_mm_runs, megablocks_available
-from pipekit.testing import run_distributed
+from pipekit.testing import FakeGroup, run_distributed
 
 SEED = 1234
 TOL = dict(atol=1e-10, rtol=1e-10)
-
-
-class FakeGroup:
-    """A group of `size` ranks seen from `rank`: enough to build layers (construction never communicates)."""
-
-    def __init__(self, size: int, rank: int = 0):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
 
 
 @pytest.fixture(autouse=True)
