@@ -139,7 +139,7 @@ def pipekit_run(cfg, mode: str, batch, args, device: torch.device) -> dict:
 
         opt = ZeroOptimizer(module, "adamw", stage=0, lr=LR, weight_decay=WEIGHT_DECAY)
     engine = pipekit.PipelineEngine(module, optimizer=opt, schedule="1f1b", num_microbatches=args.microbatches)
-    return timed(lambda: engine.train_batch(iter([batch])), device, args.warmup, args.steps)
+    return timed(lambda: engine.train_batch(iter([batch]), reduce_loss=True), device, args.warmup, args.steps)
 
 
 def measure(run, cfg, mode: str, batch, args, device: torch.device) -> dict:

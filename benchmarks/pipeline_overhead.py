@@ -148,7 +148,7 @@ def pipekit_engine(specs, schedule: str, topology=None, record: bool = False) ->
 
 
 def pipekit_step(engine, batch):
-    return lambda: engine.train_batch(iter([batch]))
+    return lambda: engine.train_batch(iter([batch]), reduce_loss=True)
 
 
 def eager_step(batch):
@@ -202,12 +202,12 @@ def torch_pipelining_step(schedule: str, batch):
 def recorded_steps(engine, batch, warmup: int, steps: int) -> list[dict]:
     """Steps with the engine's timeline: entry time on the host clock, wall time, events."""
     for _ in range(warmup):
-        engine.train_batch(iter([batch]))
+        engine.train_batch(iter([batch]), reduce_loss=True)
     out = []
     for _ in range(steps):
         dist.barrier()
         entered = time.perf_counter()
-        engine.train_batch(iter([batch]))
+        engine.train_batch(iter([batch]), reduce_loss=True)
         wall = time.perf_counter() - entered
         events = [(e.action, e.start, e.end) for e in engine.timeline]
         out.append({"entered": entered, "wall": wall, "events": events})

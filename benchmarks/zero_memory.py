@@ -133,7 +133,7 @@ def memory_row(cfg, topo, stage: int, grad_name: str) -> dict:
     engine = pipekit.PipelineEngine(module, optimizer=opt, num_microbatches=1)
     ids = torch.randint(0, cfg.vocab_size, (MEMORY_BATCH[0], MEMORY_BATCH[1] + 1),
                         generator=torch.Generator().manual_seed(topo.dp_rank))
-    engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])]))
+    engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])]), reduce_loss=True)
     mem = opt.memory_bytes()
     # the step's transient fp32 copy of the owned gradient (freed at the end of the step)
     fp32_grad_copy = sum(b.master.numel() * b.master.element_size() for b in opt.buckets
@@ -162,7 +162,7 @@ def pipekit_run(cfg, topo):
     module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo, seed=SEED)
     opt = ZeroOptimizer(module, "adamw", stage=1, lr=LR, weight_decay=WD)
     engine = pipekit.PipelineEngine(module, optimizer=opt, num_microbatches=1)
-    return (lambda batch: engine.train_batch(iter([batch]))), opt.memory_bytes
+    return (lambda batch: engine.train_batch(iter([batch]), reduce_loss=True)), opt.memory_bytes
 
 
 def torch_run(cfg):

@@ -60,12 +60,28 @@ def _train(args: argparse.Namespace) -> int:
         # The workers take this process's answer: after auto -> cpu with a GPU visible they must
         # not resolve again (each would call set_device on an ordinal that is not there).
         argv = ["train", *([args.config] if args.config else []), *args.overrides, f"train.device={device}"]
+        if cfg.schedule.partition == "profile":  # once, here, before the workers share the cores
+            argv += _profiled_partition(cfg, device)
         return _launch(cfg.world_size, argv, max_restarts=args.max_restarts)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
         print(f"pipekit train: torchrun started {os.environ['WORLD_SIZE']} workers but the config asks for "
               f"pp*dp*tp = {cfg.world_size}", file=sys.stderr)
         return 2
     return _run_worker(cfg)
+
+
+def _profiled_partition(cfg, device: str) -> list[str]:
+    """schedule.partition=profile resolved to boundaries in the launcher, as overrides for the workers."""
+    from .config import schedule_chunks
+    from .schedules import build_schedule
+    from .train import partition_of
+
+    s = cfg.schedule
+    schedule = build_schedule(s.name, cfg.parallel.pp, s.microbatches, schedule_chunks(s))
+    bounds = partition_of(cfg, schedule, "cuda" if device == "cuda" else "cpu")
+    print(f"pipekit: schedule.partition=profile -> boundaries {bounds} (layer times measured on this machine)",
+          flush=True)
+    return [f"schedule.partition={','.join(map(str, bounds))}", "schedule.memory_budget_gb=null"]
 
 
 def _run_worker(cfg) -> int:
@@ -256,6 +272,12 @@ def _plan(args: argparse.Namespace) -> int:
     checked before either file is written: a mistake writes nothing."""
     import math
 
+    if args.config is not None:
+        return _plan_config(args)
+    if args.pp is None or args.microbatches is None:
+        raise ValueError("give a training config (pipekit plan CONFIG [key=value ...]), or --pp and "
+                         "--microbatches to simulate one schedule under unit costs")
+
     from .schedules import ScheduleError, TimelineEvent, plan_report, render_png, render_text, to_chrome_trace
 
     for flag, cost in (("--f-cost", args.f_cost), ("--b-cost", args.b_cost)):
@@ -291,6 +313,89 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"makespan {report['makespan']:g}  bubble {report['bubble_fraction']:.3f}  "
           f"peak activations per rank {report['peak_activations']}")
     return 0
+
+
+def _plan_config(args: argparse.Namespace) -> int:
+    """`pipekit plan CONFIG`: profile the config's layers, predict every schedule, partition
+    and microbatch count, recommend the fastest that fits."""
+    from . import planner
+    from .config import ConfigError, load_config
+    from .schedules import build_schedule, render_png, render_text, to_chrome_trace
+
+    overrides = list(args.overrides)
+    if "=" in args.config and not args.config.endswith((".yaml", ".yml")):
+        overrides, args.config = [args.config, *overrides], None
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"pipekit plan: {e}", file=sys.stderr)
+        return 2
+    for flag, value in (("--memory-gb", args.memory_gb), ("--latency", args.latency)):
+        if value is not None and not (value > 0 and value != float("inf")):
+            raise ValueError(f"{flag} {value} must be a finite number > 0")
+    if args.top < 1:
+        raise ValueError(f"--top {args.top} must be >= 1")
+    for flag, path in (("--trace", args.trace), ("--png", args.png)):
+        if path:
+            _check_output_file(flag, path)
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("pipekit plan: --png needs matplotlib: pip install matplotlib", file=sys.stderr)
+            return 2
+    profile = planner.flop_layers(cfg) if args.no_profile else planner.profile_layers(cfg)
+    if args.latency is not None:
+        comm = planner.CommModel(latency=args.latency, collective=2 * args.latency, source="--latency")
+    elif cfg.parallel.pp > 1 and not args.no_profile:
+        comm = planner.measure_comm()
+    else:
+        comm = planner.CommModel()
+    budget = args.memory_gb * 2**30 if args.memory_gb else None
+    candidates = planner.plan(cfg, profile, comm, budget=budget)
+    if not candidates:
+        raise ValueError(f"no schedule runs pp={cfg.parallel.pp} with this model's {len(profile.layers)} layers")
+    best = candidates[0]
+    tokens = cfg.train.seq_len * cfg.parallel.dp
+    if args.json:
+        print(json.dumps({"profile": profile.source, "comm": {k: getattr(comm, k) for k in
+                                                               ("latency", "bandwidth", "collective",
+                                                                "action_overhead", "source")},
+                          "layers": [vars(c) for c in profile.at(profile.rows)],
+                          "candidates": [planner.candidate_record(c, tokens) for c in candidates],
+                          "recommended": planner.candidate_record(best, tokens),
+                          "command": _recommended_command(args.config, overrides, best)}))
+    else:
+        print(f"layers ({profile.source}; {profile.rows} rows x {cfg.train.seq_len} tokens per microbatch):")
+        print(planner.layer_table(profile))
+        print(f"\nmessages: {comm.latency * 1e6:.0f} us + bytes / {comm.bandwidth / 1e9:.2f} GB/s; "
+              f"engine overhead {comm.action_overhead * 1e6:.0f} us per action ({comm.source})")
+        print(f"\npredicted steps, pp={cfg.parallel.pp} dp={cfg.parallel.dp} tp={cfg.parallel.tp}, "
+              f"{cfg.train.micro_batch * cfg.schedule.microbatches} rows per dp replica (fastest first):")
+        print(planner.candidate_table(candidates, tokens, args.top))
+        if not best.fits:
+            print(f"\nnothing fits {args.memory_gb} GiB per rank; the fastest is shown")
+        print(f"\nrecommended: {best.schedule}, {best.microbatches} microbatches of {best.micro_batch}, partition "
+              f"{best.partition} {best.boundaries}: {best.step_seconds * 1e3:.1f} ms per step")
+        print(f"  {_recommended_command(args.config, overrides, best)}\n")
+        print(render_text(best.timeline))
+    schedule = build_schedule(best.schedule, cfg.parallel.pp, best.microbatches, best.chunks_per_rank)
+    title = (f"{best.schedule}, pp={schedule.pp}, {best.microbatches} x {best.micro_batch} rows, "
+             f"predicted {best.step_seconds * 1e3:.1f} ms, bubble {best.bubble_fraction:.3f}")
+    if args.trace:
+        from .atomic import write_atomic
+
+        write_atomic(args.trace, json.dumps(to_chrome_trace(best.timeline)))
+    if args.png:
+        render_png(best.timeline, args.png, title)
+    return 0
+
+
+def _recommended_command(config, overrides, best) -> str:
+    keep = [o for o in overrides if o.split("=", 1)[0] not in
+            {"schedule.name", "schedule.chunks_per_rank", "schedule.microbatches", "train.micro_batch",
+             "schedule.partition", "train.global_batch"}]
+    return " ".join(["pipekit train", *([config] if config else []), *keep, *best.overrides()])
 
 
 def _check_output_file(flag: str, path: str) -> None:
@@ -370,10 +475,19 @@ def parser() -> argparse.ArgumentParser:
                         "from the newest checkpoint")
     t.set_defaults(fn=_train)
 
-    q = sub.add_parser("plan", help="simulate a schedule and print its timeline and figures")
+    q = sub.add_parser("plan", help="predict a config's step for every schedule and recommend one; or simulate "
+                                    "one schedule under unit costs (--pp, --microbatches)")
+    q.add_argument("config", nargs="?", help="YAML training config: profile its layers and plan it")
+    q.add_argument("overrides", nargs="*", help="key=value overrides of the config")
+    q.add_argument("--no-profile", action="store_true",
+                   help="with CONFIG: FLOP counts on the meta device instead of timing the layers")
+    q.add_argument("--memory-gb", type=float, default=None, help="with CONFIG: memory per rank to fit in (GiB)")
+    q.add_argument("--latency", type=float, default=None, metavar="SECONDS",
+                   help="with CONFIG: message latency instead of measuring it")
+    q.add_argument("--top", type=int, default=12, help="with CONFIG: candidates to list")
     q.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | dualpipe_v")
-    q.add_argument("--pp", type=int, required=True)
-    q.add_argument("--microbatches", type=int, required=True)
+    q.add_argument("--pp", type=int, default=None)
+    q.add_argument("--microbatches", type=int, default=None)
     q.add_argument("--virtual", type=int, default=None,
                    help="virtual stages per rank (interleaved_1f1b; default: the schedule's own)")
     q.add_argument("--f-cost", type=float, default=1.0)

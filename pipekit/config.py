@@ -61,8 +61,10 @@ class ParallelConfig:
 class ScheduleConfig:
     name: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | dualpipe_v (or a registered one)
     microbatches: int = 4  # per optimizer step and dp replica
-    chunks_per_rank: int = 1  # virtual stages per rank (interleaved_1f1b)
-    partition: str = "parameters"  # uniform | parameters | type:REGEX
+    chunks_per_rank: Optional[int] = None  # virtual stages per rank; None: the schedule's own (2 for
+    #                                       interleaved_1f1b, zbv and dualpipe_v, else 1)
+    partition: str = "parameters"  # uniform | parameters | profile | type:REGEX | boundaries "0,3,7"
+    memory_budget_gb: Optional[float] = None  # partition=profile: the memory per rank the stages must fit in
     activation_checkpoint_interval: int = 0  # recompute runs of this many layers (0: off)
     checkpoint_layers: Optional[str] = None  # or recompute layers whose class matches this regex
 
@@ -207,7 +209,8 @@ def _check_positive(cfg: Config) -> None:
         ("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.ep", p.ep),
         ("schedule.microbatches", s.microbatches), ("schedule.chunks_per_rank", s.chunks_per_rank),
         ("train.steps", t.steps), ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
-        ("logging.log_every", cfg.logging.log_every), ("checkpoint.keep", cfg.checkpoint.keep)]])
+        ("logging.log_every", cfg.logging.log_every), ("checkpoint.keep", cfg.checkpoint.keep)]
+        if value is not None])
 
 
 def check_config(cfg: Config) -> None:
@@ -242,13 +245,12 @@ def check_config(cfg: Config) -> None:
     model = model_config(cfg.model)
     specs = model_specs(model)
     _check_model_fits(cfg, model, specs, schedule.chunks_per_rank)
-    _check_layer_choices(cfg, specs)
+    _check_layer_choices(cfg, specs, schedule.num_stages)
 
 
 def schedule_chunks(s: ScheduleConfig) -> int | None:
-    """The chunks per rank to build `s` with: as set, or (1, the default, for any schedule but
-    interleaved_1f1b) None: the schedule's own (2 for zbv and dualpipe_v)."""
-    return s.chunks_per_rank if s.chunks_per_rank > 1 or s.name == "interleaved_1f1b" else None
+    """The chunks per rank to build `s` with: as set, or None: the schedule's own."""
+    return s.chunks_per_rank
 
 
 def _check_optimizer(cfg: Config) -> None:
@@ -312,20 +314,41 @@ def _check_runtime(cfg: Config) -> None:
                           "set; set logging.out_dir, or logging.trace_step=null")
 
 
-def _check_layer_choices(cfg: Config, specs: list) -> None:
-    """schedule.partition, activation_checkpoint_interval and checkpoint_layers, against the model's layers."""
-    from .partition import layer_weights
+def partition_boundaries(text: str) -> list[int] | None:
+    """Explicit boundaries written as schedule.partition="0,3,7" (None for a method name)."""
+    if not re.fullmatch(r"\s*\[?\s*\d+(\s*,\s*\d+)+\s*\]?\s*", text):
+        return None
+    return [int(x) for x in text.strip().strip("[]").split(",")]
+
+
+def _check_layer_choices(cfg: Config, specs: list, num_stages: int) -> None:
+    """schedule.partition, memory_budget_gb, activation_checkpoint_interval and checkpoint_layers,
+    against the model's layers and the schedule's stages."""
+    from .partition import check_boundaries, layer_weights
     from .spec import spec_name
 
     s = cfg.schedule
-    if s.partition not in ("uniform", "parameters") and not s.partition.startswith("type:"):
-        raise ConfigError(f"schedule.partition={s.partition!r} must be uniform, parameters or type:REGEX "
-                          f"(layers whose class name matches REGEX weigh 1, e.g. type:Block)")
+    bounds = partition_boundaries(s.partition)
+    if bounds is not None:
+        try:
+            check_boundaries(bounds, len(specs), num_stages)
+        except ValueError as e:
+            raise ConfigError(f"schedule.partition: {e}") from e
+    elif s.partition not in ("uniform", "parameters", "profile") and not s.partition.startswith("type:"):
+        raise ConfigError(f"schedule.partition={s.partition!r} must be uniform, parameters, profile, type:REGEX "
+                          f"(layers whose class name matches REGEX weigh 1, e.g. type:Block) or boundaries "
+                          f"such as \"0,3,{len(specs)}\"")
     if s.partition.startswith("type:"):
         try:
             layer_weights(specs, s.partition)
         except ValueError as e:
             raise ConfigError(f"schedule.partition: {e}") from e
+    if s.memory_budget_gb is not None:
+        if s.partition != "profile":
+            raise ConfigError(f"schedule.memory_budget_gb={s.memory_budget_gb} applies to schedule.partition=profile, "
+                              f"not {s.partition!r}; set schedule.partition=profile or remove the budget")
+        if not (_finite(s.memory_budget_gb) and s.memory_budget_gb > 0):
+            raise ConfigError(f"schedule.memory_budget_gb={s.memory_budget_gb} must be a number > 0 (GiB per rank)")
     _check_rules([("schedule.activation_checkpoint_interval", s.activation_checkpoint_interval,
                    s.activation_checkpoint_interval >= 0, ">= 0 (0: off)")])
     if s.checkpoint_layers is None:

@@ -2,42 +2,60 @@
 
 One optimizer step (`train_batch`) is:
 
-1. read this rank's batch, split it into M microbatches (only the first stage
-   uses the inputs and only the last the labels; other ranks use the shapes);
+1. read this rank's batch, split it into M microbatches (only the rank of the
+   first stage needs the inputs and only the rank of the last the labels; see
+   "Data" below);
 2. run this rank's lowered action list from the schedule, one handler per
    action kind: F, B (full backward), I (input grads only) and W (weight
    grads only; see `pipekit.split_backward`), SEND_F/RECV_F, SEND_B/RECV_B;
 3. wait for the posted sends; sum the gradients of tied layers over the
    pipeline ranks that hold them; average all gradients over the
    data-parallel group (one flat all-reduce per dtype);
-4. step the optimizer and return the mean microbatch loss, the same on
-   every rank.
+4. step the optimizer and return the loss (see "The loss" below).
 
-The schedule is a `pipekit.schedules.Schedule` (or a registered name, built
-here for the module's pp, chunks and microbatches); its placement of virtual
-stages must be the module's. The eval program is its forwards alone, itself a
-validated Schedule.
+The schedule is declared once: on the module (`PipelineModule(schedule=...)`,
+which the engine then runs), or here as a `pipekit.schedules.Schedule` or a
+registered name (built for the module's pp, chunks and microbatches); its
+placement of virtual stages must be the module's, and a name given to both must
+agree. The eval program is its forwards alone, itself a validated Schedule.
 
-With a `pipekit.optim.ZeroOptimizer` the optimizer owns step 3 and the
-clipping: each pass that accumulates parameter grads (B, or W after its I)
-runs inside `optimizer.backward_pass(...)` (so ZeRO-2 reduce-scatters during
-backward; a stage's parameters are final after its last B or W), the loss
-is multiplied by its loss scale (fp16), and `optimizer.step()` reduces,
-unscales, checks for overflow (a skipped step does not advance the LR
-schedule), clips and updates. A half-precision module (`precision="bf16"`)
-needs it, for fp32 master weights; float inputs are cast to the module's
-dtype and the last stage's outputs to fp32 before the loss.
+Data: `train_batch(data)` / `eval_batch(data)` take the batch `(inputs,
+labels)` itself (a tuple or a list, as a DataLoader gives it) or an iterator
+of batches. A rank that holds no stage reading the inputs (stage 0) may pass
+None for them, a rank without the last stage None for the labels, a middle
+rank None for the whole batch (`train_batch()`). Receive buffers are sized
+from the shapes of a microbatch's inputs, agreed once, at the first step
+(train or eval; see `_InputShapes`): the rank of stage 0 posts its shapes to
+the other pipeline ranks and each tells it whether it was given inputs, so
+all ranks always agree on what is exchanged and later steps exchange nothing.
+If every rank was given its inputs then, shapes may change from step to step
+(each rank sizes from its own) and a rank that later passes None fails with
+an error saying why; if some rank was given none, the first step's shapes are
+fixed (as torch.distributed.pipelining fixes them at its first step) and the
+rank of stage 0 refuses inputs of other shapes, naming both, before sending
+anything. A rank that lacks data one of its stages reads gets an error naming
+the rank, its stages and what is missing.
 
 The loss of each microbatch is weighted before its backward so that the
 gradients are those of the loss of the whole batch, as in one process: by
 1/M, or, for a token-level loss (one with an `ignore_index`), by its share
 of the valid tokens of the global batch (see `_loss_weights`).
+
+The loss returned costs no communication by default: on the ranks holding the
+last stage, a detached 0-dim float64 tensor, the loss of this data-parallel
+replica's batch as one process would compute it on that batch (for a token-level
+loss, the mean over its valid tokens); None on the other ranks (as
+torch.distributed.pipelining gives losses on the last stage only). With
+`reduce_loss=True` (a collective: every rank passes the same) it is the loss of
+the whole global batch as a Python float on every rank (DeepSpeed's
+`train_batch`): one all-reduce over pp, one over dp and a host sync.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import time
 from typing import Any
 
@@ -46,7 +64,7 @@ import torch.distributed as dist
 
 from . import auxloss, comm, split_backward
 from .optim import ZeroOptimizer
-from .pipeline import PipelineModule
+from .pipeline import PipelineModule, check_interleaving
 from .schedules import SCHEDULES, Action, Kind, Schedule, TimelineEvent, build_schedule
 from .schedules.ir import WEIGHT_GRAD_KINDS
 from .topology import DEFAULT_TIMEOUT
@@ -92,13 +110,38 @@ def _to_device(x, device: torch.device):
 
 
 def _next_batch(data):
-    """The batch itself (a pair or list of two), or the next item of an iterator."""
-    if isinstance(data, (tuple, list)):
+    """The batch itself (a pair or list of two, or None), or the next item of an iterator."""
+    if data is None or isinstance(data, (tuple, list)):
         return data
     if not hasattr(data, "__next__"):
         raise TypeError(f"expected a batch (inputs, labels) or an iterator of batches, got {type(data).__name__}; "
                         "pass iter(loader) for a DataLoader")
     return next(data)
+
+
+def _shapes(x) -> tuple:
+    """(is a tuple, ((shape, dtype), ...)) of a microbatch's inputs: what sizes every buffer."""
+    return isinstance(x, tuple), tuple((tuple(t.shape), t.dtype) for t in _all_tensors(x))
+
+
+def _shapes_to_json(shapes: tuple) -> list:
+    return [shapes[0], [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in shapes[1]]]
+
+
+def _shapes_from_json(obj: list) -> tuple:
+    return bool(obj[0]), tuple((tuple(shape), getattr(torch, dtype)) for shape, dtype in obj[1])
+
+
+def _meta_of(shapes: tuple):
+    """Meta tensors of the shapes recorded by `_shapes`."""
+    is_tuple, items = shapes
+    metas = tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in items)
+    return metas if is_tuple else metas[0]
+
+
+def _shape_text(shapes: tuple) -> str:
+    items = ", ".join(f"{list(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in shapes[1])
+    return f"({items})" if shapes[0] else items
 
 
 def _cast_floats(x, dtype: torch.dtype | None):
@@ -110,8 +153,111 @@ def _cast_floats(x, dtype: torch.dtype | None):
     return x.to(dtype) if x.is_floating_point() else x
 
 
+def _name(schedule) -> str:
+    """A schedule's name, given the name or the Schedule."""
+    return schedule if isinstance(schedule, str) else schedule.name
+
+
 def _all_tensors(x) -> list[torch.Tensor]:
     return list(x) if isinstance(x, tuple) else [x]
+
+
+class _InputShapes:
+    """The microbatch input shapes that size every receive buffer, agreed at the first step.
+
+    At its first step the rank holding stage 0 (the owner) posts its shapes to every
+    other pipeline rank (a length and a JSON text, before any action), and each of
+    them posts the owner one flag: whether it was given inputs. The others wait for
+    the shapes before their first action; the owner reads the flags after its last
+    (so a silent peer still fails at a named action). No later step communicates: a
+    rank given inputs sizes from them (so shapes may change between steps while every
+    rank passes inputs); a rank given none at the first step takes that step's shapes
+    for good, so the owner then refuses inputs of other shapes, and a rank that was
+    given inputs then cannot do without them later (it could not know the shapes).
+    """
+
+    def __init__(self, engine: PipelineEngine):
+        self.topo, self.timeout = engine.topo, engine.timeout
+        self.stages = engine.module.local_stages
+        self.owner = engine.module.stage_rank(0)
+        self.first: tuple | None = None  # the owner's shapes at the first step
+        self.had_inputs: bool | None = None  # this rank's inputs at the first step (None: no step yet)
+        self.without: list[int] = []  # known on the owner after the first step: pp ranks given no inputs
+        self._flags: dict = {}  # on the owner during the first step: pp rank -> (posted receive, flag)
+
+    def _where(self) -> str:
+        t = self.topo
+        return f"rank {t.rank} (pp_rank {t.pp_rank}, dp_rank {t.dp_rank}, stages {self.stages})"
+
+    def example(self, example, posted: list):
+        """The microbatch inputs `example` (None: none given), or meta tensors shaped as the
+        first step's, to size this step's buffers; the first step's sends go to `posted`."""
+        mine = None if example is None else _shapes(example)
+        if self.had_inputs is None:
+            self._first_step(mine, posted)
+        if mine is None:
+            if self.had_inputs:
+                raise ValueError(
+                    f"{self._where()} got no inputs, but it was given them at the first step, so the rank of "
+                    f"stage 0 does not hold the shapes fixed and this rank cannot know them; pass None for the "
+                    "inputs from the first step on (the shapes then stay the first step's), or pass them every step"
+                )
+            return _meta_of(self.first)
+        if self.topo.pp_rank == self.owner:
+            fixed = self.without
+        else:
+            fixed = [] if self.had_inputs else [self.topo.pp_rank]
+        if fixed and mine != self.first:
+            raise ValueError(
+                f"{self._where()}: the inputs' microbatch shapes changed from {_shape_text(self.first)} at the "
+                f"first step to {_shape_text(mine)}, but pipeline rank(s) {fixed} passed no inputs then and size "
+                "their buffers from the first step's shapes; keep the shapes fixed, or pass the inputs on every "
+                "pipeline rank from the first step on"
+            )
+        return example
+
+    def _first_step(self, mine: tuple | None, posted: list) -> None:
+        t, device = self.topo, self.topo.device
+        self.had_inputs = mine is not None
+        if t.pp == 1:
+            self.first = mine
+            return
+        if t.pp_rank == self.owner:
+            self.first = mine
+            text = torch.tensor(list(json.dumps(_shapes_to_json(mine)).encode()), dtype=torch.uint8, device=device)
+            length = torch.tensor([text.numel()], dtype=torch.int64, device=device)
+            for r in range(t.pp):
+                if r != self.owner:
+                    posted += comm.send([length, text], t.global_rank(r))
+                    flag = torch.zeros(1, dtype=torch.int64, device=device)
+                    self._flags[r] = (dist.irecv(flag, src=t.global_rank(r)), flag)
+            return
+        owner = t.global_rank(self.owner)
+        posted += comm.send([torch.tensor([int(self.had_inputs)], dtype=torch.int64, device=device)], owner)
+        try:
+            (length,) = comm.recv([torch.empty(1, dtype=torch.int64, device="meta")], owner, device, self.timeout)
+            (text,) = comm.recv([torch.empty(int(length), dtype=torch.uint8, device="meta")], owner, device,
+                                self.timeout)
+        except (comm.PeerTimeout, comm.PeerClosed) as e:
+            raise type(e)(f"{self._where()} waiting for the inputs' shapes from rank {owner} (stage 0) at the "
+                          f"first step: {e}") from e
+        self.first = _shapes_from_json(json.loads(bytes(text.cpu().tolist()).decode()))
+        if mine is not None and mine != self.first:
+            raise ValueError(f"{self._where()}: its inputs' microbatch shapes {_shape_text(mine)} differ from those "
+                             f"of rank {owner} (stage 0), {_shape_text(self.first)}; pass the same batch on every "
+                             "pipeline rank of a data-parallel replica, or None where it is not needed")
+
+    def finish_first_step(self) -> None:
+        """On the owner after its first step: read which ranks were given no inputs."""
+        flags, self._flags = self._flags, {}
+        for r, (work, flag) in flags.items():
+            try:
+                work.wait(timeout=self.timeout)
+            except RuntimeError as e:
+                raise comm.PeerTimeout(f"{self._where()}: no word from pp_rank {r} on its inputs at the first "
+                                       f"step ({e})") from e
+            if not flag.item():
+                self.without.append(r)
 
 
 class PipelineEngine:
@@ -120,11 +266,15 @@ class PipelineEngine:
     Args:
         module: this rank's PipelineModule.
         optimizer: a torch optimizer over `module.parameters()` (None: eval only).
-        schedule: a `pipekit.schedules.Schedule`, or the name of a registered one
+        schedule: None (default): the module's (`PipelineModule(schedule=...)`),
+            or "1f1b" when the module declares none. Else a
+            `pipekit.schedules.Schedule`, or the name of a registered one
             ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", ...; see
             `pipekit.schedules.SCHEDULES`), built for the module's pp and
-            chunks_per_rank. Its placement must be the module's (build the module
-            with `placement=schedule`, or placement="v" for zbv).
+            chunks_per_rank. Its placement must be the module's, and its name the
+            module's schedule's when the module declares one.
+            "interleaved_1f1b" with one chunk per rank is refused (it would be
+            plain 1F1B).
         num_microbatches: M, microbatches per optimizer step (default: the
             Schedule's, or 1 with a name).
         record_timeline: keep every action's measured start/end (seconds since
@@ -142,7 +292,7 @@ class PipelineEngine:
         module: PipelineModule,
         *,
         optimizer: torch.optim.Optimizer | None = None,
-        schedule: str | Schedule = "1f1b",
+        schedule: str | Schedule | None = None,
         num_microbatches: int | None = None,
         record_timeline: bool = False,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
@@ -191,29 +341,56 @@ class PipelineEngine:
         self._final_params = self._params_final_after()
         self._io_meta: list | None = None
         self._io_key = None
+        self._shapes = _InputShapes(self)
 
     # ---- set-up -------------------------------------------------------
     def _resolve_schedule(self, schedule, num_microbatches) -> Schedule:
-        """The Schedule to run, checked against the module: same pp, same placement."""
+        """The Schedule to run: the given one or the module's, checked against the module
+        (same pp, same placement, the same name as the module's declared schedule)."""
         module, pp = self.module, self.topo.pp
-        if isinstance(schedule, str):
-            schedule = build_schedule(schedule, pp, 1 if num_microbatches is None else num_microbatches,
-                                      module.chunks_per_rank)
-        elif not isinstance(schedule, Schedule):
+        declared = getattr(module, "schedule", None)
+        if schedule is not None and not isinstance(schedule, (str, Schedule)):
             raise TypeError(f"schedule must be a registered name ({', '.join(SCHEDULES)}) or a "
                             f"pipekit.schedules.Schedule, got {type(schedule).__name__}")
+        if schedule is None and declared is None and module.chunks_per_rank > 1:
+            raise ValueError(
+                f"the module holds {module.chunks_per_rank} virtual stages per rank (placement "
+                f"{module.placement}) but declares no schedule to run them; declare it once: "
+                "PipelineModule(..., schedule='interleaved_1f1b' (or 'zbv', 'dualpipe_v', a Schedule)), "
+                "or pass schedule= to PipelineEngine"
+            )
+        if schedule is None:
+            schedule = declared if declared is not None else "1f1b"
+        elif declared is not None and _name(schedule) != _name(declared):
+            raise ValueError(
+                f"the module was built for schedule {_name(declared)!r} but the engine was given "
+                f"{_name(schedule)!r}; declare the schedule once: PipelineModule(..., schedule=...) and "
+                "leave PipelineEngine's schedule out"
+            )
+        if isinstance(schedule, str) and isinstance(declared, Schedule):
+            if num_microbatches in (None, declared.microbatches):
+                schedule = declared  # the module's own Schedule, by its name
+        if isinstance(schedule, str):
+            check_interleaving(schedule, module.chunks_per_rank)
+            schedule = build_schedule(schedule, pp, 1 if num_microbatches is None else num_microbatches,
+                                      module.chunks_per_rank)
         elif num_microbatches is not None and num_microbatches != schedule.microbatches:
             raise ValueError(f"num_microbatches={num_microbatches}, but schedule {schedule.name!r} runs "
                              f"{schedule.microbatches}; leave num_microbatches out to take the schedule's")
         if schedule.pp != pp:
             raise ValueError(f"schedule {schedule.name!r} is for pp={schedule.pp}, but the topology has pp={pp}")
+        check_interleaving(schedule.name, schedule.chunks_per_rank)
         if schedule.placement != module.placement:
-            named = getattr(SCHEDULES.get(schedule.name), "placement", None)
+            generator = SCHEDULES.get(schedule.name)
+            named = getattr(generator, "placement", None)
             hint = f" or placement={named!r}" if isinstance(named, str) else ""
+            chunks = f", chunks_per_rank={schedule.chunks_per_rank}"
+            declare = (f"schedule={schedule.name!r}" + (chunks if generator.chunks_per_rank is None else "")
+                       if generator is not None else "schedule=<the Schedule>")
             raise ValueError(
                 f"schedule {schedule.name!r} places virtual stages on ranks {schedule.placement}, but the module "
-                f"was built with placement {module.placement}; build it with PipelineModule(..., "
-                f"placement=<the Schedule>{hint}, chunks_per_rank={schedule.chunks_per_rank})"
+                f"was built with placement {module.placement}; declare the schedule on the module: "
+                f"PipelineModule(..., {declare}) (or placement=<the Schedule>{hint}{chunks})"
             )
         return schedule
 
@@ -256,13 +433,22 @@ class PipelineEngine:
         return self._io_meta
 
     # ---- the public steps ---------------------------------------------
-    def train_batch(self, data) -> float:
+    def train_batch(self, data=None, *, reduce_loss: bool = False):
         """One optimizer step over `num_microbatches` microbatches of one batch.
 
-        `data` is the batch `(inputs, labels)` itself, or an iterator whose
-        `next()` gives it: this data-parallel rank's share, on every pipeline
-        rank (only shapes are used off the first and last stage). Returns the
-        step's loss (the batch's loss, as in one process), on every rank."""
+        `data` is the batch `(inputs, labels)` itself (a tuple or a list), or an
+        iterator whose `next()` gives it (`iter(loader)`, a generator): this
+        data-parallel rank's share. Only the rank holding stage 0 needs the
+        inputs and only the rank holding the last stage the labels; the others
+        may pass None in their place, or None for the whole batch (shapes: see
+        the module docstring).
+
+        Returns, by default without any communication, this dp replica's loss
+        over its batch as a detached 0-dim float64 tensor on the ranks holding
+        the last stage, and None on the others. `reduce_loss=True` returns the
+        loss of the global batch (as in one process) as a float on every rank: a
+        collective (an all-reduce over pp and over dp), so every rank must pass it.
+        The gradients and the step are the same either way."""
         if self.optimizer is None:
             raise RuntimeError("train_batch needs an optimizer; pass optimizer=... to PipelineEngine")
         self.module.train()
@@ -279,15 +465,16 @@ class PipelineEngine:
             self.last_step_skipped = False
         if self.lr_scheduler is not None and not self.last_step_skipped:
             self.lr_scheduler.step()
-        return self._mean_loss()
+        return self._step_loss(reduce_loss)
 
     @torch.no_grad()
-    def eval_batch(self, data, return_outputs: bool = False):
-        """Forward only. Returns the mean loss (every rank), or `(loss, outputs)` with
-        the last stage's outputs concatenated over microbatches (None off the last stage)."""
+    def eval_batch(self, data=None, return_outputs: bool = False, *, reduce_loss: bool = False):
+        """Forward only, on the same data as `train_batch` (None where a rank needs none).
+        Returns the loss as `train_batch` does (None without a loss_fn), or `(loss, outputs)`
+        with the last stage's outputs concatenated over microbatches (None off the last stage)."""
         self.module.eval()
         self._run(self.eval_actions, _next_batch(data), training=False)
-        loss = self._mean_loss() if self.module.has_loss else None
+        loss = self._step_loss(reduce_loss) if self.module.has_loss else None
         if not return_outputs:
             return loss
         outs = self._outputs if self.last_stage in self.module.local_stages else None
@@ -295,24 +482,54 @@ class PipelineEngine:
             outs = torch.cat(outs) if isinstance(outs[0], torch.Tensor) else tuple(map(torch.cat, zip(*outs)))
         return loss, outs
 
+    # ---- this rank's data -----------------------------------------------
+    def _prepare(self, batch):
+        """Check, move and split this rank's batch into `_micro_in` / `_micro_labels` (None
+        where not given); returns the first microbatch's inputs (None: no inputs given)."""
+        if batch is None:
+            inputs = labels = None
+        elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+            inputs, labels = (tuple(x) if isinstance(x, list) else x for x in batch)  # a DataLoader's lists
+        else:
+            size = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
+            raise TypeError(f"a batch must be a pair (inputs, labels), or None on a rank that needs no data; "
+                            f"got {type(batch).__name__}{size}")
+        self._check_needs(inputs, labels)
+        self._micro_in = self._micro_labels = None
+        if inputs is not None:
+            inputs = _cast_floats(_to_device(inputs, self.topo.device), self.module.param_dtype)
+            self._micro_in = split_microbatches(inputs, self.num_microbatches, "inputs")
+        if labels is not None:
+            labels = _to_device(labels, self.topo.device)
+            self._micro_labels = split_microbatches(labels, self.num_microbatches, "labels")
+        return None if self._micro_in is None else self._micro_in[0]
+
+    def _check_needs(self, inputs, labels) -> None:
+        """Raise, naming this rank and its stages, when it lacks data one of its stages reads."""
+        local, need = self.module.local_stages, []
+        if inputs is None and 0 in local:
+            need.append("the inputs (stage 0 reads them)")
+        if labels is None and self.last_stage in local and self.module.has_loss:
+            need.append(f"the labels (the last stage, {self.last_stage}, computes the loss)")
+        if need:
+            t = self.topo
+            raise ValueError(f"rank {t.rank} (pp_rank {t.pp_rank}, dp_rank {t.dp_rank}) holds stages {local} and "
+                             f"needs {' and '.join(need)}, but got None; pass them on this rank")
+
     # ---- the action loop ----------------------------------------------
     def _run(self, actions: list[Action], batch, *, training: bool) -> None:
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise TypeError(f"a batch must be a pair (inputs, labels), got {type(batch).__name__}")
-        inputs, labels = (_to_device(x, self.topo.device) for x in batch)
-        inputs = _cast_floats(inputs, self.module.param_dtype)
-        self._micro_in = split_microbatches(inputs, self.num_microbatches, "inputs")
-        self._micro_labels = split_microbatches(labels, self.num_microbatches, "labels")
-        self._weights = self._loss_weights()
-        self._io = self._stage_io(self._micro_in[0])
+        example = self._prepare(batch)
+        self._posted: list = []
+        self._io = self._stage_io(self._shapes.example(example, self._posted))
+        self._weights, self._local_weights = self._loss_weights()
         self._training = training
         self._stash: dict = {}  # (stage, mb) -> (stage input, stage output or scaled loss)
         self._inbox: dict = {}  # (stage, mb) -> stage input (received, or from a local stage)
         self._grads: dict = {}  # (stage, mb) -> grads of the stage's float outputs
         self._weight_work: dict = {}  # (stage, mb) -> what W still has to do after I
         self._outbox: dict = {}  # (stage, kind, mb) -> tensors waiting for their SEND
-        self._posted: list = []
-        self._losses: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor] = []  # each microbatch's loss, weighted for the global batch
+        self._raw_losses: list[torch.Tensor] = []  # each microbatch's loss as computed
         self._outputs: list = []
         self.timeline = []
         self.step_start = t0 = time.perf_counter()  # timeline times are relative to this (a machine-wide clock)
@@ -325,6 +542,7 @@ class PipelineEngine:
             if self.record_timeline:
                 self.timeline.append(TimelineEvent(self.topo.pp_rank, str(action), start - t0, time.perf_counter() - t0))
         comm.wait_all(self._posted, self.timeout)
+        self._shapes.finish_first_step()
         leftover = [*self._stash, *self._inbox, *self._grads, *self._weight_work] if training else []
         assert not leftover, f"rank {self.topo.rank}: unconsumed activations/grads after the step: {leftover}"
 
@@ -364,6 +582,7 @@ class PipelineEngine:
         loss = self.module.loss_fn(_cast_floats(out, torch.float32 if self.module.param_dtype else None),
                                    self._micro_labels[m])
         self._losses.append(loss.detach() * self._weights[m])
+        self._raw_losses.append(loss.detach())
         if self._training:
             scale = self.optimizer.loss_scale if self.zero else 1.0
             self._stash[(self.last_stage, m)] = (x, loss * (scale * self._weights[m]))
@@ -498,27 +717,42 @@ class PipelineEngine:
                 p.grad = torch.zeros_like(p)
         return params
 
-    def _loss_weights(self) -> list[float]:
+    def _loss_weights(self) -> tuple[list[float], list[float]]:
         """What each microbatch's loss is multiplied by, so that the step's loss and gradients
-        are those of the whole global batch, as in one process (the dp reduction then averages).
+        are those of the whole global batch, as in one process (the dp reduction then averages);
+        and, for the loss `train_batch` returns by default, so that it is this dp replica's.
 
         A token-level loss (a `loss_fn` with an `ignore_index`, like cross-entropy) is a mean
         over its microbatch's valid tokens: microbatch m weighs dp * valid_m / valid, valid
         counted over every microbatch and dp replica (one all-reduce over dp on the last
-        stage), so masked labels give the one-process loss at any m and dp. Any other loss
-        weighs 1/M: the mean over microbatches."""
+        stage), so masked labels give the one-process loss at any m and dp; for the replica's
+        own loss it weighs valid_m / (its replica's valid). Any other loss weighs 1/M: the
+        mean over microbatches."""
         m = self.num_microbatches
         ignore = getattr(self.module.loss_fn, "ignore_index", None)
         labels = self._micro_labels
         if ignore is None or self.last_stage not in self.module.local_stages or not torch.is_tensor(labels[0]):
-            return [1.0 / m] * m
+            return [1.0 / m] * m, [1.0 / m] * m
         counts = torch.stack([(y != ignore).sum() for y in labels]).double()
+        mine = counts.tolist()
+        local = [c / sum(mine) for c in mine] if sum(mine) else [0.0] * m
         total = counts.sum()
         if self.topo.dp_group is not None:
             dist.all_reduce(total, group=self.topo.dp_group)
         if total.item() == 0:
-            return [0.0] * m
-        return (counts * (self.topo.dp / total)).tolist()
+            return [0.0] * m, local
+        return (counts * (self.topo.dp / total)).tolist(), local
+
+    def _step_loss(self, reduce_loss: bool):
+        """The loss `train_batch` / `eval_batch` return: with `reduce_loss`, the global
+        batch's, as a float on every rank (collective); else this replica's as a 0-dim
+        float64 tensor where the last stage is, None elsewhere (no communication)."""
+        if reduce_loss:
+            return self._mean_loss()
+        if self.last_stage not in self.module.local_stages:
+            return None
+        terms = [loss.double() * w for loss, w in zip(self._raw_losses, self._local_weights) if w]
+        return torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float64, device=self.topo.device)
 
     def _mean_loss(self) -> float:
         """The step's loss (the last stage's weighted microbatch losses, averaged over dp),

@@ -2,8 +2,10 @@
 
 The spec list is cut into `pp * chunks_per_rank` virtual stages; virtual stage
 `s` lives on pipeline rank `placement[s]`: looping (`s % pp`) by default, the
-V of ZBV (`placement="v"`), or exactly where a `Schedule` puts it
-(`placement=schedule`), which the engine checks. Each rank builds only
+V of ZBV (`placement="v"`), or exactly where a schedule puts it. The schedule
+is declared once, here (`schedule="interleaved_1f1b", chunks_per_rank=2`, or
+`schedule=<a Schedule>`): it fixes the placement and the chunks, and
+`PipelineEngine(module)` runs it. Each rank builds only
 the layers of its own stages, each seeded by its global index, and names them
 by that index (`layers.7.weight`), so a parameter has the same name in every
 layout. Tied layers live under `tied.<key>` on every rank that uses them.
@@ -30,7 +32,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .layers.parallel import expert_parallel, tensor_parallel
 from .partition import partition as partition_specs
-from .schedules import resolve_placement
+from .schedules import SCHEDULES, Schedule, ScheduleError, resolve_placement
+from .schedules.generators import get_generator
 from .spec import LayerSpec, TiedLayerSpec, build_layer, spec_name
 from .topology import Topology
 
@@ -47,6 +50,44 @@ def check_activation(value: Any, where: str) -> None:
         raise TypeError(f"{where} returned {got}; every layer must return a Tensor or a tuple of Tensors")
 
 
+def check_interleaving(name: str, chunks_per_rank: int | None) -> None:
+    """Raise unless a registered schedule runs `chunks_per_rank` chunks (None: its own);
+    interleaved_1f1b needs at least 2 (with one it is plain 1F1B, which would be a silent
+    change of schedule). The rule lives in the registry (`Generator.chunks`)."""
+    if name in SCHEDULES:
+        get_generator(name).chunks(chunks_per_rank)
+
+
+def declare_schedule(schedule, placement, pp: int, chunks_per_rank: int | None):
+    """(the declared schedule: a name, a Schedule or None; the placement tuple) of a module.
+
+    A `schedule` sets the placement (its registration's for a name, built with
+    `chunks_per_rank` or the schedule's own chunks; its own for a Schedule); a
+    `placement` given beside it must agree. Without one, `placement` (default
+    looping) decides, and a Schedule passed as the placement is the declared one."""
+    if schedule is None:
+        if isinstance(placement, Schedule):
+            check_interleaving(placement.name, placement.chunks_per_rank)
+            return placement, resolve_placement(placement, pp, chunks_per_rank)
+        return None, resolve_placement("looping" if placement is None else placement, pp, chunks_per_rank)
+    if isinstance(schedule, str):
+        generator = get_generator(schedule)
+        check_interleaving(schedule, chunks_per_rank)
+        placed = generator.place(pp, generator.chunks(chunks_per_rank))
+    elif isinstance(schedule, Schedule):
+        check_interleaving(schedule.name, schedule.chunks_per_rank)
+        placed = resolve_placement(schedule, pp, chunks_per_rank)
+    else:
+        raise TypeError(f"schedule must be a registered name ({', '.join(SCHEDULES)}) or a "
+                        f"pipekit.schedules.Schedule, got {type(schedule).__name__}")
+    if placement is not None and resolve_placement(placement, pp) != placed:
+        named = schedule if isinstance(schedule, str) else schedule.name
+        raise ScheduleError(f"placement {resolve_placement(placement, pp)} disagrees with schedule {named!r}, "
+                            f"which places virtual stages on ranks {placed}; leave placement out (the "
+                            "schedule decides it)")
+    return schedule, placed
+
+
 class PipelineModule(nn.Module):
     """This rank's share of a model given as a list of specs.
 
@@ -59,12 +100,21 @@ class PipelineModule(nn.Module):
         topology: the process grid; None means one process (pp=1, dp=1).
         partition: "parameters", "uniform", "type:REGEX", or explicit boundaries.
         seed: base seed; layer i is initialised from (seed, i).
+        schedule: the pipeline schedule this module is built for, declared once: a
+            registered name ("1f1b", "interleaved_1f1b", "zbv", ...; see
+            `pipekit.schedules.SCHEDULES`) or a `pipekit.schedules.Schedule`. It sets
+            the placement, and for a name the chunks (`chunks_per_rank`, or the
+            schedule's own: 2 for zbv); `PipelineEngine(module)` then runs it.
+            "interleaved_1f1b" needs chunks_per_rank >= 2, given explicitly (with one
+            chunk it would be plain 1F1B, so that is an error, not a fallback).
+            None: no schedule declared (the engine's own, "1f1b" by default).
         chunks_per_rank: virtual stages per rank (> 1 for interleaved 1F1B, 2 for
-            ZBV); None: 1, or what `placement` implies.
+            ZBV); None: 1, or what `placement` / `schedule` implies.
         placement: which pipeline rank hosts each virtual stage: "looping" (stage s
             on rank s % pp), "v" (rank r holds r and 2pp-1-r), a tuple of ranks,
-            or a `pipekit.schedules.Schedule` (its placement: the module then
-            builds what that schedule runs here).
+            or a `pipekit.schedules.Schedule` (the same as `schedule=` that
+            Schedule). None: looping, or where `schedule` puts the stages (a
+            placement given with a schedule must agree with it).
         activation_checkpoint_interval: recompute every run of this many layers
             in backward instead of keeping their activations (0: off).
         checkpoint_layers: regex on layer class names; matching layers are
@@ -81,8 +131,9 @@ class PipelineModule(nn.Module):
         topology: Topology | None = None,
         partition: str | list[int] = "parameters",
         seed: int = 0,
+        schedule: str | Schedule | None = None,
         chunks_per_rank: int | None = None,
-        placement="looping",
+        placement=None,
         activation_checkpoint_interval: int = 0,
         checkpoint_layers: str | None = None,
         device: torch.device | str | None = None,
@@ -103,7 +154,7 @@ class PipelineModule(nn.Module):
             raise ValueError(f"precision={precision!r} is not one of {list(PRECISIONS)}")
         self.precision = precision
         self.compile = compile
-        self.placement = resolve_placement(placement, self.topology.pp, chunks_per_rank)
+        self.schedule, self.placement = declare_schedule(schedule, placement, self.topology.pp, chunks_per_rank)
         self.num_stages = len(self.placement)
         self.chunks_per_rank = self.num_stages // self.topology.pp
         self.boundaries = partition_specs(self.specs, self.num_stages, partition)

@@ -9,6 +9,11 @@ as a further dimension later.
 Devices: one GPU per worker or none. `resolve_device` decides from the
 number of visible GPUs and of workers on this node, before any group exists;
 `init_distributed` and `Topology` follow its answer.
+
+Launchers: the same script runs as one plain process (`python script.py`: no
+group, `Topology()` is the 1x1x1 grid), under torchrun / `pipekit train`, and
+under `torch.multiprocessing` (the script's own `init_process_group`, or
+MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE set and `init_distributed()`).
 """
 
 from __future__ import annotations
@@ -60,6 +65,29 @@ def local_workers(default: int = 1) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", default))
 
 
+def local_rank_and_workers(rank: int, world_size: int) -> tuple[int, int]:
+    """(this worker's index on its node, workers on the node): torchrun's LOCAL_RANK and
+    LOCAL_WORLD_SIZE when set; without them (torch.multiprocessing, or a script that sets
+    RANK and WORLD_SIZE itself) every worker is taken to be on this node, as
+    `torch.multiprocessing.spawn` starts them: (rank, world_size). A multi-node launch
+    of your own sets both."""
+    workers = local_workers(world_size)
+    return int(os.environ.get("LOCAL_RANK", rank % workers)), workers
+
+
+def _launched_world() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) from the environment, None when neither is set; ValueError for one
+    without the other."""
+    have = [k for k in ("RANK", "WORLD_SIZE") if k in os.environ]
+    if not have:
+        return None
+    if len(have) == 1:
+        other = "WORLD_SIZE" if have == ["RANK"] else "RANK"
+        raise ValueError(f"{have[0]}={os.environ[have[0]]} is set but {other} is not; a launcher sets both "
+                         "(torchrun does), or neither for one plain process")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
 def _plural(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
@@ -101,28 +129,54 @@ def fell_back(requested: str, device: str) -> bool:
 def init_distributed(
     backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT, device: str = "auto"
 ) -> None:
-    """Initialise the default process group from torchrun's environment if it is not up yet.
+    """Initialise the default process group from the environment if it is not up yet.
 
-    The device comes from `resolve_device(device, LOCAL_WORLD_SIZE)`: NCCL and
-    `torch.cuda.set_device(LOCAL_RANK)` for CUDA, gloo for the CPU (`backend`
-    overrides the backend; an explicit "nccl" still sets the CUDA device). Does
-    nothing when a group is already up, or without torchrun's RANK and
-    WORLD_SIZE (one plain process needs no group: `Topology()` works without).
+    One call for every way a script is started:
+
+    - a group already up (the script called `init_process_group` itself, as under
+      `torch.multiprocessing`): nothing;
+    - one plain process (neither RANK nor WORLD_SIZE set): nothing; `Topology()`
+      works without a group;
+    - under torchrun / `pipekit train`: its RANK, WORLD_SIZE, MASTER_ADDR and
+      MASTER_PORT, over its store with a prefix per restart attempt;
+    - RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set by the script itself (e.g. in
+      `torch.multiprocessing.spawn` workers): the env:// rendezvous, as torchrun's;
+    - RANK=0 and WORLD_SIZE=1 without MASTER_ADDR: a group of one rank over an
+      in-process store (no port). WORLD_SIZE > 1 without MASTER_ADDR or MASTER_PORT
+      raises ValueError naming what is missing.
+
+    The device comes from `resolve_device(device, workers on this node)` (see
+    `local_rank_and_workers`): NCCL and `torch.cuda.set_device(local rank)` for CUDA,
+    gloo for the CPU (`backend` overrides the backend; an explicit "nccl" still sets
+    the CUDA device).
     """
-    if dist.is_initialized() or not {"RANK", "WORLD_SIZE"} <= os.environ.keys():
+    if dist.is_initialized():
         return
-    kind, _ = resolve_device(device, local_workers())
+    launched = _launched_world()
+    if launched is None:
+        return
+    rank, world = launched
+    local_rank, workers = local_rank_and_workers(rank, world)
+    kind, _ = resolve_device(device, workers)
     backend = backend or ("nccl" if kind == "cuda" else "gloo")
     if kind == "cuda" or backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_rank)
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing and world == 1:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=rank, world_size=1, timeout=timeout)
+        return
+    if missing:
+        raise ValueError(f"RANK={rank} and WORLD_SIZE={world} are set but {' and '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not: set MASTER_ADDR and MASTER_PORT to the "
+                         "address and a free port of rank 0 (torchrun sets all four), or call "
+                         "torch.distributed.init_process_group(...) yourself before pipekit")
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None or "MASTER_ADDR" not in os.environ:
+    if restart is None:
         dist.init_process_group(backend=backend, timeout=timeout)
         return
     # Under torchrun: its store, with a prefix per restart attempt. torch 2.13 reuses the
     # agent's store across `--max-restarts` restarts (same port, same keys), so the ranks of
     # a restart would read the dead attempt's addresses and gloo would wait on dead peers.
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store)
@@ -136,10 +190,12 @@ class Topology:
     With `ep` > 1 (dividing dp) the dp axis is also split into (edp, ep): experts are
     sharded over `ep_group` and their gradients reduced over `edp_group`.
 
-    `Topology(pp=2, tp=2)` on 8 ranks gives dp=2. Requires an initialised
-    default process group, except for one plain process (pp=dp=tp=1), which
-    needs none; every rank must construct it (group creation is collective).
-    Groups of size 1 are None.
+    `Topology(pp=2, tp=2)` on 8 ranks gives dp=2. Uses the default process group;
+    when none is up but a launcher's RANK and WORLD_SIZE > 1 are in the
+    environment (torchrun, or torch.multiprocessing workers that set them), it
+    first calls `init_distributed(device=...)`. One plain process (pp=dp=tp=1)
+    needs no group. Every rank must construct it (group creation is
+    collective). Groups of size 1 are None.
 
     `device` is "auto", "cpu" or "cuda" (`device_type` is an older alias). With a
     process group, "auto" (or None) follows the backend: CUDA for NCCL, else the
@@ -151,6 +207,8 @@ class Topology:
     def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1, device_type: str | None = None,
                  device: str | None = None, ep: int = 1):
         device = _one_device_arg(device, device_type)
+        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # a launcher's workers
+            init_distributed(device=device or "auto")
         if not dist.is_initialized():
             self._init_single(pp, dp, tp, device)
             if ep != 1:
@@ -190,8 +248,11 @@ class Topology:
         """One plain process, no process groups: what `PipelineModule(topology=None)` uses."""
         if (pp, dp or 1, tp) != (1, 1, 1):
             raise RuntimeError(
-                f"Topology(pp={pp}, dp={dp}, tp={tp}) needs torch.distributed to be initialised; "
-                "call pipekit.init_distributed() first, or launch with `pipekit train` / torchrun"
+                f"Topology(pp={pp}, dp={dp}, tp={tp}) needs torch.distributed to be initialised, but no group "
+                "is up and no launcher started more workers (RANK, WORLD_SIZE); launch with `pipekit "
+                "train` / torchrun, or in torch.multiprocessing workers call torch.distributed."
+                "init_process_group(...) (or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE and call "
+                "pipekit.init_distributed())"
             )
         self.world_size = self.pp = self.dp = self.tp = 1
         self.rank = self.pp_rank = self.dp_rank = self.tp_rank = 0

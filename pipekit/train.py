@@ -81,7 +81,7 @@ def build(cfg: Config, topo: Topology) -> PipelineEngine:
         model_specs(mcfg),
         loss_fn=model_loss(mcfg),
         topology=topo,
-        partition=s.partition,
+        partition=partition_of(cfg, schedule, topo.device),
         seed=cfg.train.seed,
         placement=schedule,
         activation_checkpoint_interval=s.activation_checkpoint_interval,
@@ -95,6 +95,30 @@ def build(cfg: Config, topo: Topology) -> PipelineEngine:
         module, optimizer=opt, schedule=schedule, num_microbatches=s.microbatches,
         clip_grad_norm=cfg.optimizer.clip_grad_norm, lr_scheduler=sched,
     )
+
+
+def partition_of(cfg: Config, schedule, device="cpu") -> str | list[int]:
+    """schedule.partition as PipelineModule takes it: a method name, or boundaries. "profile"
+    times the layers once, on global rank 0 (every rank must cut the model alike, and
+    timings differ between processes), and gives its boundaries to every rank."""
+    from .config import partition_boundaries
+
+    s = cfg.schedule
+    bounds = partition_boundaries(s.partition)
+    if bounds is not None or s.partition != "profile":
+        return bounds if bounds is not None else s.partition
+    found = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        from . import planner
+
+        budget = s.memory_budget_gb * 2**30 if s.memory_budget_gb else None
+        prof = planner.profile_layers(cfg, threads=1 if cfg.world_size > 1 else None, device=str(device))
+        found = [planner.profile_boundaries(prof.at(cfg.train.micro_batch), schedule.num_stages, budget=budget,
+                                            schedule=schedule, cfg=cfg,
+                                            optimizer_seconds_per_param=prof.optimizer_seconds_per_param)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(found, src=0)
+    return found[0]
 
 
 # ---- data ------------------------------------------------------------------
@@ -284,7 +308,7 @@ def train(cfg: Config) -> dict:
         for step in range(start + 1, cfg.train.steps + 1):
             lr = engine.optimizer.param_groups[0]["lr"]
             engine.record_timeline = step == cfg.logging.trace_step
-            loss = engine.train_batch(train_data)
+            loss = engine.train_batch(train_data, reduce_loss=True)
             routed = auxloss.metrics.pop()  # MoE layers' counts of this step's forward passes
             check_finite(loss, step, engine, root)
             if engine.record_timeline:
@@ -513,7 +537,7 @@ def _due(step: int, every: int, last: int) -> bool:
 def validate(cfg: Config, topo: Topology, engine: PipelineEngine, path: str | None) -> float:
     """Mean loss over `data.val_batches` held-out batches (the same ones every time)."""
     data = batches(cfg, topo, "val", path)
-    return sum(engine.eval_batch(data) for _ in range(cfg.data.val_batches)) / cfg.data.val_batches
+    return sum(engine.eval_batch(data, reduce_loss=True) for _ in range(cfg.data.val_batches)) / cfg.data.val_batches
 
 
 def write_trace(cfg: Config, topo: Topology, engine: PipelineEngine, step: int) -> None:

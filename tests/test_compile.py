@@ -101,7 +101,7 @@ def train(compile: bool, pp: int = 1) -> dict:
             losses = []
             for _ in range(STEPS):
                 ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=gen)
-                losses.append(engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])])))
+                losses.append(engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])]), reduce_loss=True))
     finally:
         torch.set_num_threads(threads)
     layers = [*module.layers.items(), *((f"tied.{k}", m) for k, m in module.tied.items())]

@@ -120,7 +120,7 @@ def test_silent_peer_fails_with_rank_and_action_named():
 
 def test_train_batch_takes_the_batch_itself_or_an_iterator():
     batch = next(synthetic_batches(CFG.vocab, 4, 3))
-    assert _engine().train_batch(batch) == _engine().train_batch(iter([batch]))
+    assert _engine().train_batch(batch, reduce_loss=True) == _engine().train_batch(iter([batch]), reduce_loss=True)
     with pytest.raises(TypeError, match=r"a batch \(inputs, labels\) or an iterator of batches, got Tensor"):
         _engine().train_batch(torch.zeros(4, 3, dtype=torch.long))
 

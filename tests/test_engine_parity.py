@@ -73,7 +73,7 @@ def run_layout(pp, dp, schedule, chunks, microbatches, kwargs) -> dict:
     for _ in range(STEPS):
         tokens, labels = next(data)
         mine = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
-        loss = engine.train_batch(iter([(tokens[mine], labels[mine])]))
+        loss = engine.train_batch(iter([(tokens[mine], labels[mine])]), reduce_loss=True)
 
         ref_opt.zero_grad()
         ref_loss = lm_loss(ref(tokens), labels)
@@ -88,7 +88,7 @@ def run_layout(pp, dp, schedule, chunks, microbatches, kwargs) -> dict:
 
     tokens, labels = next(data)
     mine = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
-    eval_loss = engine.eval_batch(iter([(tokens[mine], labels[mine])]))
+    eval_loss = engine.eval_batch(iter([(tokens[mine], labels[mine])]), reduce_loss=True)
     with torch.no_grad():
         worst["eval_loss"] = abs(eval_loss - lm_loss(ref(tokens), labels).item())
     return worst

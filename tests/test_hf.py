@@ -148,7 +148,7 @@ def run_case(payload: tuple, topo) -> dict:
     shard = BATCH // topo.dp
     mine = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
     batch = (ids[mine], labels[mine])
-    loss, out = engine.eval_batch(iter([batch]), return_outputs=True)
+    loss, out = engine.eval_batch(iter([batch]), return_outputs=True, reduce_loss=True)
     result = {"loss": abs(loss - ref_loss), "logits": None, "padded_logits": True}
     if out is not None:
         assert out.shape == (shard, SEQ, Vp // topo.tp), out.shape
@@ -161,7 +161,7 @@ def run_case(payload: tuple, topo) -> dict:
     result["hf_exact"] = same_state(back, hf_sd)
     result["hf_sd"] = to_bytes(back) if topo.rank == 0 else None  # a copy: training changes the parameters
 
-    losses = [engine.train_batch(iter([batch])) for _ in range(TRAIN_STEPS)]
+    losses = [engine.train_batch(iter([batch]), reduce_loss=True) for _ in range(TRAIN_STEPS)]
     result["train_loss"] = max(abs(a - b) for a, b in zip(losses, ref_train_losses))
     trained_full = full_state_dict(module)
     result["padded_rows"] = max(trained_full[n][V:].abs().max().item() if Vp > V else 0.0

@@ -58,7 +58,7 @@ def run_layout(pp: int, dp: int, microbatches: int, zero: bool) -> dict:
     worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
     for step in range(2):
         x, y = masked_batch(step)
-        loss = engine.train_batch(iter([(x[rows], y[rows])]))
+        loss = engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
         ref_opt.zero_grad()
         want = ref_loss_fn(ref(x), y)
         want.backward()

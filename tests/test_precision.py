@@ -44,7 +44,7 @@ def loss_curves() -> dict:
         scaler = LossScaler(initial_scale_power=12) if precision == "fp16" else None
         engine = _engine(precision, topo, scaler=scaler)
         data = synthetic_batches(GPT["vocab_size"], 8, 32, seed=1)
-        out[precision] = [engine.train_batch(data) for _ in range(STEPS)]
+        out[precision] = [engine.train_batch(data, reduce_loss=True) for _ in range(STEPS)]
         module, opt = engine.module, engine.optimizer
         out[precision + "_dtypes"] = {
             "params": {str(p.dtype) for p in module.parameters()},
@@ -85,7 +85,7 @@ def overflow_run() -> list[dict]:
     log = []
     for step["now"] in range(1, 7):
         before = [p.detach().clone() for p in engine.module.parameters()]
-        loss = engine.train_batch(data)
+        loss = engine.train_batch(data, reduce_loss=True)
         moved = any(not torch.equal(a, p.detach()) for a, p in zip(before, engine.module.parameters()))
         log.append({"step": step["now"], "skipped": engine.last_step_skipped, "moved": moved,
                     "scale": scaler.scale, "loss": loss})

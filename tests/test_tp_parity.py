@@ -60,7 +60,7 @@ def run_layout(family: str, pp: int, dp: int, tp: int, schedule: str, microbatch
     for _ in range(STEPS):
         ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=gen)
         x, y = ids[:, :-1], ids[:, 1:]
-        loss = engine.train_batch(iter([(x[rows], y[rows])]))
+        loss = engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
         ref_opt.zero_grad()
         ref_loss = ref_loss_fn(ref(x), y)
         ref_loss.backward()

@@ -71,7 +71,7 @@ def train_and_compare(specs, loss, ref_loss_fn, batches, *, pp, dp, tp, stage, m
     worst = {"loss": 0.0, "weight": 0.0, "grad_norm": 0.0}
     rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
     for x, y in batches():
-        got = engine.train_batch(iter([(x[rows], y[rows])]))
+        got = engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
         ref_opt.zero_grad()
         want = ref_loss_fn(ref(x), y)
         want.backward()

@@ -331,7 +331,7 @@ def run_case(pp, dp, how, microbatches, model="toy", zero_stage=None, by_name=Fa
     mine = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
     for _ in range(STEPS):
         tokens, labels = next(data)
-        loss = engine.train_batch(iter([(tokens[mine], labels[mine])]))
+        loss = engine.train_batch(iter([(tokens[mine], labels[mine])]), reduce_loss=True)
         ref_opt.zero_grad()
         ref_loss = lm_loss(ref(tokens), labels)
         ref_loss.backward()
@@ -344,7 +344,7 @@ def run_case(pp, dp, how, microbatches, model="toy", zero_stage=None, by_name=Fa
             worst["weight"] = max(worst["weight"], max_diff(p.detach(), r.detach()))
     tokens, labels = next(data)
     with torch.no_grad():
-        worst["eval_loss"] = abs(engine.eval_batch(iter([(tokens[mine], labels[mine])]))
+        worst["eval_loss"] = abs(engine.eval_batch(iter([(tokens[mine], labels[mine])]), reduce_loss=True)
                                  - lm_loss(ref(tokens), labels).item())
     worst["tied_groups"] = len(module.tie_groups)
     return worst

@@ -285,12 +285,19 @@ class Generator:
     fn: Callable
     placement: str | Callable = "looping"
     chunks_per_rank: int | None = 1  # None: any number, passed to fn
+    min_chunks: int = 1  # with chunks_per_rank None: the fewest it takes, and the default
 
     def chunks(self, chunks_per_rank: int | None) -> int:
         """The chunk count to build with, after checking the one asked for."""
         if chunks_per_rank is None:
-            return self.chunks_per_rank or 1
+            return self.chunks_per_rank or self.min_chunks
         check_positive("chunks_per_rank", chunks_per_rank)
+        if chunks_per_rank < self.min_chunks:
+            raise ScheduleError(
+                f"{self.name} needs at least {self.min_chunks} virtual stages per rank, got chunks_per_rank="
+                f"{chunks_per_rank} (with one it is plain 1F1B: name '1f1b' for that); build the module with "
+                f"PipelineModule(..., schedule={self.name!r}, chunks_per_rank={self.min_chunks})"
+            )
         if self.chunks_per_rank is not None and chunks_per_rank != self.chunks_per_rank:
             k = self.chunks_per_rank
             fits = [g.name for g in _REGISTRY.values() if g.chunks_per_rank in (None, chunks_per_rank)]
@@ -316,7 +323,7 @@ SCHEDULES = MappingProxyType(_REGISTRY)  # name -> Generator; `in`, iteration an
 
 
 def register_schedule(name: str, fn: Callable, *, placement: str | Callable = "looping",
-                      chunks_per_rank: int | None = 1, replace: bool = False) -> Generator:
+                      chunks_per_rank: int | None = 1, min_chunks: int = 1, replace: bool = False) -> Generator:
     """Register generator `fn` under `name`, so `build_schedule(name, ...)`, the engine
     (`schedule=name`), `pipekit plan --schedule name` and configs find it.
 
@@ -324,7 +331,9 @@ def register_schedule(name: str, fn: Callable, *, placement: str | Callable = "l
     (`lower` adds the messages) or a whole program. With `chunks_per_rank=None` the
     schedule takes any chunk count and is called as `fn(pp, microbatches, chunks)`.
     `placement`: "looping", "v", or `fn(pp, chunks_per_rank)` giving the rank of each
-    virtual stage. Every schedule built from it is validated."""
+    virtual stage. `min_chunks` (with `chunks_per_rank=None`): the fewest chunks the
+    schedule takes, and what it builds with when none is asked for. Every schedule
+    built from it is validated."""
     if not isinstance(name, str) or not name or any(c.isspace() for c in name):
         raise ScheduleError(f"a schedule name must be a non-empty string without spaces, got {name!r}")
     if not callable(fn):
@@ -334,9 +343,10 @@ def register_schedule(name: str, fn: Callable, *, placement: str | Callable = "l
                             f"{', '.join(PLACEMENTS)}, or pass a function (pp, chunks_per_rank) -> ranks")
     if chunks_per_rank is not None:
         check_positive("chunks_per_rank", chunks_per_rank)
+    check_positive("min_chunks", min_chunks)
     if name in _REGISTRY and not replace:
         raise ScheduleError(f"a schedule named {name!r} is already registered; pass replace=True to replace it")
-    _REGISTRY[name] = Generator(name, fn, placement, chunks_per_rank)
+    _REGISTRY[name] = Generator(name, fn, placement, chunks_per_rank, min_chunks)
     return _REGISTRY[name]
 
 
@@ -356,7 +366,7 @@ def generate(name: str, pp: int, microbatches: int, chunks_per_rank: int | None 
 
 register_schedule("gpipe", gpipe)
 register_schedule("1f1b", one_f_one_b)
-register_schedule("interleaved_1f1b", interleaved_1f1b, chunks_per_rank=None)
+register_schedule("interleaved_1f1b", interleaved_1f1b, chunks_per_rank=None, min_chunks=2)  # 1 chunk: 1f1b
 register_schedule("zb_h1", zb_h1)
 register_schedule("zbv", zbv, placement="v", chunks_per_rank=2)
 register_schedule("dualpipe_v", dualpipe_v, placement="v", chunks_per_rank=2)

@@ -1,13 +1,18 @@
 """Event-driven simulation of a lowered schedule.
 
-Model: each rank walks its action list in order and is busy only in compute
-actions. A compute action costs `costs[kind]` and starts when the rank is
-free; a RECV blocks the rank until the matching SEND has happened plus
-`comm_latency`; a SEND is posted at once (buffered, never blocks) and costs 0.
+Model: each rank walks its action list in order. A compute action costs
+`costs[kind]` (the same for every stage, or one dict per virtual stage) and
+starts when the rank is free; a RECV blocks the rank until the matching SEND
+has happened plus `comm_latency` (a number, or a function of the RECV action);
+a SEND is posted at once (buffered, never blocks). Communication actions cost
+nothing, unless a `duration` function (of any action) replaces the costs: then
+the time a rank spends posting a send or taking a message in can be modelled
+(`pipekit.planner` does).
 
-Not modelled: bandwidth or message size, contention, overlap of compute with
-the copy of a message, waiting for posted sends at the end of the step, the
-optimizer step, memory limits, and variation between stages or microbatches.
+Not modelled here: contention, overlap of compute with the copy of a message,
+what happens after the last action (waiting for posted sends, the loss and
+gradient reductions, the optimizer step: `pipekit.planner` adds those), memory
+limits, and variation between microbatches.
 """
 
 from __future__ import annotations
@@ -40,6 +45,16 @@ class SimResult:
     peak_activations: list[int] = field(default_factory=list)
 
 
+def resolve_stage_costs(costs, num_stages: int) -> list[dict[str, float]]:
+    """One resolved cost dict per virtual stage, from one dict (every stage) or a list of them."""
+    if costs is None or isinstance(costs, dict):
+        return [resolve_costs(costs)] * num_stages
+    costs = list(costs)
+    if len(costs) != num_stages:
+        raise ScheduleError(f"per-stage costs must give one dict per virtual stage ({num_stages}), got {len(costs)}")
+    return [resolve_costs(c) for c in costs]
+
+
 def resolve_costs(costs: dict[str, float] | None) -> dict[str, float]:
     """DEFAULT_COSTS overridden by `costs`; only compute kinds, non-negative."""
     merged = dict(DEFAULT_COSTS)
@@ -67,8 +82,11 @@ def mean_costs(events) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in spans.items()}
 
 
-def execute(ranks, placement, duration, comm_latency: float = 0.0) -> list[list[tuple[float, float]]]:
+def execute(ranks, placement, duration, comm_latency=0.0) -> list[list[tuple[float, float]]]:
     """(start, end) of every action of every rank; raises ScheduleError on a deadlock.
+
+    `duration(action)` is what the action keeps its rank busy (communication
+    actions included); `comm_latency` a number or a function of the RECV action.
 
     Sweeps the ranks, advancing each as far as its next RECV allows, until all
     are done or no rank can move. Shared by `simulate` and `validate`.
@@ -95,10 +113,10 @@ def _advance(r, actions, times, clocks, sent, duration, comm_latency) -> bool:
             send = matching_send(a)
             if send not in sent:
                 break
-            start = max(start, sent[send] + comm_latency)
-        end = start + (duration(a) if a.is_compute else 0)
+            start = max(start, sent[send] + (comm_latency(a) if callable(comm_latency) else comm_latency))
+        end = start + duration(a)
         if a.kind in (Kind.SEND_F, Kind.SEND_B):
-            sent[a] = start
+            sent[a] = end  # the message leaves once it is posted
         times.append((start, end))
         clocks[r] = end
     return len(times) > start_len
@@ -120,8 +138,10 @@ def _peer_rank(recv: Action, placement):
     return placement[stage] if 0 <= stage < len(placement) else "<none>"
 
 
-def simulate(schedule: Schedule, costs: dict[str, float] | None = None, comm_latency: float = 0.0) -> SimResult:
-    """Simulate `schedule` under per-kind `costs` (DEFAULT_COSTS: F=1, B=2, I=1, W=1).
+def simulate(schedule: Schedule, costs=None, comm_latency=0.0, *, duration=None) -> SimResult:
+    """Simulate `schedule` under per-kind `costs` (DEFAULT_COSTS: F=1, B=2, I=1, W=1), one
+    dict for every stage or a list with one per virtual stage; or under `duration(action)`,
+    which then gives every action's cost (communication included) instead.
 
     bubble_per_rank[r] = 1 - busy_r / makespan; bubble_fraction = 1 - total
     busy / (pp * makespan); peak_activations[r] = the most (stage, microbatch)
@@ -130,8 +150,13 @@ def simulate(schedule: Schedule, costs: dict[str, float] | None = None, comm_lat
     stays, and this count does not model the difference. The timeline holds
     compute events only.
     """
-    unit = resolve_costs(costs)
-    times = execute(schedule.ranks, schedule.placement, lambda a: unit[a.kind.value], comm_latency)
+    if duration is None:
+        per_stage = resolve_stage_costs(costs, schedule.num_stages)
+
+        def duration(a):
+            return per_stage[a.stage][a.kind.value] if a.is_compute else 0.0
+
+    times = execute(schedule.ranks, schedule.placement, duration, comm_latency)
     timeline = [
         TimelineEvent(r, str(a), start, end)
         for r, actions in enumerate(schedule.ranks)

@@ -1,0 +1,145 @@
+"""The planner's predicted step time against the measured one, per schedule, on CPU.
+
+Run:  python benchmarks/plan_accuracy.py [--shape compute|overhead|tiny] [--steps N] [--schedules a,b]
+
+What is measured
+----------------
+For a GPT config at pp=2 (the shapes of benchmarks/vs_torch_pipelining.py:
+"compute" = 8 layers, d=256, 4 heads, vocab 512, seq 128, 8 microbatches of 4
+sequences; "overhead" = the same with d=64, 16 microbatches of 1 x 32 tokens;
+"tiny" = configs/gpt2_tiny.yaml), the planner (`pipekit.planner`, what
+`pipekit plan CONFIG` prints) predicts the step time of each schedule from a
+profile of the layers in this process (one thread) and a measured gloo
+ping-pong. Then two spawned gloo workers (one thread each) build the same model
+with `pipekit.train.build` (AdamW under ZeroOptimizer, the config's partition)
+and time `train_batch(reduce_loss=True)` plus a one-element all-reduce (what
+`pipekit train` does per step: the loss on every rank, the stop-request check)
+on synthetic batches: a barrier before each step, a
+step's time is its slowest rank's, median of N steps after 2 warm-ups.
+Reported: predicted, measured, their ratio, and the makespan and tail
+(optimizer step and the step's collectives) the prediction is made of.
+
+Not measured: `pipekit train`'s data loading and logging, GPUs, more than 2 ranks. The machine's 2 cores hold
+both workers and gloo's threads; the 1-minute load average is printed before
+and after, and anything else running inflates the measured figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipekit import planner
+from pipekit.config import load_config
+from pipekit.testing import run_distributed
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpt2_tiny.yaml"
+COMMON = ["data.source=synthetic", "logging.out_dir=null", "parallel.pp=2", "optimizer.warmup_steps=0"]
+SHAPES = {
+    "compute": ["model.n_layers=8", "model.dim=256", "model.n_heads=4", "model.vocab_size=512",
+                "model.max_seq_len=128", "train.seq_len=128", "train.micro_batch=4", "schedule.microbatches=8"],
+    "overhead": ["model.n_layers=8", "model.dim=64", "model.n_heads=4", "model.vocab_size=512",
+                 "model.max_seq_len=128", "train.seq_len=32", "train.micro_batch=1", "schedule.microbatches=16"],
+    "tiny": [],
+}
+SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipe_v"]
+RESULTS = Path(__file__).parent / "results" / "plan_accuracy.json"
+
+
+def _overrides(shape: str, schedule: str) -> list[str]:
+    chunks = ["schedule.chunks_per_rank=2"] if schedule == "interleaved_1f1b" else []
+    return [*COMMON, *SHAPES[shape], f"schedule.name={schedule}", *chunks]
+
+
+def _measure(overrides: list[str], steps: int, warmup: int = 2) -> dict:
+    """On each worker: build the config's engine and time train_batch."""
+    from pipekit.topology import Topology
+    from pipekit.train import batches, build
+
+    cfg = load_config(str(CONFIG), overrides)
+    topo = Topology(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp, device="cpu")
+    engine = build(cfg, topo)
+    data = batches(cfg, topo)
+    laps = []
+    for _ in range(warmup + steps):
+        batch = next(data)
+        dist.barrier()
+        t0 = time.perf_counter()
+        engine.train_batch(batch, reduce_loss=True)  # as pipekit train: the loss on every rank
+        stop = torch.zeros(1)
+        dist.all_reduce(stop)  # and pipekit train's per-step check for a stop request
+        laps.append(time.perf_counter() - t0)
+    slowest = torch.tensor(laps, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {"steps": slowest[warmup:].tolist(), "boundaries": list(engine.module.boundaries)}
+
+
+def _predict(cfg, profile, comm, schedule: str) -> planner.Candidate:
+    method = cfg.schedule.partition
+    found = planner.plan(cfg, profile, comm, schedules=[schedule], partitions=[method],
+                         microbatches=[cfg.schedule.microbatches])
+    mine = [c for c in found if c.micro_batch == cfg.train.micro_batch
+            and (schedule != "interleaved_1f1b" or c.chunks_per_rank == cfg.schedule.chunks_per_rank)]
+    return mine[0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="compute")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    args = ap.parse_args()
+    names = args.schedules.split(",")
+    load = [os.getloadavg()[0]]
+    base = load_config(str(CONFIG), _overrides(args.shape, "1f1b"))
+    profile = planner.profile_layers(base)
+    comm = planner.measure_comm()
+    print(f"profile: {profile.source}; comm: latency {comm.latency * 1e6:.0f} us, collective "
+          f"{comm.collective * 1e6:.0f} us, bandwidth {comm.bandwidth / 1e9:.2f} GB/s")
+    rows = []
+    for name in names:
+        cfg = load_config(str(CONFIG), _overrides(args.shape, name))
+        c = _predict(cfg, profile, comm, name)
+        got = run_distributed(_measure, 2, _overrides(args.shape, name), args.steps, timeout=900)[0]
+        measured = statistics.median(got["steps"])
+        assert got["boundaries"] == c.boundaries, (got["boundaries"], c.boundaries)
+        rows.append({"schedule": name, "predicted_ms": c.step_seconds * 1e3, "measured_ms": measured * 1e3,
+                     "ratio": c.step_seconds / measured, "makespan_ms": c.makespan * 1e3,
+                     "tail_ms": c.tail_seconds * 1e3, "bubble": c.bubble_fraction,
+                     "p10_ms": _pct(got["steps"], 0.1) * 1e3, "p90_ms": _pct(got["steps"], 0.9) * 1e3})
+        r = rows[-1]
+        print(f"{name:17s} predicted {r['predicted_ms']:8.1f} ms  measured {r['measured_ms']:8.1f} ms "
+              f"(p10-p90 {r['p10_ms']:.1f}-{r['p90_ms']:.1f})  predicted/measured {r['ratio']:.3f}", flush=True)
+    load.append(os.getloadavg()[0])
+    print(f"\n| schedule | predicted ms | measured ms | predicted / measured |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['schedule']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | {r['ratio']:.3f} |")
+    print(f"\nload average before/after: {load[0]:.2f} / {load[1]:.2f} (2 cores)")
+    if max(load) > 2.5:
+        print("warning: the machine was busy; the measured times are inflated", file=sys.stderr)
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "shape": args.shape, "rows": rows, "load_average": load, "profile": profile.source,
+        "comm": {"latency": comm.latency, "bandwidth": comm.bandwidth, "collective": comm.collective},
+        "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                    "torch": torch.__version__},
+    }, indent=1))
+    return 0
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The planner: per-stage simulation, profiled and FLOP-counted layer costs, profile-guided
+partitions (with a memory budget), `pipekit plan CONFIG`, and that the engine runs the
+planned program in the planned order."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipekit import planner
+from pipekit.cli import main
+from pipekit.config import ConfigError, load_config
+from pipekit.partition import partition_weights
+from pipekit.schedules import build_schedule, simulate
+from pipekit.testing import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = str(ROOT / "configs" / "gpt2_tiny.yaml")
+SMALL = ["data.source=synthetic", "logging.out_dir=null", "model.dim=32", "model.n_heads=2", "model.n_layers=4",
+         "train.seq_len=16", "model.max_seq_len=16", "train.micro_batch=2", "schedule.microbatches=4"]
+# Uneven cost per parameter: a wide vocabulary makes the tied embedding (cheap lookup) and
+# head (an expensive matmul) weigh the same in parameters but not in time.
+UNEVEN = [*SMALL, "model.vocab_size=1024", "model.n_layers=6"]
+
+
+def _layer(name="L", f=1.0, b=2.0, i=1.0, w=1.0, params=10, saved=100, out=8):
+    return planner.LayerCost(name, params, f, b, i, w, saved, out)
+
+
+# ---- simulation with per-stage costs -------------------------------------------------
+def test_per_stage_costs_give_the_slow_stage_its_time():
+    s = build_schedule("gpipe", 2, 2)
+    even = simulate(s, {"F": 1, "B": 2})
+    uneven = simulate(s, [{"F": 1, "B": 2}, {"F": 3, "B": 6}])
+    assert even.makespan == 9  # (m + pp - 1) * (F + B)
+    # stage 1 is the bottleneck: F0 of stage 0 (1), then 2 F of 3 and 2 B of 6 back to back, then B1 of stage 0 (2)
+    assert uneven.makespan == 1 + 2 * 3 + 2 * 6 + 2
+
+
+def test_latency_function_delays_each_message():
+    s = build_schedule("1f1b", 2, 1)
+    base = simulate(s).makespan
+    assert simulate(s, comm_latency=lambda recv: 0.5).makespan == base + 2 * 0.5  # one F and one B message
+
+
+def test_predict_counts_overhead_messages_and_tail():
+    s = build_schedule("gpipe", 2, 1)
+    layers = [_layer(f=1, b=2, out=0), _layer(f=1, b=2, out=0)]
+    comm = planner.CommModel(latency=0.25, bandwidth=1e30, collective=0.5, action_overhead=0.0)
+    p = planner.predict(s, layers, [0, 1, 2], comm, optimizer_seconds_per_param=0.01)
+    # F0 (1), message (0.25), F1 + B1 (3), message (0.25), B0 (2): 6.5; then 3 collectives and 10 params' step
+    assert p["makespan"] == pytest.approx(6.5)
+    assert p["step"] == pytest.approx(6.5 + 3 * 0.5 + 10 * 0.01)
+
+
+def test_activation_peaks_follow_the_schedule():
+    gp, ofob = build_schedule("gpipe", 2, 4), build_schedule("1f1b", 2, 4)
+    assert planner.activation_peaks(gp, [5, 7]) == [20, 28]
+    assert planner.activation_peaks(ofob, [5, 7]) == [10, 7]
+
+
+# ---- partitions ------------------------------------------------------------------------
+def test_profile_boundaries_without_budget_balance_time():
+    layers = [_layer(f=t, b=0) for t in (5, 1, 1, 1, 1, 1)]
+    assert planner.profile_boundaries(layers, 2) == partition_weights([5, 1, 1, 1, 1, 1], 2) == [0, 1, 6]
+
+
+def test_memory_budget_moves_layers_off_the_stage_that_holds_most_activations():
+    cfg = load_config(GPT, SMALL)
+    s = build_schedule("1f1b", 2, 4)  # stage 0 keeps 2 microbatches in flight, stage 1 one
+    layers = [_layer(f=1, b=0, params=0, saved=10) for _ in range(6)]
+    assert planner.profile_boundaries(layers, 2) == [0, 3, 6]
+    # 2 * 30 > 50: stage 0 may hold at most 2 layers (2 * 20 <= 50); stage 1's 4 layers need 40
+    assert planner.profile_boundaries(layers, 2, budget=50, schedule=s, cfg=cfg) == [0, 2, 6]
+    with pytest.raises(ValueError, match="no partition of the 6 layers into 2 stages fits"):
+        planner.profile_boundaries(layers, 2, budget=15, schedule=s, cfg=cfg)
+
+
+def test_profile_beats_parameters_where_cost_per_parameter_differs():
+    """FLOP-counted (deterministic): the tied head costs far more time than its parameter twin."""
+    cfg = load_config(GPT, UNEVEN)
+    prof = planner.flop_layers(cfg, flops_per_second=1e9)  # compute-bound: messages are negligible,
+    prof.optimizer_seconds_per_param = 0.0  # and so is the optimizer step
+    found = planner.plan(cfg, prof, planner.CommModel(), schedules=["1f1b"], partitions=["profile", "parameters"],
+                         microbatches=[4])
+    by = {c.partition: c for c in found}
+    assert by["profile"].boundaries != by["parameters"].boundaries
+    assert by["profile"].step_seconds < 0.9 * by["parameters"].step_seconds
+
+
+# ---- profiles ---------------------------------------------------------------------------
+def test_profile_measures_every_layer_and_scales_with_rows():
+    cfg = load_config(GPT, SMALL)
+    prof = planner.profile_layers(cfg, reps=1)
+    blocks = [c for c in prof.layers if c.name == "TransformerBlock"]
+    assert len(prof.layers) == 4 + 3 and len(blocks) == 4
+    assert all(c.F > 0 and c.B > 0 and c.I > 0 and c.W > 0 and c.saved_bytes > 0 for c in blocks)
+    assert all(c.out_bytes == 2 * 16 * 32 * 4 for c in blocks)  # rows x seq x dim float32
+    assert prof.loss.F > 0 and prof.optimizer_seconds_per_param > 0
+    double = prof.at(2 * prof.rows)
+    assert [c.saved_bytes for c in double[1:5]] == [2 * c.saved_bytes for c in blocks]
+    assert all(d.F >= c.F for d, c in zip(double, prof.at(prof.rows)))
+
+
+def test_flop_profile_on_meta_counts_matmuls():
+    cfg = load_config(GPT, SMALL)
+    prof = planner.flop_layers(cfg, flops_per_second=1.0)
+    block = prof.layers[1]
+    tokens, d = 2 * 16, 32
+    # q, k, v, o (4 d^2) and the MLP (2 * 4 d^2) per token, 2 FLOPs per multiply-add, plus attention
+    assert block.F >= 2 * tokens * 12 * d * d
+    assert block.B == pytest.approx(2 * block.F, rel=0.05)
+    assert block.saved_bytes > 0 and block.out_bytes == tokens * d * 4
+
+
+# ---- the CLI ------------------------------------------------------------------------------
+def test_plan_config_no_profile_json_png_trace(tmp_path, capsys):
+    png, trace = tmp_path / "plan.png", tmp_path / "plan.json"
+    assert main(["plan", GPT, *SMALL, "--no-profile", "--json", "--png", str(png), "--trace", str(trace)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cands = report["candidates"]
+    assert {c["schedule"] for c in cands} >= {"gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipe_v"}
+    assert {c["microbatches"] for c in cands} == {1, 2, 4, 8}  # the divisors of 8 rows per replica
+    steps = [c["step_seconds"] for c in cands]
+    assert steps == sorted(steps) and report["recommended"] == cands[0]
+    assert "schedule.name=" + cands[0]["schedule"] in report["command"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any(e["ph"] == "X" for e in json.loads(trace.read_text())["traceEvents"])
+
+
+def test_plan_config_text_and_budget(capsys):
+    assert main(["plan", GPT, *SMALL, "--no-profile", "--memory-gb", "1e-9", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing fits" in out and "recommended:" in out and "rank 0 |" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan"], "give a training config"),
+    (["plan", GPT, "--no-profile", "--memory-gb", "0"], "--memory-gb 0.0 must be a finite number > 0"),
+    (["plan", GPT, "--no-profile", "--top", "0"], "--top 0 must be >= 1"),
+    (["plan", GPT, "schedule.partition=bogus", "--no-profile"], "schedule.partition='bogus' must be"),
+])
+def test_plan_config_mistakes(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+# ---- config -----------------------------------------------------------------------------
+def test_config_partition_forms():
+    assert load_config(GPT, ["schedule.partition=0,3,7"]).schedule.partition == "0,3,7"
+    with pytest.raises(ConfigError, match=r"explicit boundaries \[0, 3\] have 2 entries; 2 stages need 3"):
+        load_config(GPT, ["schedule.partition=0,3"])
+    with pytest.raises(ConfigError, match="memory_budget_gb=1.0 applies to schedule.partition=profile"):
+        load_config(GPT, ["schedule.memory_budget_gb=1"])
+    with pytest.raises(ConfigError, match="memory_budget_gb=-1.0 must be a number > 0"):
+        load_config(GPT, ["schedule.partition=profile", "schedule.memory_budget_gb=-1"])
+
+
+def test_partition_profile_in_one_process():
+    from pipekit.train import partition_of
+
+    cfg = load_config(GPT, [*UNEVEN, "parallel.pp=2", "schedule.partition=profile"])
+    s = build_schedule("1f1b", 2, 4)
+    bounds = partition_of(cfg, s)
+    assert bounds[0] == 0 and bounds[-1] == 9 and len(bounds) == 3
+    assert partition_of(load_config(GPT, ["schedule.partition=0,2,7"]), s) == [0, 2, 7]
+
+
+# ---- the planned program is the one the engine runs --------------------------------------
+def _run_planned(overrides: list[str]) -> list[str]:
+    import torch.distributed as dist
+
+    from pipekit.topology import Topology
+    from pipekit.train import batches, build
+
+    cfg = load_config(GPT, overrides)
+    topo = Topology(pp=2, device="cpu")
+    engine = build(cfg, topo)
+    engine.record_timeline = True
+    engine.train_batch(next(batches(cfg, topo)))
+    dist.barrier()
+    return {"actions": [e.action for e in engine.timeline], "boundaries": list(engine.module.boundaries)}
+
+
+def test_engine_runs_the_recommended_plan_in_the_planned_order():
+    cfg = load_config(GPT, SMALL)
+    found = planner.plan(cfg, planner.flop_layers(cfg), planner.CommModel(), microbatches=[4])
+    for cand in (found[0], next(c for c in found if c.schedule == "zbv")):
+        schedule = build_schedule(cand.schedule, 2, cand.microbatches, cand.chunks_per_rank)
+        explicit = f"schedule.partition={','.join(map(str, cand.boundaries))}"
+        overrides = [*SMALL, *[o for o in cand.overrides() if not o.startswith("schedule.partition")], explicit]
+        ranks = run_distributed(_run_planned, 2, overrides, timeout=240)
+        for r, got in enumerate(ranks):
+            assert got["boundaries"] == cand.boundaries
+            assert got["actions"] == [str(a) for a in schedule.ranks[r]]
+            planned = [e.action for e in sorted((e for e in cand.timeline if e.rank == r), key=lambda e: e.start)]
+            assert [a for a in got["actions"] if a in set(planned)] == planned
