@@ -1,8 +1,9 @@
 """Point-to-point transfer of stage activations and their gradients.
 
 Shapes and dtypes are known in advance on both sides (from a meta-device run
-of the model), so a message is just its tensors, sent one `isend` each in a
-fixed order; there is no shape handshake. Sends are posted and their handles
+of the model, on input shapes that the stage-0 rank sends once, at the first
+step, to ranks given no inputs), so a message is just its tensors, sent one
+`isend` each in a fixed order. Sends are posted and their handles
 returned: the caller keeps the tensors alive and waits at the end of the step
 (so sends never block, which is what the schedule simulator assumes).
 Receives block, with a timeout, since the next compute needs the data.
