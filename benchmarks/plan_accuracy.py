@@ -33,6 +33,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 from pipekit import planner
 from pipekit.config import load_config
+from pipekit.schedules import Action
 from pipekit.testing import run_distributed
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpt2_tiny.yaml"
@@ -69,8 +71,9 @@ def _measure(overrides: list[str], steps: int, warmup: int = 2) -> dict:
     topo = Topology(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp, device="cpu")
     engine = build(cfg, topo)
     data = batches(cfg, topo)
-    laps = []
-    for _ in range(warmup + steps):
+    laps, busy = [], {}
+    for i in range(warmup + steps):
+        engine.record_timeline = i >= warmup
         batch = next(data)
         dist.barrier()
         t0 = time.perf_counter()
@@ -78,9 +81,18 @@ def _measure(overrides: list[str], steps: int, warmup: int = 2) -> dict:
         stop = torch.zeros(1)
         dist.all_reduce(stop)  # and pipekit train's per-step check for a stop request
         laps.append(time.perf_counter() - t0)
+        step_busy: dict[str, float] = {}
+        for e in engine.timeline:  # compute time per (stage, kind), summed over microbatches
+            a = Action.parse(e.action)
+            if a.is_compute:
+                key = f"{a.stage}{a.kind.value}"
+                step_busy[key] = step_busy.get(key, 0.0) + e.end - e.start
+        for key, seconds in step_busy.items():
+            busy.setdefault(key, []).append(seconds)
     slowest = torch.tensor(laps, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return {"steps": slowest[warmup:].tolist(), "boundaries": list(engine.module.boundaries)}
+    return {"steps": slowest[warmup:].tolist(), "boundaries": list(engine.module.boundaries),
+            "busy": {k: statistics.median(v) for k, v in busy.items()}}
 
 
 def _predict(cfg, profile, comm, schedule: str) -> planner.Candidate:
@@ -109,8 +121,17 @@ def main() -> int:
     for name in names:
         cfg = load_config(str(CONFIG), _overrides(args.shape, name))
         c = _predict(cfg, profile, comm, name)
-        got = run_distributed(_measure, 2, _overrides(args.shape, name), args.steps, timeout=900)[0]
+        got_all = run_distributed(_measure, 2, _overrides(args.shape, name), args.steps, timeout=900)
+        got = got_all[0]
         measured = statistics.median(got["steps"])
+        busy = {k: v for r in run for k, v in r["busy"].items()} if (run := got_all) else {}
+        stages = planner.stage_costs([replace(c, **{k: getattr(c, k) / cfg.parallel.tp for k in planner.KINDS})
+                                      for c in profile.at(c.micro_batch)], c.boundaries)
+        for key, seconds in sorted(busy.items()):
+            stage, kind = int(key[:-1]), key[-1]
+            planned = getattr(stages[stage], kind) * c.microbatches
+            print(f"    stage {stage} {kind}: measured {seconds * 1e3:7.1f} ms  profiled {planned * 1e3:7.1f} ms  "
+                  f"ratio {seconds / planned if planned else float('nan'):.2f}")
         assert got["boundaries"] == c.boundaries, (got["boundaries"], c.boundaries)
         rows.append({"schedule": name, "predicted_ms": c.step_seconds * 1e3, "measured_ms": measured * 1e3,
                      "ratio": c.step_seconds / measured, "makespan_ms": c.makespan * 1e3,

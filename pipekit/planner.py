@@ -429,28 +429,30 @@ def _ping(sizes: list[int], reps: int) -> dict:
     return out
 
 
-def measure_comm(reps: int = 10, timeout: float = 60.0) -> CommModel:
+def measure_comm(reps: int = 30, timeout: float = 60.0) -> CommModel:
     """Message latency and bandwidth between two gloo processes on this host (ping-pong),
     and a one-element all-reduce."""
     from .testing import run_distributed
 
-    sizes = [4, 1 << 20]
+    sizes = [4, 1 << 22]
     out = run_distributed(_ping, 2, sizes, reps, timeout=timeout)[0]
     small, big = out[sizes[0]], out[sizes[1]]
-    bandwidth = (sizes[1] - sizes[0]) / max(big - small, 1e-9)
+    bandwidth = (sizes[1] - sizes[0]) / (big - small) if big > 2 * small else sizes[1] / big
     return CommModel(latency=small, bandwidth=bandwidth, collective=out["collective"],
                      source="measured: gloo ping-pong between two processes on this host")
 
 
 # ---- prediction ----------------------------------------------------------------
 def stage_costs(layers: list[LayerCost], boundaries: list[int]) -> list[LayerCost]:
-    """Each virtual stage's summed cost; its output is its last layer's."""
+    """Each virtual stage's summed cost; its output is its last layer's. The first stage's
+    input (token ids) takes no gradient, so its split backward leaves everything to W:
+    I = 0, W = B."""
     out = []
     for s, (lo, hi) in enumerate(zip(boundaries, boundaries[1:])):
         part = layers[lo:hi]
-        out.append(LayerCost(f"stage {s}", sum(c.params for c in part),
-                             *(sum(getattr(c, k) for c in part) for k in KINDS),
-                             sum(c.saved_bytes for c in part), part[-1].out_bytes))
+        cost = LayerCost(f"stage {s}", sum(c.params for c in part), *(sum(getattr(c, k) for c in part) for k in KINDS),
+                         sum(c.saved_bytes for c in part), part[-1].out_bytes)
+        out.append(replace(cost, I=0.0, W=cost.B) if s == 0 else cost)
     return out
 
 
