@@ -7,7 +7,9 @@ What is measured
 For a GPT config at pp=2 (the shapes of benchmarks/vs_torch_pipelining.py:
 "compute" = 8 layers, d=256, 4 heads, vocab 512, seq 128, 8 microbatches of 4
 sequences; "overhead" = the same with d=64, 16 microbatches of 1 x 32 tokens;
-"tiny" = configs/gpt2_tiny.yaml), the planner (`pipekit.planner`, what
+"tiny" = configs/gpt2_tiny.yaml; "uneven" = 6 layers, d=128, vocab 16384, so
+the tied embedding and head weigh alike in parameters but the head costs far
+more time), the planner (`pipekit.planner`, what
 `pipekit plan CONFIG` prints) predicts the step time of each schedule from a
 profile of the layers in this process (one thread) and a measured gloo
 ping-pong. Then two spawned gloo workers (one thread each) build the same model
@@ -16,7 +18,10 @@ and time `train_batch(reduce_loss=True)` plus a one-element all-reduce (what
 `pipekit train` does per step: the loss on every rank, the stop-request check)
 on synthetic batches: a barrier before each step, a
 step's time is its slowest rank's, median of N steps after 2 warm-ups.
-Reported: predicted, measured, their ratio, and the makespan and tail
+Each `--partitions` method (e.g. `parameters,profile`) is predicted and then
+run with the boundaries the plan chose. Reported: predicted, measured, their
+ratio, per stage and action kind the measured compute time against the
+profiled one (medians over the timed steps), and the makespan and tail
 (optimizer step and the step's collectives) the prediction is made of.
 
 Not measured: `pipekit train`'s data loading and logging, GPUs, more than 2 ranks. The machine's 2 cores hold
@@ -52,9 +57,13 @@ SHAPES = {
     "overhead": ["model.n_layers=8", "model.dim=64", "model.n_heads=4", "model.vocab_size=512",
                  "model.max_seq_len=128", "train.seq_len=32", "train.micro_batch=1", "schedule.microbatches=16"],
     "tiny": [],
+    # uneven cost per parameter: a wide vocabulary makes the tied embedding (a cheap lookup) and the
+    # head (a big matmul and the loss) weigh alike in parameters but not in time
+    "uneven": ["model.n_layers=6", "model.dim=128", "model.n_heads=4", "model.vocab_size=16384",
+               "model.max_seq_len=128", "train.seq_len=128", "train.micro_batch=4", "schedule.microbatches=8"],
 }
 SCHEDULES = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipe_v"]
-RESULTS = Path(__file__).parent / "results" / "plan_accuracy.json"
+RESULTS = Path(__file__).parent / "results"
 
 
 def _overrides(shape: str, schedule: str) -> list[str]:
@@ -87,6 +96,10 @@ def _measure(overrides: list[str], steps: int, warmup: int = 2) -> dict:
             if a.is_compute:
                 key = f"{a.stage}{a.kind.value}"
                 step_busy[key] = step_busy.get(key, 0.0) + e.end - e.start
+        sends = [e.end - e.start for e in engine.timeline if "SEND" in e.action]
+        gaps = [b.start - a.end for a, b in zip(engine.timeline, engine.timeline[1:])]
+        step_busy["send"] = sum(sends) / max(1, len(sends))  # mean time to post one send
+        step_busy["gap"] = sum(gaps) / max(1, len(gaps))  # mean engine time between two actions
         for key, seconds in step_busy.items():
             busy.setdefault(key, []).append(seconds)
     slowest = torch.tensor(laps, dtype=torch.float64)
@@ -95,8 +108,7 @@ def _measure(overrides: list[str], steps: int, warmup: int = 2) -> dict:
             "busy": {k: statistics.median(v) for k, v in busy.items()}}
 
 
-def _predict(cfg, profile, comm, schedule: str) -> planner.Candidate:
-    method = cfg.schedule.partition
+def _predict(cfg, profile, comm, schedule: str, method: str) -> planner.Candidate:
     found = planner.plan(cfg, profile, comm, schedules=[schedule], partitions=[method],
                          microbatches=[cfg.schedule.microbatches])
     mine = [c for c in found if c.micro_batch == cfg.train.micro_batch
@@ -109,46 +121,58 @@ def main() -> int:
     ap.add_argument("--shape", choices=list(SHAPES), default="compute")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--partitions", default="parameters", help="e.g. parameters,profile")
+    ap.add_argument("--alone", action="store_true",
+                    help="profile in this process alone (default: two ranks side by side, as pipekit plan does)")
     args = ap.parse_args()
-    names = args.schedules.split(",")
+    names = [(n, p) for n in args.schedules.split(",") for p in args.partitions.split(",")]
     load = [os.getloadavg()[0]]
     base = load_config(str(CONFIG), _overrides(args.shape, "1f1b"))
-    profile = planner.profile_layers(base)
-    comm = planner.measure_comm()
+    if args.alone:
+        profile, comm = planner.profile_layers(base), planner.measure_comm()
+    else:
+        profile, comm = planner.profile_on_two_ranks(base)
     print(f"profile: {profile.source}; comm: latency {comm.latency * 1e6:.0f} us, collective "
           f"{comm.collective * 1e6:.0f} us, bandwidth {comm.bandwidth / 1e9:.2f} GB/s")
     rows = []
-    for name in names:
+    for name, method in names:
         cfg = load_config(str(CONFIG), _overrides(args.shape, name))
-        c = _predict(cfg, profile, comm, name)
-        got_all = run_distributed(_measure, 2, _overrides(args.shape, name), args.steps, timeout=900)
+        c = _predict(cfg, profile, comm, name, method)
+        cut = f"schedule.partition={','.join(map(str, c.boundaries))}"  # where the plan cut, profiled or not
+        got_all = run_distributed(_measure, 2, [*_overrides(args.shape, name), cut], args.steps, timeout=900)
         got = got_all[0]
         measured = statistics.median(got["steps"])
         busy = {k: v for r in run for k, v in r["busy"].items()} if (run := got_all) else {}
         stages = planner.stage_costs([replace(c, **{k: getattr(c, k) / cfg.parallel.tp for k in planner.KINDS})
                                       for c in profile.at(c.micro_batch)], c.boundaries)
+        print(f"    per action, rank 0/1: posting a send {got_all[0]['busy'].pop('send') * 1e6:.0f}/"
+              f"{got_all[1]['busy'].pop('send') * 1e6:.0f} us (modelled {comm.send_overhead * 1e6:.0f}), between "
+              f"actions {got_all[0]['busy'].pop('gap') * 1e6:.0f}/{got_all[1]['busy'].pop('gap') * 1e6:.0f} us "
+              f"(modelled {comm.action_overhead * 1e6:.0f} per action)")
+        busy = {k: v for r in got_all for k, v in r["busy"].items()}
         for key, seconds in sorted(busy.items()):
             stage, kind = int(key[:-1]), key[-1]
             planned = getattr(stages[stage], kind) * c.microbatches
             print(f"    stage {stage} {kind}: measured {seconds * 1e3:7.1f} ms  profiled {planned * 1e3:7.1f} ms  "
                   f"ratio {seconds / planned if planned else float('nan'):.2f}")
         assert got["boundaries"] == c.boundaries, (got["boundaries"], c.boundaries)
-        rows.append({"schedule": name, "predicted_ms": c.step_seconds * 1e3, "measured_ms": measured * 1e3,
+        rows.append({"schedule": name, "partition": method, "boundaries": c.boundaries, "predicted_ms": c.step_seconds * 1e3, "measured_ms": measured * 1e3,
                      "ratio": c.step_seconds / measured, "makespan_ms": c.makespan * 1e3,
                      "tail_ms": c.tail_seconds * 1e3, "bubble": c.bubble_fraction,
                      "p10_ms": _pct(got["steps"], 0.1) * 1e3, "p90_ms": _pct(got["steps"], 0.9) * 1e3})
         r = rows[-1]
-        print(f"{name:17s} predicted {r['predicted_ms']:8.1f} ms  measured {r['measured_ms']:8.1f} ms "
+        print(f"{name:17s} {method:10s} {c.boundaries}  predicted {r['predicted_ms']:8.1f} ms  measured {r['measured_ms']:8.1f} ms "
               f"(p10-p90 {r['p10_ms']:.1f}-{r['p90_ms']:.1f})  predicted/measured {r['ratio']:.3f}", flush=True)
     load.append(os.getloadavg()[0])
-    print(f"\n| schedule | predicted ms | measured ms | predicted / measured |\n|---|---|---|---|")
+    print("\n| schedule | partition | predicted ms | measured ms | predicted / measured |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['schedule']} | {r['predicted_ms']:.1f} | {r['measured_ms']:.1f} | {r['ratio']:.3f} |")
+        print(f"| {r['schedule']} | {r['partition']} {r['boundaries']} | {r['predicted_ms']:.1f} | "
+              f"{r['measured_ms']:.1f} | {r['ratio']:.3f} |")
     print(f"\nload average before/after: {load[0]:.2f} / {load[1]:.2f} (2 cores)")
     if max(load) > 2.5:
         print("warning: the machine was busy; the measured times are inflated", file=sys.stderr)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"plan_accuracy_{args.shape}.json").write_text(json.dumps({
         "shape": args.shape, "rows": rows, "load_average": load, "profile": profile.source,
         "comm": {"latency": comm.latency, "bandwidth": comm.bandwidth, "collective": comm.collective},
         "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),

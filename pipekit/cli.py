@@ -344,13 +344,21 @@ def _plan_config(args: argparse.Namespace) -> int:
         except ImportError:
             print("pipekit plan: --png needs matplotlib: pip install matplotlib", file=sys.stderr)
             return 2
-    profile = planner.flop_layers(cfg) if args.no_profile else planner.profile_layers(cfg)
+    from .topology import local_workers, resolve_device
+
+    try:
+        device = resolve_device(cfg.train.device, local_workers(cfg.world_size))[0]
+    except ValueError:  # train.device=cuda without enough GPUs here: plan on what there is
+        device = "cpu"
+    if args.no_profile:
+        profile, comm = planner.flop_layers(cfg), planner.CommModel()
+    elif cfg.parallel.pp > 1 and device == "cpu" and args.latency is None:
+        profile, comm = planner.profile_on_two_ranks(cfg)  # as two workers sharing this host see it
+    else:
+        profile = planner.profile_layers(cfg, device=device, threads=1 if device == "cpu" else None)
+        comm = planner.CommModel()
     if args.latency is not None:
         comm = planner.CommModel(latency=args.latency, collective=2 * args.latency, source="--latency")
-    elif cfg.parallel.pp > 1 and not args.no_profile:
-        comm = planner.measure_comm()
-    else:
-        comm = planner.CommModel()
     budget = args.memory_gb * 2**30 if args.memory_gb else None
     candidates = planner.plan(cfg, profile, comm, budget=budget)
     if not candidates:
@@ -360,7 +368,7 @@ def _plan_config(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"profile": profile.source, "comm": {k: getattr(comm, k) for k in
                                                                ("latency", "bandwidth", "collective",
-                                                                "action_overhead", "source")},
+                                                                "action_overhead", "send_overhead", "source")},
                           "layers": [vars(c) for c in profile.at(profile.rows)],
                           "candidates": [planner.candidate_record(c, tokens) for c in candidates],
                           "recommended": planner.candidate_record(best, tokens),
@@ -369,7 +377,8 @@ def _plan_config(args: argparse.Namespace) -> int:
         print(f"layers ({profile.source}; {profile.rows} rows x {cfg.train.seq_len} tokens per microbatch):")
         print(planner.layer_table(profile))
         print(f"\nmessages: {comm.latency * 1e6:.0f} us + bytes / {comm.bandwidth / 1e9:.2f} GB/s; "
-              f"engine overhead {comm.action_overhead * 1e6:.0f} us per action ({comm.source})")
+              f"posting a send {comm.send_overhead * 1e6:.0f} us; engine overhead {comm.action_overhead * 1e6:.0f} us "
+              f"per action ({comm.source})")
         print(f"\npredicted steps, pp={cfg.parallel.pp} dp={cfg.parallel.dp} tp={cfg.parallel.tp}, "
               f"{cfg.train.micro_batch * cfg.schedule.microbatches} rows per dp replica (fastest first):")
         print(planner.candidate_table(candidates, tokens, args.top))

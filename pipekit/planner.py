@@ -48,9 +48,10 @@ from .schedules import SCHEDULES, Action, Kind, Schedule, ScheduleError, build_s
 from .schedules.ir import WEIGHT_GRAD_KINDS
 
 KINDS = ("F", "B", "I", "W")
-# Engine time per action beyond the layers' own work (measured on this CPU by
-# benchmarks/plan_accuracy.py: dispatch, stashing, autograd set-up); overridable.
-DEFAULT_ACTION_OVERHEAD = 60e-6
+# Engine time per action beyond the layers' own work (dispatch, stashing, autograd set-up;
+# the timelines of benchmarks/plan_accuracy.py put it at 10-30 us on this CPU); overridable.
+DEFAULT_ACTION_OVERHEAD = 20e-6
+DEFAULT_SEND_OVERHEAD = 50e-6  # posting a gloo isend (measured by measure_comm when it runs)
 DEFAULT_LATENCY = 80e-6  # one gloo message between two processes on one host
 DEFAULT_BANDWIDTH = 2e9  # bytes/s
 NOMINAL_FLOPS = 1e12  # --no-profile: seconds are FLOPs at this rate unless the config gives peak_tflops
@@ -108,6 +109,8 @@ class CommModel:
     bandwidth: float = DEFAULT_BANDWIDTH  # bytes per second on top
     collective: float = 2 * DEFAULT_LATENCY  # one small all-reduce over the pipeline ranks
     action_overhead: float = DEFAULT_ACTION_OVERHEAD  # engine time per action, compute or message
+    send_overhead: float = DEFAULT_SEND_OVERHEAD  # what posting a send keeps its rank busy
+    send_per_byte: float = 0.0  # and per byte of the message
     source: str = "defaults"
 
     def message(self, nbytes: int) -> float:
@@ -250,13 +253,14 @@ def _profile_one(module, i: int, x, reps: int, sync):
 
     params = [p for p in _layer_params(module, i) if p.requires_grad]
     times = {k: [] for k in KINDS}
-    saved = out_bytes = 0
     out = None
+    with _SavedBytes(params) as counter:  # counted apart: the hooks would slow the timed passes
+        out = module.run_layer(i, _leaf(x))
+    saved, out_bytes = counter.total, _nbytes(out)
     for rep in range(reps + 1):
         for split in (False, True):
             xin = _leaf(x)
-            with _SavedBytes(params) as counter:
-                t_f, out = _time(lambda: module.run_layer(i, xin), sync)
+            t_f, out = _time(lambda: module.run_layer(i, xin), sync)
             outs = [o for o in _floats(out) if o.requires_grad]
             grads = [torch.randn_like(o) for o in outs]
             if not split:
@@ -264,7 +268,6 @@ def _profile_one(module, i: int, x, reps: int, sync):
                 if rep:
                     times["F"].append(t_f)
                     times["B"].append(t_b)
-                saved, out_bytes = counter.total, _nbytes(out)
                 continue
             t_i, (_, work) = _time(lambda: backward_input(outs, grads, _floats(xin), params), sync)
             t_w, _ = _time(lambda: backward_weight(work), sync)
@@ -273,28 +276,28 @@ def _profile_one(module, i: int, x, reps: int, sync):
                 times["W"].append(t_w)
         for p in params:
             p.grad = None
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
     n = sum(p.numel() for p in params)
     return LayerCost(spec_name(module.specs[i]), n, med["F"], med["B"], med["I"], med["W"], saved, out_bytes), out
 
 
 def _profile_loss(module, out, labels, reps: int, sync) -> LayerCost:
     fwd, bwd = [], []
-    saved = 0
+    with _SavedBytes([]) as counter:
+        module.loss_fn(_leaf(out), labels)
+    saved = counter.total
     for rep in range(reps + 1):
         x = _leaf(out)
-        with _SavedBytes([]) as counter:
-            t_f, loss = _time(lambda: module.loss_fn(x, labels), sync)
+        t_f, loss = _time(lambda: module.loss_fn(x, labels), sync)
         t_b, _ = _time(lambda: loss.backward(), sync)
         if rep:
             fwd.append(t_f)
             bwd.append(t_b)
-        saved = counter.total
-    return LayerCost("loss", 0, statistics.median(fwd), statistics.median(bwd), statistics.median(bwd), 0.0,
-                     saved, 0)
+    f, b = (statistics.median(v) if v else 0.0 for v in (fwd, bwd))
+    return LayerCost("loss", 0, f, b, b, 0.0, saved, 0)
 
 
-def profile_layers(cfg, *, rows: int | None = None, reps: int = 3, threads: int | None = 1,
+def profile_layers(cfg, *, rows: int | None = None, reps: int = 5, threads: int | None = 1,
                    device: str = "cpu") -> Profile:
     """Time the config's layers in this process (see the module docstring).
 
@@ -308,6 +311,7 @@ def profile_layers(cfg, *, rows: int | None = None, reps: int = 3, threads: int 
     try:
         module, batch = _model(cfg, device)
         sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        _profile_rows(module, batch, rows, 0, sync)  # a whole untimed pass: the allocator's first big blocks
         layers, loss = _profile_rows(module, batch, rows, reps, sync)
         fixed = None
         if rows >= 2:
@@ -318,6 +322,35 @@ def profile_layers(cfg, *, rows: int | None = None, reps: int = 3, threads: int 
         torch.set_num_threads(old_threads)
     where = f"{device}, {threads or old_threads} thread{'s' if (threads or old_threads) > 1 else ''}"
     return Profile(layers, loss, rows, fixed, per_param, f"measured on {where}")
+
+
+def _profile_and_ping(cfg, rows, reps) -> tuple:
+    """On each of two gloo ranks sharing this host: the ping-pong, then the same profile at
+    the same time (so each layer is timed while the other rank computes, as in a run)."""
+    comm = _ping([4, 1 << 22], 30)
+    return comm, profile_layers(cfg, rows=rows, reps=reps, threads=1)
+
+
+def profile_on_two_ranks(cfg, *, rows: int | None = None, reps: int = 5,
+                         timeout: float = 600.0) -> tuple[Profile, CommModel]:
+    """The CPU profile and message costs as two pipeline ranks on this host see them.
+
+    Two gloo processes (one thread each) measure the messages between them, then
+    profile the layers side by side: each layer's time includes what a worker loses
+    to the other one sharing the caches and memory bandwidth. The profile is the mean
+    of the two ranks'."""
+    from .testing import run_distributed
+
+    (ping, one), (_, two) = run_distributed(_profile_and_ping, 2, cfg, rows, reps, timeout=timeout)
+    mean = replace(one, layers=[_mean_cost(a, b) for a, b in zip(one.layers, two.layers)],
+                   loss=_mean_cost(one.loss, two.loss),
+                   optimizer_seconds_per_param=(one.optimizer_seconds_per_param + two.optimizer_seconds_per_param) / 2,
+                   source="measured on cpu by two ranks side by side, 1 thread each")
+    return mean, _comm_model(ping)
+
+
+def _mean_cost(a: LayerCost, b: LayerCost) -> LayerCost:
+    return replace(a, **{k: (getattr(a, k) + getattr(b, k)) / 2 for k in KINDS})
 
 
 def _profile_rows(module, batch, rows, reps, sync):
@@ -424,6 +457,18 @@ def _ping(sizes: list[int], reps: int) -> dict:
             out[n] = lap(lambda: (dist.send(buf, 1), dist.recv(buf, 1))) / 2
         else:
             out[n] = lap(lambda: (dist.recv(buf, 0), dist.send(buf, 0))) / 2
+    for n in sizes:  # what posting an isend costs the sender (the engine's SEND)
+        buf, posts = torch.zeros(max(1, n // 4)), []
+        for _ in range(reps + 2):
+            dist.barrier()
+            if rank == 0:
+                t0 = time.perf_counter()
+                work = dist.isend(buf, 1)
+                posts.append(time.perf_counter() - t0)
+                work.wait()
+            else:
+                dist.recv(buf, 0)
+        out[f"post {n}"] = statistics.median(posts[2:]) if posts else 0.0
     flag = torch.zeros(1)
     out["collective"] = lap(lambda: dist.all_reduce(flag))
     return out
@@ -434,11 +479,17 @@ def measure_comm(reps: int = 30, timeout: float = 60.0) -> CommModel:
     and a one-element all-reduce."""
     from .testing import run_distributed
 
-    sizes = [4, 1 << 22]
-    out = run_distributed(_ping, 2, sizes, reps, timeout=timeout)[0]
+    return _comm_model(run_distributed(_ping, 2, [4, 1 << 22], reps, timeout=timeout)[0])
+
+
+def _comm_model(out: dict) -> CommModel:
+    """A CommModel from `_ping`'s round trips."""
+    sizes = sorted(k for k in out if isinstance(k, int))
     small, big = out[sizes[0]], out[sizes[1]]
     bandwidth = (sizes[1] - sizes[0]) / (big - small) if big > 2 * small else sizes[1] / big
-    return CommModel(latency=small, bandwidth=bandwidth, collective=out["collective"],
+    post_small, post_big = out[f"post {sizes[0]}"], out[f"post {sizes[1]}"]
+    return CommModel(latency=small, bandwidth=bandwidth, collective=out["collective"], send_overhead=post_small,
+                     send_per_byte=max(0.0, (post_big - post_small) / (sizes[1] - sizes[0])),
                      source="measured: gloo ping-pong between two processes on this host")
 
 
@@ -493,7 +544,13 @@ def predict(schedule: Schedule, layers: list[LayerCost], boundaries: list[int], 
     over = comm.action_overhead
 
     def duration(a: Action) -> float:
-        return (getattr(stages[a.stage], a.kind.value) if a.is_compute else 0.0) + over
+        if a.is_compute:
+            return getattr(stages[a.stage], a.kind.value) + over
+        if a.kind is Kind.SEND_F:
+            return over + comm.send_overhead + comm.send_per_byte * stages[a.stage].out_bytes
+        if a.kind is Kind.SEND_B:
+            return over + comm.send_overhead + comm.send_per_byte * stages[a.stage - 1].out_bytes
+        return over
 
     def latency(recv: Action) -> float:
         sender = recv.stage - 1 if recv.kind is Kind.RECV_F else recv.stage + 1

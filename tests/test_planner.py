@@ -49,7 +49,8 @@ def test_latency_function_delays_each_message():
 def test_predict_counts_overhead_messages_and_tail():
     s = build_schedule("gpipe", 2, 1)
     layers = [_layer(f=1, b=2, out=0), _layer(f=1, b=2, out=0)]
-    comm = planner.CommModel(latency=0.25, bandwidth=1e30, collective=0.5, action_overhead=0.0)
+    comm = planner.CommModel(latency=0.25, bandwidth=1e30, collective=0.5, action_overhead=0.0,
+                             send_overhead=0.0)
     p = planner.predict(s, layers, [0, 1, 2], comm, optimizer_seconds_per_param=0.01)
     # F0 (1), message (0.25), F1 + B1 (3), message (0.25), B0 (2): 6.5; then 3 collectives and 10 params' step
     assert p["makespan"] == pytest.approx(6.5)
