@@ -310,6 +310,7 @@ def profile_layers(cfg, *, rows: int | None = None, reps: int = 5, threads: int 
         torch.set_num_threads(threads)
     try:
         module, batch = _model(cfg, device)
+        _ = _run_optimizer(module, cfg)  # its gradient hooks run in every backward timed below, as in a run
         sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         _profile_rows(module, batch, rows, 0, sync)  # a whole untimed pass: the allocator's first big blocks
         layers, loss = _profile_rows(module, batch, rows, reps, sync)
@@ -373,6 +374,14 @@ def _intercept(big: LayerCost, small: LayerCost, rows: int, rows_small: int) -> 
         slope = (b - s) / (rows - rows_small)
         return min(max(0.0, b - slope * rows), b)
     return LayerCost(big.name, big.params, *(cut(k) for k in KINDS), 0, 0)
+
+
+def _run_optimizer(module, cfg):
+    """The run's ZeroOptimizer over this one-process module (`pipekit train`'s), whose
+    post-accumulate-grad hooks move each gradient into its bucket: part of a backward's cost."""
+    from .train import make_optimizer
+
+    return make_optimizer(module, cfg)
 
 
 def _optimizer_seconds_per_param(cfg, module, sync) -> float:
