@@ -1,15 +1,18 @@
 """Split backward against the full backward on one GPT stage: is I + W the price of B?
 
-Run:  python benchmarks/split_backward.py [--repeats 30] [--device cpu|cuda] [--dtype fp32|bf16]
-                                          [--dim 256 --layers 2 --seq 128 --batch 8]
+Run:  python benchmarks/split_backward.py [--sizes small,d256] [--repeats 30] [--device cpu|cuda]
+                                          [--dtype fp32|bf16] [--dim 256 --layers 2 --seq 128 --batch 8]
 
 What is measured
 ----------------
 One pipeline stage of a GPT-2 (`get_model("gpt2", "tiny", dim=..., n_layers=...)`,
 `TransformerBlock`s built from its spec list, as `PipelineModule` builds them), in
-one process, three ways:
+one process, at each named size of `SIZES` (by default `small`, where the cost of
+calling the autograd engine and walking the graph shows, and `d256`, where the
+matmuls dominate; `d512` on request; `--dim` and friends set one size of your own),
+three ways:
 
-- middle: `--layers` blocks; the input is an activation (a leaf that requires
+- middle: the size's blocks; the input is an activation (a leaf that requires
   grad, as the engine receives it), the output's grad a fixed random tensor;
 - last: the same blocks plus the final norm, the tied head and the loss;
 - first: the embedding plus the blocks: the input is token ids, so I has
@@ -17,12 +20,16 @@ one process, three ways:
 
 For each, a round is: forward (not timed), B = `torch.autograd.backward`
 (what the engine runs for a full backward); forward again, I =
-`pipekit.split_backward.backward_input` (its graph walk included), W =
-`backward_weight`; every other round runs the split first. Gradients are
-zeroed between (not timed). On the CPU a call's time is this process's CPU
-time (`time.process_time`, one intra-op thread by default, and CPU autograd
-runs on the calling thread), so time lost to other processes on a shared
-machine is left out; on a GPU it is wall time around a synchronised call. After 3 warm-up rounds, `--repeats` rounds; the table gives the median
+`pipekit.split_backward.backward_input` (its graph walk included; the plan for
+the graph's shape is worked out in the first warm-up round and cached, as for
+every microbatch after a stage's first in training), W = `backward_weight`;
+every other round runs the split first. Gradients are zeroed between (not
+timed). B and W each end with the graph freed, as the engine's B and W actions
+do (a few percent of B at the small size). On the CPU a call's time is this
+process's CPU time (`time.process_time`, one intra-op thread by default, and CPU
+autograd runs on the calling thread), so time lost to other processes on a
+shared machine is left out; on a GPU it is wall time around a synchronised
+call. After 3 warm-up rounds, `--repeats` rounds; the table gives the median
 times, the median over rounds of each round's (I + W) / B (drifting machine
 load disturbs it less than a ratio of medians), and the same ratio of the
 fastest times (min I + min W) / min B, the least disturbed by other work on a
@@ -52,6 +59,12 @@ from pipekit.split_backward import backward_input, backward_weight  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SIZES = {  # name -> stage shape
+    "small": {"dim": 64, "heads": 4, "layers": 4, "seq": 32, "batch": 1},  # overhead-bound
+    "d256": {"dim": 256, "heads": 4, "layers": 2, "seq": 128, "batch": 8},  # the size README.md quotes
+    "d512": {"dim": 512, "heads": 8, "layers": 2, "seq": 128, "batch": 8},  # results/split_backward_cpu_dim512.json
+}
+SHAPE = ("dim", "heads", "layers", "seq", "batch")
 
 
 def build_stage(kind: str, args) -> tuple[list, torch.nn.Module, object]:
@@ -113,8 +126,14 @@ def measure(kind: str, args) -> dict:
         return x, [out], [torch.ones_like(out) * 1e-3]
 
     def full():
-        x, outs, grads = forward()
-        return lambda: torch.autograd.backward(outs, grads)
+        held = dict(zip(("x", "outs", "grads"), forward()))
+
+        def run():  # the graph's last references go inside the timed call, as W's go in W
+            outs, grads = held.pop("outs"), held.pop("grads")
+            held.clear()
+            torch.autograd.backward(outs, grads)
+
+        return run
 
     state = {}
 
@@ -167,32 +186,41 @@ def check_gradients(args) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="small,d256", help=f"comma-separated names from {', '.join(SIZES)}")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
+    for name in SHAPE:
+        p.add_argument(f"--{name}", type=int, default=None, help="one size of your own (the rest from d256)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads on the CPU")
     p.add_argument("--out", default=None, help="JSON file (default: results/split_backward_<device>.json)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    own = {k: getattr(args, k) for k in SHAPE if getattr(args, k) is not None}
+    names = ["custom"] if own else [n.strip() for n in args.sizes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SIZES and n != "custom"]
+    if unknown:
+        p.error(f"unknown size {unknown[0]!r}; choose from {', '.join(SIZES)}")
     load_before = load_average()
-    rows = [measure(kind, args) for kind in ("middle", "last", "first")]
+    sizes = []
+    for name in names:
+        shape = {**SIZES["d256"], **own} if name == "custom" else SIZES[name]
+        run = argparse.Namespace(**{**vars(args), **shape})
+        torch.manual_seed(0)
+        rows = [measure(kind, run) for kind in ("middle", "last", "first")]
+        sizes.append({"size": name, **shape, "rows": rows, "max_relative_grad_error": check_gradients(run)})
     load_after = load_average()
-    error = check_gradients(args)
-    body = [[r["stage"], f"{r['params']:,}", f"{r['B_ms']:.2f}", f"{r['I_ms']:.2f}", f"{r['W_ms']:.2f}",
-             f"{r['I_ms'] + r['W_ms']:.2f}", f"{r['I_plus_W_over_B']:.3f}",
-             f"{r['min_I_plus_min_W_over_min_B']:.3f}"] for r in rows]
-    print(f"GPT-2 stage: dim={args.dim}, {args.layers} blocks, batch {args.batch} x {args.seq} tokens, "
-          f"{args.dtype} on {args.device}, {args.threads} thread(s); median of {args.repeats} rounds; "
+    print(f"GPT-2 stage, {args.dtype} on {args.device}, {args.threads} thread(s); median of {args.repeats} rounds; "
           f"1-min load average {load_before:.2f} before, {load_after:.2f} after, {machine()['cores']} cores")
-    print(table(["stage", "params", "B ms", "I ms", "W ms", "I + W ms", "(I + W) / B, median per round",
-                 "fastest: (I + W) / B"], body))
-    print(f"split vs full gradients (middle stage): largest relative difference {error:.2e}")
+    body = [[size["size"], f"{size['dim']}", f"{size['layers']}", f"{size['batch']} x {size['seq']}", r["stage"],
+             f"{r['params']:,}", f"{r['B_ms']:.2f}", f"{r['I_ms']:.2f}", f"{r['W_ms']:.2f}",
+             f"{r['I_ms'] + r['W_ms']:.2f}", f"{r['I_plus_W_over_B']:.3f}", f"{r['min_I_plus_min_W_over_min_B']:.3f}"]
+            for size in sizes for r in size["rows"]]
+    print(table(["size", "dim", "blocks", "tokens", "stage", "params", "B ms", "I ms", "W ms", "I + W ms",
+                 "(I + W) / B, median per round", "fastest: (I + W) / B"], body))
+    for size in sizes:
+        print(f"split vs full gradients ({size['size']}, middle stage): largest relative difference "
+              f"{size['max_relative_grad_error']:.2e}")
     info = {**machine(), "threads_per_rank": args.threads, "device": args.device, "args": vars(args),
             "load_average_before": load_before, "load_average_after": load_after}
     info.pop("backend", None)  # one process, no communication
@@ -200,7 +228,7 @@ def main(argv=None) -> None:
         info["gpu"] = torch.cuda.get_device_name()
     out = Path(args.out) if args.out else RESULTS / f"split_backward_{args.device.split(':')[0]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": info, "rows": rows, "max_relative_grad_error": error}, indent=1))
+    out.write_text(json.dumps({"machine": info, "sizes": sizes}, indent=1))
 
 
 if __name__ == "__main__":
