@@ -6,7 +6,14 @@ step, to ranks given no inputs), so a message is just its tensors, sent one
 `isend` each in a fixed order. Sends are posted and their handles
 returned: the caller keeps the tensors alive and waits at the end of the step
 (so sends never block, which is what the schedule simulator assumes).
-Receives block, with a timeout, since the next compute needs the data.
+Receives can be posted ahead (`post_recv`) and waited for when the data is
+needed (`wait_recv`, with a timeout). Posting early matters on gloo: a send
+that finds its receive already posted goes out at once, one that does not waits
+for the receiver to post it and ask for the data, a round trip between two
+processes that the engine's `recv_ahead` takes out of the critical path (see
+the README's Performance section for what it is worth). Messages between two
+ranks match in the order they were posted, so receives must be posted in the
+order the peer sends them.
 """
 
 from __future__ import annotations
@@ -45,9 +52,26 @@ def send(tensors: list[torch.Tensor], dst: int) -> list[tuple[dist.Work, torch.T
 
 def recv(like: list[torch.Tensor], src: int, device: torch.device, timeout: datetime.timedelta) -> list[torch.Tensor]:
     """Receive tensors shaped like the (meta) tensors `like` from global rank `src`."""
+    return wait_recv(post_recv(like, src, device), timeout)
+
+
+class PostedRecv:
+    """Receives posted into fresh buffers, not yet waited for."""
+
+    def __init__(self, bufs: list[torch.Tensor], works: list, src: int):
+        self.bufs, self.works, self.src = bufs, works, src
+
+
+def post_recv(like: list[torch.Tensor], src: int, device: torch.device) -> PostedRecv:
+    """Post one non-blocking receive per tensor shaped like the (meta) tensors `like` from global rank `src`."""
     bufs = [torch.empty(m.shape, dtype=m.dtype, device=device) for m in like]
-    works = [dist.irecv(b, src=src) for b in bufs]
-    for w in works:
+    return PostedRecv(bufs, [dist.irecv(b, src=src) for b in bufs], src)
+
+
+def wait_recv(posted: PostedRecv, timeout: datetime.timedelta) -> list[torch.Tensor]:
+    """The buffers of `posted` once every receive in it has completed (PeerTimeout, PeerClosed otherwise)."""
+    src = posted.src
+    for w in posted.works:
         try:
             w.wait(timeout=timeout)
         except RuntimeError as e:
@@ -55,7 +79,7 @@ def recv(like: list[torch.Tensor], src: int, device: torch.device, timeout: date
                 raise PeerClosed(f"rank {src} closed its connection before sending (it stopped or failed; its own "
                                  f"error, if any, is reported by that rank) ({e})") from e
             raise PeerTimeout(f"no message from rank {src} within {timeout.total_seconds():.0f} s ({e})") from e
-    return bufs
+    return posted.bufs
 
 
 def wait_all(posted: list[tuple[dist.Work, torch.Tensor]], timeout: datetime.timedelta) -> None:

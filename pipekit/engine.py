@@ -53,6 +53,7 @@ the whole global batch as a Python float on every rank (DeepSpeed's
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import json
@@ -285,6 +286,11 @@ class PipelineEngine:
         clip_grad_norm: clip the gradients to this global L2 norm (over every
             parameter of the model, each counted once) before the step.
         lr_scheduler: stepped after every optimizer step.
+        recv_ahead: how many of this rank's next receives are kept posted
+            ahead of their RECV actions (default 4; 0: each is posted when its
+            action runs). A message whose receive is already posted is
+            delivered without the receiver's round trip (see `pipekit.comm`);
+            each costs one stage-boundary buffer of memory until it is used.
     """
 
     def __init__(
@@ -298,7 +304,12 @@ class PipelineEngine:
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         clip_grad_norm: float | None = None,
         lr_scheduler=None,
+        recv_ahead: int = 4,
     ):
+        if isinstance(recv_ahead, bool) or not isinstance(recv_ahead, int) or recv_ahead < 0:
+            raise ValueError(f"recv_ahead must be an int >= 0 (receives posted before they are needed; 0: each "
+                             f"when its RECV action runs), got {recv_ahead!r}")
+        self.recv_ahead = recv_ahead
         self.module = module
         self.optimizer = optimizer
         if (optimizer is not None and not isinstance(optimizer, ZeroOptimizer) and getattr(module.topology, "ep", 1) > 1
@@ -532,7 +543,10 @@ class PipelineEngine:
         self._raw_losses: list[torch.Tensor] = []  # each microbatch's loss as computed
         self._outputs: list = []
         self.timeline = []
+        self._recv_due = collections.deque(a for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B))
+        self._recv_posted: collections.deque = collections.deque()  # (action, comm.PostedRecv), program order
         self.step_start = t0 = time.perf_counter()  # timeline times are relative to this (a machine-wide clock)
+        self._post_receives()
         for step, action in enumerate(actions):
             start = time.perf_counter()
             try:
@@ -656,14 +670,30 @@ class PipelineEngine:
         self._posted += comm.send(self._outbox.pop((a.stage, Kind.SEND_B, a.microbatch)), self._peer(a.stage - 1))
 
     def _recv_forward(self, a: Action) -> None:
-        like = self._io[a.stage][0]
-        got = comm.recv(_all_tensors(like), self._peer(a.stage - 1), self.topo.device, self.timeout)
-        x = _rebuild(like, got)
+        x = _rebuild(self._io[a.stage][0], self._received(a))
         self._inbox[(a.stage, a.microbatch)] = _leaf(x) if self._training else x
 
     def _recv_backward(self, a: Action) -> None:
-        like = comm.float_entries(self._io[a.stage][1])
-        self._grads[(a.stage, a.microbatch)] = comm.recv(like, self._peer(a.stage + 1), self.topo.device, self.timeout)
+        self._grads[(a.stage, a.microbatch)] = self._received(a)
+
+    def _post_receives(self, at_least: int = 0) -> None:
+        """Keep the next `recv_ahead` (or `at_least`) receives of this rank's program posted, in
+        program order: the order the peers send in."""
+        while self._recv_due and len(self._recv_posted) < max(self.recv_ahead, at_least):
+            a = self._recv_due.popleft()
+            if a.kind is Kind.RECV_F:
+                like, src = _all_tensors(self._io[a.stage][0]), self._peer(a.stage - 1)
+            else:
+                like, src = comm.float_entries(self._io[a.stage][1]), self._peer(a.stage + 1)
+            self._recv_posted.append((a, comm.post_recv(like, src, self.topo.device)))
+
+    def _received(self, a: Action) -> list[torch.Tensor]:
+        """The tensors of RECV action `a`, the next posted receive (posted now if none is)."""
+        self._post_receives(at_least=1)
+        head, posted = self._recv_posted.popleft()
+        assert head == a, f"rank {self.topo.rank}: receive for {head} posted, but the program runs {a}"
+        self._post_receives()
+        return comm.wait_recv(posted, self.timeout)
 
     @staticmethod
     def _check_shapes(value, meta, where: str) -> None:

@@ -18,6 +18,7 @@ process of its own runs the world-of-one checks. float64, a tiny toy model.
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -52,10 +53,12 @@ def float64():
     torch.set_default_dtype(old)
 
 
-def _engine(topo=None, *, engine_schedule=None, microbatches=2, **module_kwargs) -> pipekit.PipelineEngine:
+def _engine(topo=None, *, engine_schedule=None, microbatches=2, engine_kwargs=None,
+            **module_kwargs) -> pipekit.PipelineEngine:
     module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo, seed=SEED, **module_kwargs)
     opt = torch.optim.SGD(module.parameters(), lr=LR)
-    return pipekit.PipelineEngine(module, optimizer=opt, schedule=engine_schedule, num_microbatches=microbatches)
+    return pipekit.PipelineEngine(module, optimizer=opt, schedule=engine_schedule, num_microbatches=microbatches,
+                                  **(engine_kwargs or {}))
 
 
 def _weights(engine) -> list[torch.Tensor]:
@@ -196,6 +199,7 @@ def _two_ranks(store_file: str) -> dict:
     out.update(_shapes_are_agreed_once(topo))
     out.update(_loss_per_replica(pipekit.Topology(pp=1, dp=2)))
     out.update(_declared_once_at_pp2(topo))
+    out.update(_receives_posted_ahead(topo))
     first_loss = out["losses_full"][0]
     dist.destroy_process_group()
     # The script's own group (torch.multiprocessing without those variables): init_distributed is a no-op.
@@ -291,6 +295,24 @@ def _declared_once_at_pp2(topo) -> dict:
                                 _same(_weights(declared), _weights(old)))}
 
 
+def _receives_posted_ahead(topo) -> dict:
+    """The same steps with receives posted at need (0), one ahead, the default and all at once:
+    the same losses and weights, on a schedule whose ranks exchange both ways (ZBV) and on GPipe."""
+    out = {}
+    for name in ("zbv", "gpipe"):
+        engines = {ahead: _engine(topo, schedule=name, microbatches=4,
+                                  engine_kwargs=None if ahead is None else {"recv_ahead": ahead})
+                   for ahead in (0, 1, None, 1000)}
+        losses = {ahead: [e.train_batch(_batch(step), reduce_loss=True) for step in range(2)]
+                  for ahead, e in engines.items()}
+        losses[0].append(engines[0].eval_batch(_batch(5), reduce_loss=True))
+        losses[1000].append(engines[1000].eval_batch(_batch(5), reduce_loss=True))
+        same = [losses[a] == losses[0][:len(losses[a])] and _same(_weights(e), _weights(engines[0]))
+                for a, e in engines.items()]
+        out[f"ahead_{name}"] = (same, losses[0][-1] == losses[1000][-1], engines[None].recv_ahead)
+    return out
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("own-group") / "store")
@@ -366,6 +388,18 @@ def test_the_default_loss_is_each_replicas_own_and_the_asked_one_the_global_batc
 def test_interleaving_declared_on_the_module_at_pp2(two_ranks):
     assert two_ranks[0]["interleaved_pp2"] == ("interleaved_1f1b", [0, 2], True, True)
     assert two_ranks[1]["interleaved_pp2"] == ("interleaved_1f1b", [1, 3], True, True)
+
+
+def test_receives_posted_ahead_change_nothing_but_the_wait(two_ranks):
+    for r in two_ranks:
+        for name in ("zbv", "gpipe"):
+            assert r[f"ahead_{name}"] == ([True] * 4, True, 4), (name, r[f"ahead_{name}"])
+
+
+def test_recv_ahead_must_be_a_count():
+    for bad in (-1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match=r"recv_ahead must be an int >= 0 .* got " + re.escape(repr(bad))):
+            pipekit.PipelineEngine(_engine().module, recv_ahead=bad)
 
 
 # ---- one rank: a plain process, and RANK=0 WORLD_SIZE=1 ------------------------------------------
