@@ -104,7 +104,8 @@ def _measure(overrides: list[str], steps: int, warmup: int = 2) -> dict:
             busy.setdefault(key, []).append(seconds)
     slowest = torch.tensor(laps, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return {"steps": slowest[warmup:].tolist(), "boundaries": list(engine.module.boundaries),
+    last = [(e.rank, e.action, e.start + engine.step_start, e.end + engine.step_start) for e in engine.timeline]
+    return {"steps": slowest[warmup:].tolist(), "boundaries": list(engine.module.boundaries), "last_step": last,
             "busy": {k: statistics.median(v) for k, v in busy.items()}}
 
 
@@ -124,6 +125,8 @@ def main() -> int:
     ap.add_argument("--partitions", default="parameters", help="e.g. parameters,profile")
     ap.add_argument("--alone", action="store_true",
                     help="profile in this process alone (default: two ranks side by side, as pipekit plan does)")
+    ap.add_argument("--png", default=None,
+                    help="draw the first run's predicted timeline above its last measured step (matplotlib)")
     args = ap.parse_args()
     names = [(n, p) for n in args.schedules.split(",") for p in args.partitions.split(",")]
     load = [os.getloadavg()[0]]
@@ -161,6 +164,8 @@ def main() -> int:
                      "tail_ms": c.tail_seconds * 1e3, "bubble": c.bubble_fraction,
                      "p10_ms": _pct(got["steps"], 0.1) * 1e3, "p90_ms": _pct(got["steps"], 0.9) * 1e3})
         r = rows[-1]
+        if args.png and len(rows) == 1:
+            _picture(args.png, args.shape, name, c, [e for g in got_all for e in g["last_step"]], r)
         print(f"{name:17s} {method:10s} {c.boundaries}  predicted {r['predicted_ms']:8.1f} ms  measured {r['measured_ms']:8.1f} ms "
               f"(p10-p90 {r['p10_ms']:.1f}-{r['p90_ms']:.1f})  predicted/measured {r['ratio']:.3f}", flush=True)
     load.append(os.getloadavg()[0])
@@ -179,6 +184,19 @@ def main() -> int:
                     "torch": torch.__version__},
     }, indent=1))
     return 0
+
+
+def _picture(path: str, shape: str, name: str, c, measured: list, row: dict) -> None:
+    """The plan's timeline over the last measured step's (both ranks, on one clock from the step's start)."""
+    from pipekit.schedules import TimelineEvent, render_png
+
+    t0 = min(start for _, _, start, _ in measured)
+    events = [TimelineEvent(rank, action, start - t0, end - t0) for rank, action, start, end in measured]
+    render_png(c.timeline, path, f"{name}, {shape} shape, pp=2: predicted (makespan {c.makespan * 1e3:.0f} ms; "
+               f"step with optimizer and collectives {row['predicted_ms']:.0f} ms)", unit="ms",
+               compare=[(f"measured, last timed step (median step {row['measured_ms']:.0f} ms; grey: SEND/RECV, "
+                         "a RECV box is time spent waiting)", events)])
+    print(f"wrote {path}")
 
 
 def _pct(xs, q):

@@ -94,9 +94,12 @@ def _label(action: str, room: int) -> str:
 _COLOURS = {"F": "#4878d0", "B": "#6acc64", "I": "#8fd18a", "W": "#ee854a"}
 
 
-def render_png(events: list[TimelineEvent], path: str, title: str = "") -> None:
+def render_png(events: list[TimelineEvent], path: str, title: str = "", *,
+               compare: list[tuple[str, list[TimelineEvent]]] | None = None, unit: str = "") -> None:
     """A Gantt chart PNG, one row per rank: F blue, B green, I light green, W orange, SEND/RECV grey,
-    each box labelled with its microbatch. Needs matplotlib (`pip install matplotlib`)."""
+    each box labelled with its microbatch. `compare`: more (label, events) panels drawn below on the
+    same time axis (a measured step under its prediction, say); `title` then labels the first panel.
+    `unit`: "ms" draws times (read as seconds) in milliseconds. Needs matplotlib (`pip install matplotlib`)."""
     try:
         import matplotlib
 
@@ -104,21 +107,31 @@ def render_png(events: list[TimelineEvent], path: str, title: str = "") -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise ImportError("drawing a PNG needs matplotlib: pip install matplotlib") from e
-    ranks = sorted({e.rank for e in events})
-    fig, ax = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.2))
-    for e in events:
-        kind = _category(e.action)
-        ax.barh(e.rank, e.end - e.start, left=e.start, height=0.8,
-                color=_COLOURS.get(kind, "#a0a0a0"), edgecolor="white", linewidth=0.5)
-        if kind in _COLOURS:
-            ax.text((e.start + e.end) / 2, e.rank, str(Action.parse(e.action).microbatch),
-                    ha="center", va="center", fontsize=7, color="white")
-    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    ax.set_xlabel("time")
-    ax.set_title(title)
+    panels = [(title, events), *(compare or [])]
+    scale = 1e3 if unit == "ms" else 1.0
+    heights = [len({e.rank for e in evs}) or 1 for _, evs in panels]
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False,
+                             figsize=(12, sum(0.6 * h + 0.8 for h in heights) + 0.4),
+                             gridspec_kw={"height_ratios": [h + 1 for h in heights]})
+    for ax, (label, evs) in zip(axes[:, 0], panels):
+        _draw(ax, evs, scale)
+        ax.set_title(label, fontsize=10)
+    axes[-1, 0].set_xlabel(f"time ({unit})" if unit else "time")
     fig.tight_layout()
     from ..atomic import write_atomic
 
     write_atomic(path, lambda fh: fig.savefig(fh, format="png", dpi=120))
     plt.close(fig)
+
+
+def _draw(ax, events: list[TimelineEvent], scale: float) -> None:
+    ranks = sorted({e.rank for e in events})
+    for e in events:
+        kind = _category(e.action)
+        ax.barh(e.rank, (e.end - e.start) * scale, left=e.start * scale, height=0.8,
+                color=_COLOURS.get(kind, "#a0a0a0"), edgecolor="white", linewidth=0.5)
+        if kind in _COLOURS:
+            ax.text((e.start + e.end) / 2 * scale, e.rank, str(Action.parse(e.action).microbatch),
+                    ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
