@@ -368,43 +368,62 @@ def _profile_rows(module, batch, rows, reps, sync):
             out = out.detach() if torch.is_tensor(out) else out
         loss = _profile_loss(module, out, labels.to(module.device), reps, sync)
         if reps:
-            layers, loss = _calibrated(layers, loss, *_chained(module, x, labels.to(module.device), reps, sync))
+            layers, loss = _calibrated(layers, loss, _chained(module, x, labels.to(module.device), reps, sync))
     return layers, loss
 
 
-def _chained(module, x, labels, reps: int, sync) -> tuple[float, float]:
-    """Median seconds of the whole model's forward (with the loss) and backward on one
-    microbatch, the layers run one after another as a stage runs them."""
-    fwd, bwd = [], []
-    for rep in range(reps + 1):
-        def forward():
-            out = x
-            for i in range(len(module.specs)):
-                out = module.run_layer(i, out)
-            return module.loss_fn(out, labels)
+def _chained(module, x, labels, reps: int, sync) -> dict[str, float]:
+    """Median seconds of the whole model run layer after layer on one microbatch, as a
+    stage runs its layers: forward (with the loss) and full backward ("F", "B"); and,
+    from the first layer's output on (a stage whose input takes a gradient), the split
+    backward's halves ("I", "W")."""
+    from .split_backward import backward_input, backward_weight
 
-        t_f, loss = _time(forward, sync)
+    n = len(module.specs)
+    params = [p for p in module.parameters() if p.requires_grad]
+    times: dict[str, list[float]] = {k: [] for k in KINDS}
+
+    def forward(start, inp):
+        out = inp
+        for i in range(start, n):
+            out = module.run_layer(i, out)
+        return module.loss_fn(out, labels)
+
+    for rep in range(reps + 1):
+        t_f, loss = _time(lambda: forward(0, x), sync)
         t_b, _ = _time(loss.backward, sync)
+        got = {"F": t_f, "B": t_b}
+        if n > 1:
+            with torch.no_grad():
+                first = module.run_layer(0, x)
+            inp = _leaf(first)
+            loss = forward(1, inp)
+            t_i, (_, work) = _time(lambda: backward_input([loss], [None], _floats(inp), params), sync)
+            t_w, _ = _time(lambda: backward_weight(work), sync)
+            got.update(I=t_i, W=t_w)
         for p in module.parameters():
             p.grad = None
         if rep:
-            fwd.append(t_f)
-            bwd.append(t_b)
-    return statistics.median(fwd), statistics.median(bwd)
+            for k, v in got.items():
+                times[k].append(v)
+    return {k: statistics.median(v) for k, v in times.items() if v}
 
 
-def _calibrated(layers: list[LayerCost], loss: LayerCost, chained_f: float, chained_b: float):
+def _calibrated(layers: list[LayerCost], loss: LayerCost, chained: dict[str, float]):
     """Each layer timed alone runs with its weights and activations warm in the caches; run one
     after another, as in a stage, they are not (on a 2-core CPU host, a GPT's forward took
-    1.11x and its backward 1.05x the sum of its layers'). Scale the layers' forward by
-    chained / summed forward, and B, I and W by the same for the backward."""
-    total_f = sum(c.F for c in layers) + loss.F
-    total_b = sum(c.B for c in layers) + loss.B
-    k_f = chained_f / total_f if total_f > 0 else 1.0
-    k_b = chained_b / total_b if total_b > 0 else 1.0
+    1.11x and its backward 1.05x the sum of its layers'). Scale each kind's cost by the
+    chained time over the summed one: F and B over every layer and the loss, I and W over
+    those after the first layer (what the chained split pass covers)."""
+    rest = [*layers[1:], loss]
+    summed = {"F": sum(c.F for c in layers) + loss.F, "B": sum(c.B for c in layers) + loss.B,
+              "I": sum(c.I for c in rest), "W": sum(c.W for c in rest)}
+    factor = {k: chained[k] / summed[k] if summed[k] > 0 and k in chained else 1.0 for k in KINDS}
+    if "I" not in chained:  # one layer: no split pass; the backward's factor stands in
+        factor["I"] = factor["W"] = factor["B"]
 
     def scale(c: LayerCost) -> LayerCost:
-        return replace(c, F=c.F * k_f, B=c.B * k_b, I=c.I * k_b, W=c.W * k_b)
+        return replace(c, **{k: getattr(c, k) * factor[k] for k in KINDS})
 
     return [scale(c) for c in layers], scale(loss)
 

@@ -106,6 +106,29 @@ def test_profile_measures_every_layer_and_scales_with_rows():
     assert all(d.F >= c.F for d, c in zip(double, prof.at(prof.rows)))
 
 
+def test_layer_costs_are_scaled_to_the_model_run_layer_after_layer():
+    layers = [_layer("embed", f=1, b=2, i=0, w=2), _layer(f=2, b=4, i=2, w=2), _layer(f=3, b=6, i=4, w=2)]
+    loss = _layer("loss", f=1, b=1, i=1, w=0)
+    got, got_loss = planner._calibrated(layers, loss, {"F": 14.0, "B": 26.0, "I": 14.0, "W": 6.0})
+    # F over all layers and the loss: 7 -> 14; B: 13 -> 26; I and W over the layers after the first: 7 -> 14, 4 -> 6
+    assert [c.F for c in got] == [2, 4, 6] and got_loss.F == 2
+    assert [c.B for c in got] == [4, 8, 12] and got_loss.B == 2
+    assert [c.I for c in got] == [0, 4, 8] and got_loss.I == 2
+    assert [c.W for c in got] == [3, 3, 3] and got_loss.W == 0
+    # a one-layer model has no split pass: I and W take the backward's factor
+    (one,), _ = planner._calibrated(layers[:1], loss, {"F": 4.0, "B": 6.0})
+    assert (one.F, one.B, one.I, one.W) == (2, 4, 0, 4)
+
+
+def test_chained_pass_times_every_kind():
+    cfg = load_config(GPT, SMALL)
+    module, batch = planner._model(cfg)
+    x, labels = batch(2)
+    got = planner._chained(module, x, labels, 1, lambda: None)
+    assert set(got) == {"F", "B", "I", "W"} and all(v > 0 for v in got.values())
+    assert all(p.grad is None for p in module.parameters())  # nothing left behind for the next timing
+
+
 def test_flop_profile_on_meta_counts_matmuls():
     cfg = load_config(GPT, SMALL)
     prof = planner.flop_layers(cfg, flops_per_second=1.0)
