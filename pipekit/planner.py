@@ -249,9 +249,20 @@ def _layer_params(module, i: int) -> list[torch.Tensor]:
     return list(module.layers[str(i)].parameters()) if str(i) in module.layers else []
 
 
+def _label(specs: list, i: int) -> str:
+    """Layer i's class name; a tied layer's later use says so (a GPT's head is its embedding's module)."""
+    from .spec import TiedLayerSpec, spec_name
+
+    spec = specs[i]
+    if isinstance(spec, TiedLayerSpec):
+        first = next(j for j, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and s.key == spec.key)
+        if first < i:
+            return f"{spec_name(spec)} (tied to layer {first})"
+    return spec_name(spec)
+
+
 def _profile_one(module, i: int, x, reps: int, sync):
     """(LayerCost, output) of layer i on input x: medians over `reps` after one warm-up."""
-    from .spec import spec_name
     from .split_backward import backward_input, backward_weight
 
     params = [p for p in _layer_params(module, i) if p.requires_grad]
@@ -281,7 +292,7 @@ def _profile_one(module, i: int, x, reps: int, sync):
             p.grad = None
     med = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
     n = sum(p.numel() for p in params)
-    return LayerCost(spec_name(module.specs[i]), n, med["F"], med["B"], med["I"], med["W"], saved, out_bytes), out
+    return LayerCost(_label(module.specs, i), n, med["F"], med["B"], med["I"], med["W"], saved, out_bytes), out
 
 
 def _profile_loss(module, out, labels, reps: int, sync) -> LayerCost:
@@ -487,9 +498,7 @@ def flop_layers(cfg, *, rows: int | None = None, flops_per_second: float | None 
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         f, b = fwd.get_total_flops() / rate, bwd.get_total_flops() / rate
-        from .spec import spec_name
-
-        layers.append(LayerCost(spec_name(module.specs[i]), sum(p.numel() for p in params), f, b, b / 2, b / 2,
+        layers.append(LayerCost(_label(module.specs, i), sum(p.numel() for p in params), f, b, b / 2, b / 2,
                                 counter.total, _nbytes(out)))
         out = out.detach() if torch.is_tensor(out) else out
     xin = _leaf(out)
