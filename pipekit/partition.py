@@ -145,7 +145,13 @@ def _check_weights(weights: list[float]) -> None:
 def _check_entry(spec, index: int) -> None:
     if isinstance(spec, LayerSpec):
         return
-    if isinstance(spec, nn.Module) or not callable(spec):
+    if isinstance(spec, nn.Module):
+        raise TypeError(
+            f"entry {index} of the spec list is a built nn.Module ({type(spec).__name__}); pipekit builds each "
+            f"layer lazily, only on the rank that holds it, seeded by its index: list LayerSpec(cls, *args, "
+            f"**kwargs) instead (e.g. LayerSpec(nn.Linear, 8, 8) for nn.Linear(8, 8))"
+        )
+    if not callable(spec):
         raise TypeError(
             f"entry {index} of the spec list is {type(spec).__name__} {spec!r}; "
             "expected a LayerSpec, TiedLayerSpec or plain callable"

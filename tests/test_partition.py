@@ -240,7 +240,7 @@ def test_type_regex_errors():
 
 
 def test_bad_entries():
-    with pytest.raises(TypeError, match=r"entry 1 .* Linear"):
+    with pytest.raises(TypeError, match=r"entry 1 .* built nn.Module \(Linear\)"):
         partition([relu, nn.Linear(2, 2)], 2, "uniform")
     with pytest.raises(TypeError, match=r"entry 0 .* int 42"):
         partition([42, relu], 2, "parameters")

@@ -118,3 +118,12 @@ def test_layer_seed():
     # neighbours differ in many bits, not just the last few
     assert bin(layer_seed(0, 0) ^ layer_seed(0, 1)).count("1") > 10
     assert bin(layer_seed(0, 0) ^ layer_seed(1, 0)).count("1") > 10
+
+
+def test_a_module_list_as_deepspeed_takes_it_is_refused_with_the_spec_to_write():
+    import pipekit
+
+    for layers in ([nn.Linear(8, 8), nn.ReLU()], nn.Sequential(nn.Linear(8, 8), nn.ReLU())):
+        with pytest.raises(TypeError, match=r"entry 0 of the spec list is a built nn.Module \(Linear\).*"
+                                            r"LayerSpec\(nn.Linear, 8, 8\) for nn.Linear\(8, 8\)"):
+            pipekit.PipelineModule(layers, loss_fn=nn.MSELoss())
