@@ -42,7 +42,7 @@ from itertools import accumulate
 
 from torch import nn
 
-from .spec import LayerSpec, count_parameters, spec_name
+from .spec import LayerSpec, built_module_error, count_parameters, spec_name
 
 VALID_METHODS = "'uniform', 'parameters', 'type:REGEX' (e.g. 'type:Block'), or a list of boundaries"
 
@@ -146,11 +146,7 @@ def _check_entry(spec, index: int) -> None:
     if isinstance(spec, LayerSpec):
         return
     if isinstance(spec, nn.Module):
-        raise TypeError(
-            f"entry {index} of the spec list is a built nn.Module ({type(spec).__name__}); pipekit builds each "
-            f"layer lazily, only on the rank that holds it, seeded by its index: list LayerSpec(cls, *args, "
-            f"**kwargs) instead (e.g. LayerSpec(nn.Linear, 8, 8) for nn.Linear(8, 8))"
-        )
+        raise built_module_error(spec, index)
     if not callable(spec):
         raise TypeError(
             f"entry {index} of the spec list is {type(spec).__name__} {spec!r}; "

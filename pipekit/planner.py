@@ -12,7 +12,7 @@ How a prediction is made
    and the loss. A layer timed alone finds its weights and activations warm in the
    caches, so the whole model is also run layer after layer, as a stage runs it,
    and the layers' forward costs are scaled by chained / summed forward time (the
-   backward's likewise). Profiled at two microbatch sizes, a cost is fitted as
+   backward's, and the split backward's halves, likewise). Profiled at two microbatch sizes, a cost is fitted as
    `fixed + per_row * rows` to predict other sizes. `flop_layers` (`--no-profile`)
    gives the same table from FLOP counts on the meta device (nothing is
    allocated, so it works for models this machine cannot hold), at a nominal
@@ -251,13 +251,11 @@ def _layer_params(module, i: int) -> list[torch.Tensor]:
 
 def _label(specs: list, i: int) -> str:
     """Layer i's class name; a tied layer's later use says so (a GPT's head is its embedding's module)."""
-    from .spec import TiedLayerSpec, spec_name
+    from .spec import TiedLayerSpec, spec_name, tied_first_index
 
     spec = specs[i]
-    if isinstance(spec, TiedLayerSpec):
-        first = next(j for j, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and s.key == spec.key)
-        if first < i:
-            return f"{spec_name(spec)} (tied to layer {first})"
+    if isinstance(spec, TiedLayerSpec) and (first := tied_first_index(specs)[spec.key]) < i:
+        return f"{spec_name(spec)} (tied to layer {first})"
     return spec_name(spec)
 
 

@@ -123,6 +123,15 @@ def tied_first_index(specs: list) -> dict[str, int]:
     return first
 
 
+def built_module_error(module: nn.Module, index: int) -> TypeError:
+    """The error for a built module in a spec list (as DeepSpeed's PipelineModule takes them)."""
+    return TypeError(
+        f"entry {index} of the spec list is a built nn.Module ({type(module).__name__}); pipekit builds each "
+        "layer lazily, only on the rank that holds it, seeded by its index: wrap it as LayerSpec(cls, *args) "
+        "(e.g. LayerSpec(nn.Linear, 8, 8) for nn.Linear(8, 8))"
+    )
+
+
 def build_layer(specs: list, index: int, *, seed: int, device=None):
     """Build entry `index` of `specs` the way every rank does: a tied spec is
     seeded by its key's first index, a plain callable is returned as is."""
@@ -132,10 +141,7 @@ def build_layer(specs: list, index: int, *, seed: int, device=None):
     if isinstance(spec, LayerSpec):
         return spec.build(seed=seed, index=index, device=device)
     if isinstance(spec, nn.Module):
-        raise TypeError(
-            f"entry {index} of the spec list is a built nn.Module ({type(spec).__name__}); "
-            "wrap it as LayerSpec(cls, *args) so every rank builds only its own layers"
-        )
+        raise built_module_error(spec, index)
     if callable(spec):
         return spec
     raise TypeError(f"entry {index} of the spec list is {spec!r}; expected a LayerSpec, TiedLayerSpec or callable")
