@@ -2,8 +2,8 @@
 table and head, the MoE feed-forward factory, and the attention FLOPs.
 
 A family's spec list composes these with `pipekit.layers.TransformerBlock`
-(whose `mlp=` factory swaps the dense MLP for `moe_mlp`); nothing here knows
-which family calls it.
+(whose `mlp=` part is the dense MLP or `moe_mlp`); nothing here knows which
+family calls it.
 
 Vocabulary padding (Megatron's `--make-vocab-size-divisible-by`): the token
 table and the head have Vp = `padded_vocab(cfg)` rows, `vocab_size` rounded up
@@ -114,7 +114,7 @@ def moe_mlp(dim: int, hidden: int, *, group=None, init_std: float = 0.02, out_in
             cfg, layer_index: int, activation: str = "swiglu", bias: bool = False):
     """The MoE feed-forward part of block `layer_index` of a config with MoE fields (Mixtral's,
     or GPT-2's with n_experts set), on the current expert-parallel group: a `TransformerBlock`
-    `mlp=` factory (`partial(moe_mlp, cfg=cfg, layer_index=i)`)."""
+    `mlp=` part (`partial(moe_mlp, hidden=..., cfg=cfg, layer_index=i)`)."""
     from ..moe import MoEMLP
 
     return MoEMLP(dim, hidden, cfg.n_experts, cfg.top_k, activation=activation, bias=bias, score=cfg.score,

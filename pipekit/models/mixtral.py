@@ -1,7 +1,7 @@
 """Mixtral-style MoE models (Llama with MoE feed-forward blocks) as a spec list.
 
     [0]        embedding: VocabParallelEmbedding                      ids (B, T) -> (B, T, D)
-    [1..L]     LayerSpec(TransformerBlock, style="llama", mlp=MoE)    (B, T, D) -> (B, T, D)
+    [1..L]     LayerSpec(TransformerBlock, Llama's parts, mlp=MoE)    (B, T, D) -> (B, T, D)
     [L+1]      LayerSpec(RMSNorm)
     [L+2]      head: VocabParallelHead(D, V)                          (B, T, D) -> (B, T, Vp/tp)
 
@@ -84,7 +84,7 @@ FLAVOURS: dict[str, MixtralConfig] = {
 def mixtral_specs(cfg: MixtralConfig) -> list:
     """The spec list of `cfg` (see the module docstring for its layout and names): Llama's,
     with block i's feed-forward factory `common.moe_mlp` for layer index i + 1."""
-    return llama_specs(cfg, mlp=lambda i: partial(moe_mlp, cfg=cfg, layer_index=i + 1))
+    return llama_specs(cfg, mlp=lambda i: partial(moe_mlp, hidden=cfg.hidden, cfg=cfg, layer_index=i + 1))
 
 
 def mixtral_loss(cfg: MixtralConfig | None = None) -> LayerSpec:
