@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -43,6 +41,7 @@ from ..layers import (
 from ..layers.parallel import normal_full
 from ..spec import LayerSpec, TiedLayerSpec
 from .common import (  # noqa: F401 - the shared helpers, importable from here as before
+    MoEConfig,
     VocabParallelHead,
     check_moe,
     check_positive,
@@ -54,7 +53,11 @@ from .common import (  # noqa: F401 - the shared helpers, importable from here a
 
 
 @dataclass
-class GPT2Config:
+class GPT2Config(MoEConfig):
+    """GPT-2, and GPT-2-MoE with `n_experts` set: every block's MLP is then an MoE layer of
+    n_experts GELU experts (width 4*dim, with biases), top_k per token (the MoE fields:
+    `common.MoEConfig`, keyword-only)."""
+
     vocab_size: int
     max_seq_len: int  # learned positions (HF n_positions)
     n_layers: int
@@ -66,15 +69,6 @@ class GPT2Config:
     # The token table and the head get vocab_size rounded up to a multiple of this (1: no padding);
     # the padded ids' logits are -inf. Independent of tp, which must divide the padded size.
     vocab_pad_multiple: int = 128
-    # GPT-2-MoE: with n_experts set, every block's MLP is an MoE layer of n_experts GELU experts
-    # (width 4*dim, with biases), top_k per token (see pipekit.moe.MoEMLP for the router options).
-    n_experts: Optional[int] = None
-    top_k: int = 2
-    n_shared_experts: int = 0
-    score: str = "softmax"
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0
-    capacity_factor: Optional[float] = None
 
     def __post_init__(self):
         check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "vocab_pad_multiple"))

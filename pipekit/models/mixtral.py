@@ -24,46 +24,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
 
 from ..layers import VocabParallelCrossEntropy
 from ..spec import LayerSpec
-from .common import check_moe, check_positive, moe_mlp, padded_vocab
-from .llama import llama_params, llama_specs
+from .common import MoEConfig, check_moe, moe_mlp
+from .llama import LlamaConfig, llama_params, llama_specs
 
 
-@dataclass
-class MixtralConfig:
-    vocab_size: int
-    max_seq_len: int
-    n_layers: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    hidden: int  # each routed expert's SwiGLU width
+@dataclass(kw_only=True)
+class MixtralConfig(LlamaConfig, MoEConfig):
+    """Llama's config (its fields, their order and checks) with the MoE fields of `common.MoEConfig`;
+    only the defaults differ: 8 experts, `aux_loss_coef` 0.02, `rope_theta` 1e6 (Mixtral's).
+    The fields it declares are keyword-only, as the MoE ones: pass every field by name."""
+
     n_experts: int = 8
-    top_k: int = 2
-    n_shared_experts: int = 0  # always-on experts beside the routed ones (one dense MLP of n_shared * hidden)
-    score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
     aux_loss_coef: float = 0.02
-    z_loss_coef: float = 0.0
-    capacity_factor: Optional[float] = None  # None: dropless
-    norm_eps: float = 1e-5
     rope_theta: float = 1000000.0
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    vocab_pad_multiple: int = 128
-
-    @property
-    def padded_vocab(self) -> int:
-        return padded_vocab(self)
 
     def __post_init__(self):
-        check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden",
-                              "n_experts", "top_k", "vocab_pad_multiple"))
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or (self.dim // self.n_heads) % 2:
-            raise ValueError(f"MixtralConfig: dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads} "
-                             "need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head dim")
+        super().__post_init__()
         check_moe(self)
 
 
