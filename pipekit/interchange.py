@@ -36,6 +36,7 @@ from .checkpoint import META, CheckpointError, latest_checkpoint, load_full_weig
 from .models import config_from_dict, family_of
 from .models.hf import check_hf_form, config_from_hf, from_hf_state_dict, hf_config_from, pad_vocab, to_hf_state_dict
 
+
 # ---- Hugging Face model dirs ---------------------------------------------------
 def _read_weights(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of a HF model dir: (sharded) safetensors preferred, else (sharded) pytorch_model.bin."""
@@ -194,12 +195,12 @@ def _remove_sharded_weights(out_dir: str) -> None:
         remove(os.path.join(out_dir, n))
 
 
+# ---- a model pipekit saved: model.pt, or a resumable checkpoint --------------------------
 def save_pipekit_file(family: str, cfg, full_sd: dict, path: str) -> None:
     """torch.save({"family", "config", "state_dict"}) to `path`, atomically."""
     torch_save_atomic({"family": family, "config": asdict(cfg), "state_dict": full_sd}, path)
 
 
-# ---- a model pipekit saved: model.pt, or a resumable checkpoint --------------------------
 def read_saved_model(path: str) -> dict:
     """A model pipekit saved, as the dict of a model.pt ("family", "config", "state_dict",
     "tokenizer" where train wrote it), read from any of its forms:
@@ -273,6 +274,7 @@ def load_pipekit_file(path: str):
     return obj["family"], cfg, sd
 
 
+# ---- both ways -----------------------------------------------------------------
 def convert(src: str, dst: str, direction: str, *, overwrite: bool = False, dtype: torch.dtype | None = None) -> None:
     """`direction="from_hf"`: HF model dir `src` -> pipekit file `dst`;
     `"to_hf"`: a model pipekit saved (`read_saved_model`: a model.pt, a checkpoint dir or a

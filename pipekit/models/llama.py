@@ -52,12 +52,13 @@ class LlamaConfig:
     def __post_init__(self):
         check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden",
                               "vocab_pad_multiple"))
+        name = type(self).__name__  # MixtralConfig too
         if self.dim % self.n_heads:
-            raise ValueError(f"{type(self).__name__}: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+            raise ValueError(f"{name}: dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"{type(self).__name__}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+            raise ValueError(f"{name}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"{type(self).__name__}: head dim {self.dim // self.n_heads} must be even for the rotary embedding")
+            raise ValueError(f"{name}: head dim {self.dim // self.n_heads} must be even for the rotary embedding")
 
 
 # Sizes: `tiny` is ours (byte vocabulary, grouped-query attention, CPU-sized).

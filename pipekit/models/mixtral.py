@@ -13,8 +13,9 @@ always-on experts (DeepSeek-style; with many small routed experts, that is the
 `aux_loss_coef`, the z-loss by `z_loss_coef`. HF Mixtral adds one loss for
 all layers together, `router_aux_loss_coef` times top_k times (about) the
 mean of pipekit's per-layer losses, so `aux_loss_coef = router_aux_loss_coef *
-top_k / n_layers` gives the same pressure per layer (what HF conversion does). Experts are sharded over the expert-parallel group the
-PipelineModule builds layers under (`parallel.ep`).
+top_k / n_layers` gives the same pressure per layer (what HF conversion does).
+Experts are sharded over the expert-parallel group the PipelineModule builds
+layers under (`parallel.ep`).
 
 Parameter names: `layers.{i}.mlp.router.weight` (E, D), `layers.{i}.mlp.experts.
 w_gate` / `w_up` (E, D, H) and `w_down` (E, H, D); the rest as in llama.py.
