@@ -130,8 +130,7 @@ def test_the_moe_fields_are_defined_once():
     from dataclasses import fields
 
     from pipekit.config import ModelConfig
-    from pipekit.models import MixtralConfig
-    from pipekit.models.common import MoEConfig
+    from pipekit.models import MixtralConfig, MoEConfig
 
     moe = [f.name for f in fields(MoEConfig)]
     assert issubclass(MixtralConfig, LlamaConfig) and issubclass(MixtralConfig, MoEConfig)

@@ -5,7 +5,7 @@ demos and the engine's parity tests. The parts the families share live in
 `pipekit.models.common`; the Hugging Face name and layout mapping, one adapter per
 family, in `pipekit.models.hf` (files are read and written by `pipekit.interchange`)."""
 
-from .common import VocabParallelHead, moe_mlp, padded_vocab
+from .common import MoEConfig, VocabParallelHead, moe_mlp, padded_vocab
 from .gpt2 import GPT2Config, gpt2_loss, gpt2_specs
 from .llama import LlamaConfig, llama_loss, llama_specs
 from .mixtral import MixtralConfig, mixtral_loss, mixtral_specs
@@ -35,6 +35,7 @@ __all__ = [
     "gpt2_loss",
     "padded_vocab",
     "VocabParallelHead",
+    "MoEConfig",
     "moe_mlp",
     "LlamaConfig",
     "llama_specs",

@@ -50,7 +50,6 @@ class MoEConfig:
     capacity_factor: Optional[float] = None  # None: dropless
 
 
-
 def check_positive(cfg, names: tuple[str, ...]) -> None:
     """Raise a ValueError naming the first field of `cfg` that is not a positive int."""
     for name in names:

@@ -34,9 +34,9 @@ from .llama import LlamaConfig, llama_params, llama_specs
 
 @dataclass(kw_only=True)
 class MixtralConfig(LlamaConfig, MoEConfig):
-    """Llama's config (its fields, their order and checks) with the MoE fields of `common.MoEConfig`;
-    only the defaults differ: 8 experts, `aux_loss_coef` 0.02, `rope_theta` 1e6 (Mixtral's).
-    The fields it declares are keyword-only, as the MoE ones: pass every field by name."""
+    """Llama's config (its fields and checks; `hidden` is each routed expert's SwiGLU width) with
+    the MoE fields of `common.MoEConfig`, checked too. Only defaults are declared here: 8 experts,
+    `aux_loss_coef` 0.02, `rope_theta` 1e6 (Mixtral's); they are keyword-only, as the MoE fields."""
 
     n_experts: int = 8
     aux_loss_coef: float = 0.02
