@@ -33,7 +33,7 @@ from torch import nn
 
 from ..layers.parallel import normal_full
 from ..spec import layer_seed
-from .grouped import BACKENDS
+from .grouped import GEMMS
 
 ACTIVATIONS = ("swiglu", "gelu")
 
@@ -62,12 +62,12 @@ class Experts(nn.Module):
 
     forward(x_ND, sizes): rows of `x_ND` sorted by local expert, `sizes[e]` of
     them for local expert e (Python ints), -> (N, dim), each row through its
-    expert. `backend` names the grouped-matmul function (see grouped.py).
+    expert. `gemm` names the grouped-matmul function (see grouped.py). No communication.
     """
 
     def __init__(self, dim: int, hidden: int, n_experts: int, activation: str = "swiglu", bias: bool = False,
                  ep_size: int = 1, ep_rank: int = 0, init_std: float = 0.02, out_init_std: float | None = None,
-                 seed: int | None = None, backend: str = "auto"):
+                 seed: int | None = None, gemm: str = "auto"):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
@@ -79,7 +79,7 @@ class Experts(nn.Module):
         self.dim, self.hidden, self.n_experts, self.activation = dim, hidden, n_experts, activation
         self.n_local = n_experts // ep_size
         self.first = ep_rank * self.n_local
-        self.backend = backend
+        self.gemm = gemm
         out_std = init_std if out_init_std is None else out_init_std
         if activation == "swiglu":
             shapes = {"w_gate": ((dim, hidden), init_std), "w_up": ((dim, hidden), init_std),
@@ -103,7 +103,7 @@ class Experts(nn.Module):
         return new
 
     def forward(self, x_ND: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        mm = BACKENDS[self.backend]
+        mm = GEMMS[self.gemm]
         if self.activation == "swiglu":
             h_NH = F.silu(mm(x_ND, self.w_gate, sizes)) * mm(x_ND, self.w_up, sizes)
             return mm(h_NH, self.w_down, sizes)
@@ -116,7 +116,7 @@ class Experts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, hidden={self.hidden}, experts {self.first}..{self.first + self.n_local - 1} "
-                f"of {self.n_experts}, activation={self.activation!r}, bias={self.bias}, backend={self.backend!r}")
+                f"of {self.n_experts}, activation={self.activation!r}, bias={self.bias}, gemm={self.gemm!r}")
 
 
 class SharedExpert(nn.Module):
