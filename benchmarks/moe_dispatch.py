@@ -66,7 +66,6 @@ from pipekit.auxloss import attach, metrics
 from pipekit.moe import MoEMLP, dispatch
 from pipekit.moe.grouped import grouped_mm_runs
 from pipekit.testing import run_distributed
-
 from pipeline_overhead import load_average, machine, table
 
 SEED = 0
@@ -116,7 +115,7 @@ def dispatch_rows(name: str, case: dict, warmup: int, steps: int) -> list[dict]:
     probe = torch.empty(1, case["dim"])
     if grouped_mm_runs(probe, torch.empty(1, case["dim"], case["hidden"])):
         layers["pipekit dropless, grouped_mm"] = build(case, "grouped_mm")
-    fns = {k: (lambda x, l=layer: naive_forward(l, x)) if k.startswith("naive") else layer
+    fns = {k: (lambda x, moe=layer: naive_forward(moe, x)) if k.startswith("naive") else layer
            for k, layer in layers.items()}
     gen = torch.Generator().manual_seed(1)
     times = {k: [] for k in layers}

@@ -588,8 +588,8 @@ def test_expert_parallel_matches_ep1_on_each_ranks_tokens():
                 one, many = res[name][1], res[name][ep]
                 peers = range(r // ep * ep, r // ep * ep + ep)
                 where = f"{name}, ep={ep}, rank {r}"
-                torch.testing.assert_close(many["out"], one["out"], **TOL, msg=lambda m: f"{where}: {m}")
-                torch.testing.assert_close(many["x_grad"], one["x_grad"], **TOL, msg=lambda m: f"{where}: {m}")
+                torch.testing.assert_close(many["out"], one["out"], **TOL, msg=lambda m, w=where: f"{w}: {m}")
+                torch.testing.assert_close(many["x_grad"], one["x_grad"], **TOL, msg=lambda m, w=where: f"{w}: {m}")
                 assert many["dropped"] == one["dropped"], where
                 n = 8 // ep
                 local = slice(many["first"], many["first"] + n)
@@ -601,7 +601,7 @@ def test_expert_parallel_matches_ep1_on_each_ranks_tokens():
                         want = sum(per_rank[q][name][1]["grads"][p] for q in peers)[local]
                     else:  # router, shared expert: replicated, this rank's tokens only
                         want = one["grads"][p]
-                    torch.testing.assert_close(grad, want, **TOL, msg=lambda m, p=p: f"{where}, {p}: {m}")
+                    torch.testing.assert_close(grad, want, **TOL, msg=lambda m, w=where, p=p: f"{w}, {p}: {m}")
                 assert sorted(many["grads"]) == sorted(one["grads"])
                 if name == "capacity":  # aux-free bias from the loads summed over the ep group
                     load = sum(per_rank[q]["capacity"]["counts"] for q in peers).float()

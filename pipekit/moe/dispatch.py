@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import einops
 import torch
@@ -108,17 +109,26 @@ def combine(y_ND: torch.Tensor, plan: DispatchPlan, tokens: int, dtype: torch.dt
 # ---- the dispatcher seam --------------------------------------------------------------
 @dataclass
 class DispatchState:
-    """What `Dispatcher.combine` needs to undo one `dispatch`."""
+    """What `Dispatcher.combine` needs to undo one `dispatch` (the local dispatcher's whole state)."""
 
     plan: DispatchPlan
     tokens: int  # T, rows of x_TD
     dtype: torch.dtype  # combine accumulates in it (the routing dtype)
-    send_R: list[int] | None = None  # alltoall: rows sent to each ep rank
-    recv_R: list[int] | None = None  # alltoall: rows received from each ep rank
-    order_M: torch.Tensor | None = None  # alltoall: received row of each expert-grouped row
 
 
-class Dispatcher(ABC):
+@dataclass
+class ExchangeState(DispatchState):
+    """The all-to-all dispatcher's state: the plan plus the exchange's layout."""
+
+    send_R: list[int]  # rows sent to each ep rank
+    recv_R: list[int]  # rows received from each ep rank
+    order_M: torch.Tensor  # (M,) the received row behind each expert-grouped row
+
+
+S = TypeVar("S", bound=DispatchState)
+
+
+class Dispatcher(ABC, Generic[S]):
     """Moves token rows to the experts that hold them and back (the module docstring has the contract).
 
     Holds the plan's options (`capacity_factor`, `drop_policy`), identical for
@@ -135,21 +145,16 @@ class Dispatcher(ABC):
         return self._group.value
 
     @abstractmethod
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, list[int], DispatchState]:
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, list[int], S]:
         """(rows for this rank's experts grouped by local expert, rows per local expert, state)."""
 
     @abstractmethod
-    def combine(self, y_MD: torch.Tensor, state: DispatchState) -> torch.Tensor:
+    def combine(self, y_MD: torch.Tensor, state: S) -> torch.Tensor:
         """The experts' rows `y_MD` (as dispatched) back at their tokens, weighted and summed: (T, D)."""
 
-    def _sort(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, DispatchState]:
-        """Plan and permute, locally: rows sorted by global expert, (N, D)."""
-        plan = plan_dispatch(routing.experts_TK, routing.weights_TK, self.n_experts, self.capacity_factor,
+    def _plan(self, routing: Routing) -> DispatchPlan:
+        return plan_dispatch(routing.experts_TK, routing.weights_TK, self.n_experts, self.capacity_factor,
                              self.drop_policy)
-        return permute(x_TD, plan), DispatchState(plan, x_TD.shape[0], route_dtype(x_TD.dtype))
-
-    def _unsort(self, y_ND: torch.Tensor, state: DispatchState) -> torch.Tensor:
-        return combine(y_ND, state.plan, state.tokens, state.dtype)
 
     def __repr__(self) -> str:
         cap = ("dropless" if self.capacity_factor is None
@@ -157,19 +162,20 @@ class Dispatcher(ABC):
         return f"{type(self).__name__}(ep={group_size(self.group)}, {cap})"
 
 
-class LocalDispatcher(Dispatcher):
+class LocalDispatcher(Dispatcher[DispatchState]):
     """ep = 1: every expert is on this rank. No communication; the sizes are the plan's
     counts (one host read)."""
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, list[int], DispatchState]:
-        x_ND, state = self._sort(x_TD, routing)
-        return x_ND, state.plan.counts_E.tolist(), state
+        plan = self._plan(routing)
+        state = DispatchState(plan, x_TD.shape[0], route_dtype(x_TD.dtype))
+        return permute(x_TD, plan), plan.counts_E.tolist(), state
 
     def combine(self, y_MD: torch.Tensor, state: DispatchState) -> torch.Tensor:
-        return self._unsort(y_MD, state)
+        return combine(y_MD, state.plan, state.tokens, state.dtype)
 
 
-class AllToAllDispatcher(Dispatcher):
+class AllToAllDispatcher(Dispatcher[ExchangeState]):
     """Experts sharded over the ep ranks of `group`, rank r holding experts [r*E/ep, (r+1)*E/ep).
 
     The sorted slots for rank r's experts are contiguous, so one exchange sends them.
@@ -186,29 +192,30 @@ class AllToAllDispatcher(Dispatcher):
     so backward never leaves a peer waiting. Split sizes are read on the host.
     """
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, list[int], DispatchState]:
-        x_ND, state = self._sort(x_TD, routing)
-        ep, counts_E = group_size(self.group), state.plan.counts_E
-        recv_RL = exchange_counts(counts_E, self.group)  # (ep, E_local)
-        state.send_R = einops.reduce(counts_E, "(r l) -> r", "sum", r=ep).tolist()
-        state.recv_R = recv_RL.sum(1).tolist()
-        x_MD = all_to_all(x_ND, state.recv_R, state.send_R, self.group)  # grouped by (source rank, local expert)
-        local_L = torch.arange(recv_RL.shape[1], device=x_ND.device)
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, list[int], ExchangeState]:
+        plan, ep = self._plan(routing), group_size(self.group)
+        x_ND = permute(x_TD, plan)  # sorted by global expert: rank r's rows are contiguous
+        recv_RL = exchange_counts(plan.counts_E, self.group)  # (ep, E_local)
+        send_R = einops.reduce(plan.counts_E, "(r l) -> r", "sum", r=ep).tolist()
+        recv_R = recv_RL.sum(1).tolist()
+        x_MD = all_to_all(x_ND, recv_R, send_R, self.group)  # grouped by (source rank, local expert)
+        local_L = torch.arange(recv_RL.shape[1], device=x_TD.device)
         local_M = torch.repeat_interleave(einops.repeat(local_L, "l -> (r l)", r=ep),
                                           einops.rearrange(recv_RL, "r l -> (r l)"), output_size=x_MD.shape[0])
-        state.order_M = torch.argsort(local_M, stable=True)  # grouped by (local expert, source rank)
-        return x_MD[state.order_M], recv_RL.sum(0).tolist(), state
+        order_M = torch.argsort(local_M, stable=True)  # grouped by (local expert, source rank)
+        state = ExchangeState(plan, x_TD.shape[0], route_dtype(x_TD.dtype), send_R, recv_R, order_M)
+        return x_MD[order_M], recv_RL.sum(0).tolist(), state
 
-    def combine(self, y_MD: torch.Tensor, state: DispatchState) -> torch.Tensor:
+    def combine(self, y_MD: torch.Tensor, state: ExchangeState) -> torch.Tensor:
         y_recv = y_MD[torch.argsort(state.order_M)]  # back to (source rank, local expert)
         y_ND = all_to_all(y_recv, state.send_R, state.recv_R, self.group)
-        return self._unsort(y_ND, state)
+        return combine(y_ND, state.plan, state.tokens, state.dtype)
 
 
-DISPATCHERS: dict[str, type[Dispatcher]] = {"local": LocalDispatcher, "alltoall": AllToAllDispatcher}
+DISPATCHERS: dict[str, type[Dispatcher[Any]]] = {"local": LocalDispatcher, "alltoall": AllToAllDispatcher}
 
 
-def register_dispatcher(name: str, cls: type[Dispatcher]) -> None:
+def register_dispatcher(name: str, cls: type[Dispatcher[Any]]) -> None:
     """Add (or replace) a dispatcher selectable as `MoEMLP(..., dispatcher=name)`; `cls` is
     called as `cls(n_experts, group, capacity_factor, drop_policy)`."""
     DISPATCHERS[name] = cls
@@ -227,7 +234,7 @@ def check_dispatcher(name: str, group) -> None:
 
 
 def make_dispatcher(name: str, n_experts: int, group=None, capacity_factor: float | None = None,
-                    drop_policy: str = "position") -> Dispatcher:
+                    drop_policy: str = "position") -> Dispatcher[Any]:
     """The dispatcher `name` for `n_experts` sharded over `group`; "auto": local at ep = 1, else alltoall."""
     check_dispatcher(name, group)
     if name == "auto":

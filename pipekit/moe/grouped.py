@@ -26,7 +26,7 @@ picks one from `GEMMS`; register new ones with `register_gemm`.
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

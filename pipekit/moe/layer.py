@@ -69,6 +69,8 @@ class MoEMLP(nn.Module):
     tokens of the call.
     """
 
+    pending_load: torch.Tensor | None  # (E,) int64 buffer, with the aux-free bias only
+
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int = 2, *, activation: str = "swiglu",
                  bias: bool = False, score: str = "softmax", renormalize: bool | None = None, jitter: float = 0.0,
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
