@@ -1,8 +1,8 @@
 """Token dispatch and combine: the `Dispatcher` seam between the router and the experts.
 
 A `Dispatcher` is built once per MoE layer (`make_dispatcher`, registry
-`DISPATCHERS`) and called twice per forward, the only two calls of the layer
-that communicate:
+`DISPATCHERS`) and called twice per forward, the only two calls of a forward
+that communicate (besides the aux-free bias update's all-reduce, layer.py):
 
   dispatch(x_TD, routing) -> (x_MD, sizes, state)
       the M rows this rank's experts compute, grouped by local expert,
