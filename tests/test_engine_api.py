@@ -17,6 +17,7 @@ process of its own runs the world-of-one checks. float64, a tiny toy model.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import pipekit
 from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
 from pipekit.schedules import ScheduleError, build_schedule
+from pipekit.spec import LayerSpec
 from pipekit.testing import reference_model, run_distributed
 
 CFG = ToyConfig(vocab=16, dim=8, wide_dim=8, blocks=1)
@@ -53,12 +55,11 @@ def float64():
     torch.set_default_dtype(old)
 
 
-def _engine(topo=None, *, engine_schedule=None, microbatches=2, engine_kwargs=None,
-            **module_kwargs) -> pipekit.PipelineEngine:
-    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo, seed=SEED, **module_kwargs)
+def _engine(topo=None, *, microbatches=2, engine_kwargs=None, **module_kwargs) -> pipekit.PipelineEngine:
+    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo, seed=SEED,
+                                    microbatches=microbatches, **module_kwargs)
     opt = torch.optim.SGD(module.parameters(), lr=LR)
-    return pipekit.PipelineEngine(module, optimizer=opt, schedule=engine_schedule, num_microbatches=microbatches,
-                                  **(engine_kwargs or {}))
+    return pipekit.PipelineEngine(module, optimizer=opt, **(engine_kwargs or {}))
 
 
 def _weights(engine) -> list[torch.Tensor]:
@@ -141,12 +142,11 @@ def test_the_loss_is_a_tensor_by_default_and_a_float_when_asked():
 def test_interleaving_is_declared_once_on_the_module():
     declared = _engine(schedule="interleaved_1f1b", chunks_per_rank=2)
     assert (declared.schedule.name, declared.schedule.chunks_per_rank) == ("interleaved_1f1b", 2)
-    agreeing = _engine(engine_schedule="interleaved_1f1b", schedule="interleaved_1f1b", chunks_per_rank=2)
-    old = _engine(engine_schedule="interleaved_1f1b", chunks_per_rank=2)  # the two-place way still works
+    assert declared.schedule is declared.module.schedule  # the engine runs the module's
+    built = _engine(schedule=build_schedule("interleaved_1f1b", 1, 2, 2), microbatches=None)  # the same, as a Schedule
     batch = _batch(0)
-    losses = [e.train_batch(batch, reduce_loss=True) for e in (declared, agreeing, old)]
-    assert losses[0] == losses[1] == losses[2]
-    assert _same(_weights(declared), _weights(old)) and _same(_weights(declared), _weights(agreeing))
+    losses = [e.train_batch(batch, reduce_loss=True) for e in (declared, built)]
+    assert losses[0] == losses[1] and _same(_weights(declared), _weights(built))
 
 
 def test_a_schedule_on_the_module_brings_its_chunks_placement_and_microbatches():
@@ -154,10 +154,12 @@ def test_a_schedule_on_the_module_brings_its_chunks_placement_and_microbatches()
     assert (zbv.schedule.name, zbv.module.chunks_per_rank, zbv.num_microbatches) == ("zbv", 2, 4)
     assert zbv.module.placement == (0, 0)
     table = build_schedule("zb_h1", 1, 4)
-    for how in ("schedule", "placement"):  # placement=<a Schedule> declares it too, as before
-        module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, seed=SEED, **{how: table})
+    for microbatches in (None, 4):  # a Schedule's own count, or the same count said again
+        module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, seed=SEED, schedule=table,
+                                        microbatches=microbatches)
         engine = pipekit.PipelineEngine(module, optimizer=torch.optim.SGD(module.parameters(), lr=LR))
         assert engine.schedule is table and engine.num_microbatches == 4
+    assert pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss).schedule.name == "1f1b"  # the default, built
 
 
 def test_interleaved_1f1b_with_one_chunk_is_refused_not_run_as_1f1b():
@@ -165,24 +167,32 @@ def test_interleaved_1f1b_with_one_chunk_is_refused_not_run_as_1f1b():
     with pytest.raises(ScheduleError, match=r"got chunks_per_rank=1 \(with one it is plain 1F1B"):
         _engine(schedule="interleaved_1f1b", chunks_per_rank=1)
     with pytest.raises(ScheduleError, match=r"got chunks_per_rank=1.*schedule='interleaved_1f1b', chunks_per_rank=2"):
-        _engine(engine_schedule="interleaved_1f1b")  # a one-chunk module
+        _engine(schedule="interleaved_1f1b", chunks_per_rank=1)
     with pytest.raises(ScheduleError, match=r"got chunks_per_rank=1"):
-        _engine(engine_schedule=build_schedule("interleaved_1f1b", 1, 2, 1))
+        _engine(schedule=build_schedule("interleaved_1f1b", 1, 2, 1), microbatches=None)
 
 
-def test_a_schedule_said_twice_must_agree():
-    with pytest.raises(ValueError, match=r"built for schedule 'interleaved_1f1b' but the engine was given '1f1b'; "
-                                         r"declare the schedule once"):
-        _engine(engine_schedule="1f1b", schedule="interleaved_1f1b", chunks_per_rank=2)
-    with pytest.raises(ValueError, match=r"holds 2 virtual stages per rank .* but declares no schedule"):
-        _engine(chunks_per_rank=2)
-    with pytest.raises(ScheduleError, match=r"placement \(0,\) disagrees with schedule 'zbv', which places "
-                                            r"virtual stages on ranks \(0, 0\); leave placement out"):
+def test_the_schedule_is_said_once_on_the_module():
+    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss)
+    for kwargs in ({"schedule": "1f1b"}, {"num_microbatches": 2}, {"schedule": "zbv", "num_microbatches": 4}):
+        with pytest.raises(TypeError, match=r"declare it there: PipelineModule\(\.\.\., schedule=\.\.\., "
+                                            r"microbatches=\.\.\.\)"):
+            pipekit.PipelineEngine(module, **kwargs)
+    with pytest.raises(ScheduleError, match=r"1f1b runs 1 chunk per rank, got chunks_per_rank=2"):
+        _engine(chunks_per_rank=2)  # virtual stages need a schedule that runs them
+    with pytest.raises(TypeError, match=r"placement"):
         pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, schedule="zbv", placement="looping")
     with pytest.raises(ScheduleError, match=r"zbv runs 2 chunks per rank, got chunks_per_rank=3"):
         _engine(schedule="zbv", chunks_per_rank=3)
     with pytest.raises(TypeError, match=r"schedule must be a registered name .* got int"):
         _engine(schedule=3)
+    table = build_schedule("zb_h1", 1, 4)
+    with pytest.raises(ValueError, match=r"microbatches=2, but schedule 'zb_h1' runs 4; leave microbatches out"):
+        _engine(schedule=table, microbatches=2)
+    with pytest.raises(ValueError, match=r"chunks_per_rank=2, but schedule 'zb_h1' runs 1"):
+        _engine(schedule=table, microbatches=None, chunks_per_rank=2)
+    with pytest.raises(ValueError, match=r"schedule 'zb_h1' is for pp=2, but the topology has pp=1"):
+        _engine(schedule=build_schedule("zb_h1", 2, 4), microbatches=None)
 
 
 # ---- two ranks, started the torch.multiprocessing way ---------------------------------------------
@@ -200,6 +210,8 @@ def _two_ranks(store_file: str) -> dict:
     out.update(_loss_per_replica(pipekit.Topology(pp=1, dp=2)))
     out.update(_declared_once_at_pp2(topo))
     out.update(_receives_posted_ahead(topo))
+    out.update(_plain_optimizer_unused_parameter(pipekit.Topology(pp=1, dp=2)))
+    out.update(_plain_optimizer_empty_stage(topo))
     first_loss = out["losses_full"][0]
     dist.destroy_process_group()
     # The script's own group (torch.multiprocessing without those variables): init_distributed is a no-op.
@@ -288,7 +300,7 @@ def _loss_per_replica(topo) -> dict:
 
 def _declared_once_at_pp2(topo) -> dict:
     declared = _engine(topo, schedule="interleaved_1f1b", chunks_per_rank=2)
-    old = _engine(topo, engine_schedule="interleaved_1f1b", chunks_per_rank=2)
+    old = _engine(topo, schedule=build_schedule("interleaved_1f1b", 2, 2, 2), microbatches=None)  # as a Schedule
     batch = _batch(0)
     losses = [e.train_batch(batch, reduce_loss=True) for e in (declared, old)]
     return {"interleaved_pp2": (declared.schedule.name, declared.module.local_stages, losses[0] == losses[1],
@@ -311,6 +323,70 @@ def _receives_posted_ahead(topo) -> dict:
                 for a, e in engines.items()]
         out[f"ahead_{name}"] = (same, losses[0][-1] == losses[1000][-1], engines[None].recv_ahead)
     return out
+
+
+class WithUnused(torch.nn.Module):
+    """A linear map beside a parameter that no forward uses: it never gets a gradient."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+        self.unused = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h))
+
+
+def _double(x):
+    return 2.0 * x
+
+
+def _against_one_process(specs, engines: dict, topo, steps: int = 2, **module_kwargs) -> dict:
+    """Train each engine (name -> optimizer maker) on this replica's rows and the whole specs in
+    one process with torch's AdamW on the whole batch; the worst weight difference per engine."""
+    rows = BATCH // topo.dp
+    mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
+    ref = reference_model(specs, SEED)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    worst = {}
+    for name, make in engines.items():
+        module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo, seed=SEED, microbatches=2,
+                                        **module_kwargs)
+        engine = pipekit.PipelineEngine(module, optimizer=make(module))
+        for step in range(steps):
+            x, y = _batch(step)
+            engine.train_batch((x[mine], y[mine]))
+        worst[name] = module
+    for step in range(steps):
+        x, y = _batch(step)
+        ref_opt.zero_grad()
+        lm_loss(ref(x), y).backward()
+        ref_opt.step()
+    ref_params = dict(ref.named_parameters())
+    return {name: max([(p - ref_params[reference_name(n, specs)]).abs().max().item()
+                       for n, p in module.named_parameters()], default=0.0)
+            for name, module in worst.items()}
+
+
+def _plain_optimizer_unused_parameter(topo) -> dict:
+    """pp=1 x dp=2, a plain torch AdamW: a parameter that got no gradient anywhere stays put
+    (weight decay, moments and all), as in one process."""
+    specs = [LayerSpec(torch.nn.Embedding, CFG.vocab, 8), LayerSpec(WithUnused, 8), LayerSpec(torch.nn.Linear, 8,
+                                                                                               CFG.vocab)]
+    adamw = {"adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1)}
+    return {"unused_param": _against_one_process(specs, adamw, topo)}
+
+
+def _plain_optimizer_empty_stage(topo) -> dict:
+    """pp=2, stage 1 a lone function (no parameters on rank 1): a torch optimizer class or
+    factory works on every rank, and an instance wherever there are parameters to give it."""
+    specs = [LayerSpec(torch.nn.Embedding, CFG.vocab, 8), LayerSpec(torch.nn.Linear, 8, CFG.vocab), _double]
+    factory = functools.partial(torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    makers = {"factory": lambda m: factory,
+              "instance": lambda m: factory(m.parameters()) if list(m.parameters()) else factory}
+    return {"empty_stage": _against_one_process(specs, makers, topo, partition=[0, 2, 3]),
+            "empty_stage_params": len(list(pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo,
+                                                                   partition=[0, 2, 3]).parameters()))}
 
 
 @pytest.fixture(scope="module")
@@ -394,6 +470,17 @@ def test_receives_posted_ahead_change_nothing_but_the_wait(two_ranks):
     for r in two_ranks:
         for name in ("zbv", "gpipe"):
             assert r[f"ahead_{name}"] == ([True] * 4, True, 4), (name, r[f"ahead_{name}"])
+
+
+def test_a_plain_optimizer_leaves_a_parameter_without_gradient_alone_at_dp2(two_ranks):
+    for r in two_ranks:
+        assert r["unused_param"]["adamw"] <= TOL, r["unused_param"]
+
+
+def test_a_stage_without_parameters_works_with_a_plain_optimizer(two_ranks):
+    assert [r["empty_stage_params"] for r in two_ranks] == [3, 0]  # rank 1 holds nothing to optimise
+    for r in two_ranks:
+        assert all(worst <= TOL for worst in r["empty_stage"].values()), r["empty_stage"]
 
 
 def test_recv_ahead_must_be_a_count():
