@@ -29,7 +29,7 @@ import pipekit
 from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
 from pipekit.schedules import ScheduleError, build_schedule
 from pipekit.spec import LayerSpec
-from pipekit.testing import reference_model, run_distributed
+from pipekit.testing import reference_model, reference_name, run_distributed
 
 CFG = ToyConfig(vocab=16, dim=8, wide_dim=8, blocks=1)
 SEED, BATCH, SEQ, LR = 7, 8, 3, 0.1
@@ -348,7 +348,7 @@ def _against_one_process(specs, engines: dict, topo, steps: int = 2, **module_kw
     mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
     ref = reference_model(specs, SEED)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
-    worst = {}
+    trained = {}
     for name, make in engines.items():
         module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo, seed=SEED, microbatches=2,
                                         **module_kwargs)
@@ -356,7 +356,7 @@ def _against_one_process(specs, engines: dict, topo, steps: int = 2, **module_kw
         for step in range(steps):
             x, y = _batch(step)
             engine.train_batch((x[mine], y[mine]))
-        worst[name] = module
+        trained[name] = module
     for step in range(steps):
         x, y = _batch(step)
         ref_opt.zero_grad()
@@ -365,7 +365,7 @@ def _against_one_process(specs, engines: dict, topo, steps: int = 2, **module_kw
     ref_params = dict(ref.named_parameters())
     return {name: max([(p - ref_params[reference_name(n, specs)]).abs().max().item()
                        for n, p in module.named_parameters()], default=0.0)
-            for name, module in worst.items()}
+            for name, module in trained.items()}
 
 
 def _plain_optimizer_unused_parameter(topo) -> dict:
