@@ -44,10 +44,10 @@ gradients are those of the loss of the whole batch, as in one process: by
 1/M, or, for a token-level loss (one with an `ignore_index`), by its share
 of the valid tokens of the global batch (see `_loss_weights`).
 
-The loss returned costs no communication and no host sync by default: on the ranks holding the
-last stage, a detached 0-dim float64 tensor, the loss of this data-parallel
-replica's batch as one process would compute it on that batch (for a token-level
-loss, the mean over its valid tokens); None on the other ranks (as
+The loss returned costs no communication and no host sync by default: on the
+ranks holding the last stage, a detached 0-dim float64 tensor, the loss of this
+data-parallel replica's batch as one process would compute it on that batch
+(for a token-level loss, the mean over its valid tokens); None on the other ranks (as
 torch.distributed.pipelining gives losses on the last stage only). With
 `reduce_loss=True` (a collective: every rank passes the same) it is the loss of
 the whole global batch as a Python float on every rank (DeepSpeed's
@@ -377,6 +377,7 @@ class PipelineEngine:
         self.last_stage = module.num_stages - 1
         self.record_timeline = record_timeline
         self.timeline: list[TimelineEvent] = []
+        self.step_start: float | None = None  # the last step's start, `time.perf_counter()`
         self.handlers: dict[Kind, Handler] = dict(_HANDLERS)
         self.step_state: Step | None = None
         self.tie_groups = module.tie_groups

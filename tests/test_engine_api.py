@@ -27,7 +27,9 @@ import torch.distributed as dist
 
 import pipekit
 from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
-from pipekit.schedules import ScheduleError, build_schedule
+from pipekit.schedules import Kind, ScheduleError, build_schedule
+from pipekit.models import get_model, model_loss, model_specs
+from pipekit.optim import ZeroOptimizer
 from pipekit.spec import LayerSpec
 from pipekit.testing import reference_model, reference_name, run_distributed
 
@@ -195,6 +197,32 @@ def test_the_schedule_is_said_once_on_the_module():
         _engine(schedule=build_schedule("zb_h1", 2, 4), microbatches=None)
 
 
+# ---- the action handlers: one table, registrable -------------------------------------------------
+def test_an_action_kind_s_handler_can_be_registered_and_an_unknown_one_is_named():
+    forward = pipekit.engine.PipelineEngine._forward
+    seen = []
+
+    def counted_forward(engine, step, action):
+        seen.append(str(action))
+        forward(engine, step, action)
+
+    pipekit.engine.register_action("F", counted_forward, replace=True)
+    try:
+        engine = _engine()  # engines built from now on take the registered handler
+    finally:
+        pipekit.engine.register_action(Kind.F, forward, replace=True)
+    assert engine.train_batch(_batch(0), reduce_loss=True) == _engine().train_batch(_batch(0), reduce_loss=True)
+    assert seen == ["0F0", "0F1"] and _engine().handlers[Kind.F] is forward
+    with pytest.raises(ValueError, match=r"action kind F already has a handler; pass replace=True"):
+        pipekit.engine.register_action(Kind.F, forward)
+    with pytest.raises(ValueError, match=r"unknown action kind 'X'; the kinds are F, "):
+        pipekit.engine.register_action("X", forward)
+    del engine.handlers[Kind.B]  # this engine's own table
+    with pytest.raises(pipekit.PipelineError, match=r"(?s)failed at action #1 0B0 .*KeyError.*no handler for action "
+                                                    r"kind B; register one.*>>    1 0B0"):
+        engine.train_batch(_batch(1))
+
+
 # ---- two ranks, started the torch.multiprocessing way ---------------------------------------------
 def _two_ranks(store_file: str) -> dict:
     """Every two-rank check, in one group; its result is checked by the tests below."""
@@ -212,6 +240,7 @@ def _two_ranks(store_file: str) -> dict:
     out.update(_receives_posted_ahead(topo))
     out.update(_plain_optimizer_unused_parameter(pipekit.Topology(pp=1, dp=2)))
     out.update(_plain_optimizer_empty_stage(topo))
+    out.update(_plain_optimizer_experts(pipekit.Topology(pp=1, dp=2, ep=2)))
     first_loss = out["losses_full"][0]
     dist.destroy_process_group()
     # The script's own group (torch.multiprocessing without those variables): init_distributed is a no-op.
@@ -389,6 +418,34 @@ def _plain_optimizer_empty_stage(topo) -> dict:
                                                                    partition=[0, 2, 3]).parameters()))}
 
 
+def _trained_weights(specs, loss, make, topo, batches) -> list[torch.Tensor]:
+    module = pipekit.PipelineModule(specs, loss_fn=loss, topology=topo, seed=SEED, microbatches=2)
+    engine = pipekit.PipelineEngine(module, optimizer=make(module))
+    for batch in batches:
+        engine.train_batch(batch)
+    return _weights(engine)
+
+
+def _plain_optimizer_experts(topo) -> dict:
+    """pp=1 x dp=2 x ep=2 (the experts shared out over the two ranks): a plain AdamW over
+    module.parameters() trains exactly as ZeroOptimizer given the expert groups explicitly
+    (their own dp group, summed over ep), which is what `pipekit train` builds."""
+    cfg = get_model("mixtral", "tiny", n_layers=1)
+    gen = torch.Generator().manual_seed(10 + topo.dp_rank)
+    batches = [(ids[:, :-1], ids[:, 1:]) for ids in torch.randint(0, 256, (2, 4, 9), generator=gen)]
+
+    def explicit(module):
+        experts = [p for p in module.parameters() if getattr(p, "expert_parallel", False)]
+        others = [p for p in module.parameters() if not getattr(p, "expert_parallel", False)]
+        groups = [{"params": others}, {"params": experts, "dp_group": topo.edp_group, "ep_group": topo.ep_group}]
+        return ZeroOptimizer(groups, "adamw", module=module, lr=LR)
+
+    plain = _trained_weights(model_specs(cfg), model_loss(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
+                             topo, batches)
+    return {"experts": (_same(plain, _trained_weights(model_specs(cfg), model_loss(cfg), explicit, topo, batches)),
+                        len(plain))}
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     store = str(tmp_path_factory.mktemp("own-group") / "store")
@@ -475,6 +532,23 @@ def test_receives_posted_ahead_change_nothing_but_the_wait(two_ranks):
 def test_a_plain_optimizer_leaves_a_parameter_without_gradient_alone_at_dp2(two_ranks):
     for r in two_ranks:
         assert r["unused_param"]["adamw"] <= TOL, r["unused_param"]
+
+
+def test_a_plain_optimizer_reduces_experts_over_their_own_groups_at_ep2(two_ranks):
+    assert all(r["experts"][0] and r["experts"][1] > 0 for r in two_ranks), [r["experts"] for r in two_ranks]
+
+
+def test_a_plain_optimizer_on_a_half_precision_model_gets_fp32_master_weights():
+    x, y = _batch(0)
+    runs = {}
+    for name, make in {"plain": lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
+                       "zero": lambda m: ZeroOptimizer(m, "adamw", lr=LR)}.items():
+        module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, seed=SEED, microbatches=2, precision="bf16")
+        engine = pipekit.PipelineEngine(module, optimizer=make(module))
+        for step in range(2):
+            engine.train_batch(_batch(step))
+        runs[name] = (_weights(engine), {b.master.dtype for b in engine.optimizer.buckets})
+    assert _same(runs["plain"][0], runs["zero"][0]) and runs["plain"][1] == {torch.float32}
 
 
 def test_a_stage_without_parameters_works_with_a_plain_optimizer(two_ranks):

@@ -1,7 +1,11 @@
 """ZeroOptimizer: ZeRO stages 0, 1 and 2 over data-parallel groups, fp32 master weights.
 
 One class for one rank or many, for fp32 and for half-precision models; on one
-rank at stage 0 in fp32 it is exactly the wrapped torch optimizer.
+rank at stage 0 in fp32 it is exactly the wrapped torch optimizer. It is the
+engine's one gradient path: `ZeroOptimizer.wrap(torch_optimizer, module)`
+takes a plain optimizer's class, param groups and hyperparameters at stage 0,
+and a class or factory is built over whatever a rank holds (nothing, on a
+stage without parameters).
 
 Layout. The trainable parameters are packed into flat *buckets*: one run of
 buckets per segment (a virtual pipeline stage, or a tied key, which must lay
@@ -43,6 +47,12 @@ Communication per optimizer step, per bucket, over its dp group:
                and tp) is clipped, the wrapped optimizer steps the master
                shards, and stages 1/2 all-gather the updated parameters.
 
+Host syncs per step: none without a loss scaler (the norm and the clipping
+factor stay on the device; `last_grad_norm` is read when read). With one, one
+read of the overflow flag, since whether the wrapped optimizer steps at all is
+decided on the host (as torch.amp.GradScaler does). A rank where some
+parameter got no gradient reads which ones got one elsewhere (below).
+
 On gloo, whose reduce-scatter and all-gather measured slower than its
 all-reduce and broadcasts, a reduce-scatter is an all-reduce (only the shard is
 read) and an all-gather is one broadcast per shard; NCCL gets the real ones.
@@ -52,13 +62,17 @@ before microbatch m+1's backward, M reductions per step where stages 0/1 do one.
 Experts: a param group may carry its own `dp_group` (experts sharded over ep
 ranks have a smaller data-parallel group) and an `ep_group` (the ranks holding
 the other experts); buckets, reductions, sharding and the norm follow each
-group's own dp group, and the norm sums over its ep group.
+group's own dp group, and the norm sums over its ep group. A group that sets
+no `dp_group` has its expert-parallel parameters (`p.expert_parallel`, ep > 1)
+put in the topology's expert dp and ep groups, so a wrapped plain optimizer
+needs no expert groups of its own.
 
 A parameter that got no gradient anywhere in its dp group this step (an
 expert that received no tokens) is skipped by the wrapped optimizer, as torch's
 optimizers skip a parameter whose .grad is None: the wrapped optimizer sees each
 parameter's part of a shard as its own pieces, and one small all-reduce per
-dp group per step agrees on which parameters were touched.
+dp group per step agrees on which parameters were touched (read back only on a
+rank where some parameter got no gradient: elsewhere the answer is "all").
 """
 
 from __future__ import annotations
