@@ -326,8 +326,9 @@ class PipelineEngine:
             `pipekit.schedules.Schedule`: placement, chunks, microbatches) is what runs.
         optimizer: a `pipekit.optim.ZeroOptimizer`; a torch optimizer over
             `module.parameters()`, wrapped at ZeRO stage 0 (same hyperparameters and
-            param groups, shared, so an LR scheduler made for it still applies); or a
-            torch optimizer class or factory (`functools.partial(torch.optim.AdamW,
+            param groups, shared, so an LR scheduler made for it still applies; the
+            torch optimizer itself is not stepped: checkpoint `engine.optimizer`); or
+            a torch optimizer class or factory (`functools.partial(torch.optim.AdamW,
             lr=...)`), built over whatever this rank holds, nothing included.
             None: eval only.
         record_timeline: keep every action's measured start/end (seconds since
