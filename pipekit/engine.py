@@ -538,7 +538,8 @@ class PipelineEngine:
             except Exception as e:
                 raise PipelineError(self._failure_report(actions, i, e)) from e
             if self.record_timeline:
-                self.timeline.append(TimelineEvent(self.topo.pp_rank, str(action), start - t0, time.perf_counter() - t0))
+                end = time.perf_counter()
+                self.timeline.append(TimelineEvent(self.topo.pp_rank, str(action), start - t0, end - t0))
         comm.wait_all(step.posted, self.timeout)
         self._shapes.finish_first_step()
         leftover = step.leftover() if training else []
@@ -556,7 +557,8 @@ class PipelineEngine:
         a = actions[step]
         lines = [
             f"rank {self.topo.rank} (pp_rank {self.topo.pp_rank}, dp_rank {self.topo.dp_rank}) failed at action "
-            f"#{step} {a} (stage {a.stage}, {a.kind.value}, microbatch {a.microbatch}): {type(error).__name__}: {error}",
+            f"#{step} {a} (stage {a.stage}, {a.kind.value}, microbatch {a.microbatch}): "
+            f"{type(error).__name__}: {error}",
             "this rank's actions:",
         ]
         for i, b in enumerate(actions):
@@ -691,7 +693,8 @@ class PipelineEngine:
         got = [(tuple(t.shape), t.dtype) for t in _all_tensors(value)]
         want = [(tuple(t.shape), t.dtype) for t in _all_tensors(meta)]
         if got != want:
-            raise RuntimeError(f"{where} is {got} but the meta-device run predicted {want}; layers must be shape-deterministic")
+            raise RuntimeError(f"{where} is {got} but the meta-device run predicted {want}; layers must be "
+                               "shape-deterministic")
 
     # ---- the loss -------------------------------------------------------
     def _loss_weights(self, labels: list | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,11 +88,11 @@ class PipelineModule(nn.Module):
 
     Args:
         specs: LayerSpec / TiedLayerSpec / plain callables, in order.
+        topology: the process grid; None means one process (pp=1, dp=1).
         loss_fn: `loss_fn(outputs, labels) -> scalar`, applied after the last
             stage; a LayerSpec is built here, only on the rank holding the
             last stage (inside the tp context, so a vocab-parallel loss gets
             its group), so a loss with parameters is trained and saved once.
-        topology: the process grid; None means one process (pp=1, dp=1).
         partition: "parameters", "uniform", "type:REGEX", or explicit boundaries.
         seed: base seed; layer i is initialised from (seed, i).
         schedule: the pipeline schedule this module is built for, declared once: a
@@ -118,9 +118,9 @@ class PipelineModule(nn.Module):
     def __init__(
         self,
         specs: list,
+        topology: Topology | None = None,
         *,
         loss_fn: Callable | None = None,
-        topology: Topology | None = None,
         partition: str | list[int] = "parameters",
         seed: int = 0,
         schedule: str | Schedule = "1f1b",

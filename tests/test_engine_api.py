@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 import pipekit
-from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
-from pipekit.schedules import Kind, ScheduleError, build_schedule
 from pipekit.models import get_model, model_loss, model_specs
+from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
 from pipekit.optim import ZeroOptimizer
+from pipekit.schedules import Kind, ScheduleError, build_schedule
 from pipekit.spec import LayerSpec
 from pipekit.testing import reference_model, reference_name, run_distributed
 
