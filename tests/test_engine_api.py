@@ -551,6 +551,24 @@ def test_a_plain_optimizer_on_a_half_precision_model_gets_fp32_master_weights():
     assert _same(runs["plain"][0], runs["zero"][0]) and runs["plain"][1] == {torch.float32}
 
 
+def test_a_plain_optimizer_is_wrapped_once_fresh_and_anything_else_is_named():
+    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, seed=SEED)
+    opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
+    assert isinstance(engine.optimizer, ZeroOptimizer) and engine.optimizer.stage == 0
+    assert engine.optimizer.param_groups is opt.param_groups  # an LR scheduler made for `opt` still applies
+    engine.train_batch(_batch(0))
+    assert not opt.state  # the wrapper steps; the torch optimizer it was made from holds nothing
+    other = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, seed=SEED)
+    used = torch.optim.SGD(other.parameters(), lr=LR, momentum=0.9)
+    other(torch.zeros(1, SEQ, dtype=torch.long)).sum().backward()
+    used.step()
+    with pytest.raises(ValueError, match=r"SGD already holds state .* wrap a fresh one"):
+        pipekit.PipelineEngine(other, optimizer=used)
+    with pytest.raises(TypeError, match=r"optimizer must be a pipekit.optim.ZeroOptimizer, .* got str"):
+        pipekit.PipelineEngine(module, optimizer="adamw")
+
+
 def test_a_stage_without_parameters_works_with_a_plain_optimizer(two_ranks):
     assert [r["empty_stage_params"] for r in two_ranks] == [3, 0]  # rank 1 holds nothing to optimise
     for r in two_ranks:
