@@ -130,7 +130,7 @@ def pipekit_run(cfg, mode: str, batch, args, device: torch.device) -> dict:
     """pipekit at pp=1: PipelineModule + PipelineEngine; ZeroOptimizer for the bf16 modes."""
     precision = "bf16" if mode.startswith("bf16") else "fp32"
     module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=SEED, precision=precision,
-                                    compile=mode.endswith("+compile"),
+                                    compile=mode.endswith("+compile"), schedule="1f1b", microbatches=args.microbatches,
                                     topology=pipekit.Topology(pp=1, dp=1, device=device.type))
     if precision == "fp32":
         opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=device.type == "cuda")
@@ -138,7 +138,7 @@ def pipekit_run(cfg, mode: str, batch, args, device: torch.device) -> dict:
         from pipekit.optim import ZeroOptimizer
 
         opt = ZeroOptimizer(module, "adamw", stage=0, lr=LR, weight_decay=WEIGHT_DECAY)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, schedule="1f1b", num_microbatches=args.microbatches)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
     return timed(lambda: engine.train_batch(iter([batch]), reduce_loss=True), device, args.warmup, args.steps)
 
 

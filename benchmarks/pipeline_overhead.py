@@ -142,9 +142,10 @@ def time_interleaved(step_fns: dict, warmup: int, steps: int, rounds: int, sync=
 
 
 def pipekit_engine(specs, schedule: str, topology=None, record: bool = False) -> pipekit.PipelineEngine:
-    module = pipekit.PipelineModule(specs, loss_fn=mse, topology=topology, partition="uniform", seed=SEED)
+    module = pipekit.PipelineModule(specs, loss_fn=mse, topology=topology, partition="uniform", seed=SEED,
+                                    schedule=schedule, microbatches=MICROBATCHES)
     opt = torch.optim.SGD(module.parameters(), lr=LR)
-    return pipekit.PipelineEngine(module, optimizer=opt, schedule=schedule, num_microbatches=MICROBATCHES, record_timeline=record)
+    return pipekit.PipelineEngine(module, optimizer=opt, record_timeline=record)
 
 
 def pipekit_step(engine, batch):

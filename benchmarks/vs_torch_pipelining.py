@@ -14,7 +14,7 @@ AdamW (lr 1e-3), on one fixed batch of random token ids, in two shapes:
   overhead  d=64,  seq 32,  M=16 microbatches of 1 x 32 tokens  (512 tokens/step)
 
 Runs, all in one spawned gloo group of 2 ranks, one intra-op thread each:
-  * pipekit pp=2: `PipelineModule(placement=<the Schedule>)` + `PipelineEngine`,
+  * pipekit pp=2: `PipelineModule(schedule=<the Schedule>)` + `PipelineEngine`,
     for gpipe, 1f1b, interleaved_1f1b (2 chunks per rank), zb_h1, zbv and
     dualpipe_v (both on the V placement: rank 0 holds stages 0 and 3, rank 1
     stages 1 and 2);
@@ -153,9 +153,9 @@ def pipekit_step(name: str, shape: Shape, batch):
     schedule = schedule_of(name, shape)
     specs = gpt_specs(shape)
     module = pipekit.PipelineModule(specs, loss_fn=gpt2_loss(), topology=pipekit.Topology(pp=PP),
-                                    partition=cuts(specs, len(schedule.placement)), placement=schedule, seed=SEED)
+                                    partition=cuts(specs, len(schedule.placement)), schedule=schedule, seed=SEED)
     opt = torch.optim.AdamW(module.parameters(), lr=LR)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, schedule=schedule)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
     return lambda: engine.train_batch(batch, reduce_loss=True)
 
 

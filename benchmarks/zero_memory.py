@@ -130,7 +130,7 @@ def memory_row(cfg, topo, stage: int, grad_name: str) -> dict:
                                     precision="bf16")
     opt = ZeroOptimizer(module, "adamw", stage=stage, grad_dtype=GRAD_DTYPES[grad_name], bucket_mb=BUCKET_MB,
                         lr=LR, weight_decay=WD)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, num_microbatches=1)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
     ids = torch.randint(0, cfg.vocab_size, (MEMORY_BATCH[0], MEMORY_BATCH[1] + 1),
                         generator=torch.Generator().manual_seed(topo.dp_rank))
     engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])]), reduce_loss=True)
@@ -161,7 +161,7 @@ def batches(cfg, steps: int, rank: int, dp: int) -> list:
 def pipekit_run(cfg, topo):
     module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo, seed=SEED)
     opt = ZeroOptimizer(module, "adamw", stage=1, lr=LR, weight_decay=WD)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, num_microbatches=1)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
     return (lambda batch: engine.train_batch(iter([batch]), reduce_loss=True)), opt.memory_bytes
 
 

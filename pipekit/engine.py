@@ -1,4 +1,4 @@
-"""PipelineEngine: walk this rank's action list, then reduce gradients and step.
+"""PipelineEngine: walk this rank's action list, then step one optimizer.
 
 One optimizer step (`train_batch`) is:
 
@@ -6,18 +6,21 @@ One optimizer step (`train_batch`) is:
    first stage needs the inputs and only the rank of the last the labels; see
    "Data" below);
 2. run this rank's lowered action list from the schedule, one handler per
-   action kind: F, B (full backward), I (input grads only) and W (weight
-   grads only; see `pipekit.split_backward`), SEND_F/RECV_F, SEND_B/RECV_B;
-3. wait for the posted sends; sum the gradients of tied layers over the
-   pipeline ranks that hold them; average all gradients over the
-   data-parallel group (one flat all-reduce per dtype);
-4. step the optimizer and return the loss (see "The loss" below).
+   action kind, looked up in `engine.handlers` (a copy of the registry that
+   `register_action` fills): F, B (full backward), I (input grads only) and W
+   (weight grads only; see `pipekit.split_backward`), SEND_F/RECV_F,
+   SEND_B/RECV_B. What a step holds between its actions is one `Step`; a
+   failing action raises a PipelineError showing the rank's action grid;
+3. wait for the posted sends and step the optimizer, always a
+   `pipekit.optim.ZeroOptimizer` (a plain torch optimizer is wrapped at
+   stage 0): it reduces the gradients over dp (during backward) and over the
+   pipeline ranks sharing a tied layer, unscales, checks for fp16 overflow,
+   clips and updates; the engine has no gradient path of its own;
+4. return the loss (see "The loss" below).
 
-The schedule is declared once: on the module (`PipelineModule(schedule=...)`,
-which the engine then runs), or here as a `pipekit.schedules.Schedule` or a
-registered name (built for the module's pp, chunks and microbatches); its
-placement of virtual stages must be the module's, and a name given to both must
-agree. The eval program is its forwards alone, itself a validated Schedule.
+The schedule is declared once, on the module (`PipelineModule(...,
+schedule=..., microbatches=...)`); the engine runs `module.schedule` and its
+forwards alone (itself a validated Schedule) for eval.
 
 Data: `train_batch(data)` / `eval_batch(data)` take the batch `(inputs,
 labels)` itself (a tuple or a list, as a DataLoader gives it) or an iterator
@@ -41,33 +44,39 @@ gradients are those of the loss of the whole batch, as in one process: by
 1/M, or, for a token-level loss (one with an `ignore_index`), by its share
 of the valid tokens of the global batch (see `_loss_weights`).
 
-The loss returned costs no communication by default: on the ranks holding the
-last stage, a detached 0-dim float64 tensor, the loss of this data-parallel
-replica's batch as one process would compute it on that batch (for a token-level
-loss, the mean over its valid tokens); None on the other ranks (as
+The loss returned costs no communication and no host sync by default: on the
+ranks holding the last stage, a detached 0-dim float64 tensor, the loss of this
+data-parallel replica's batch as one process would compute it on that batch
+(for a token-level loss, the mean over its valid tokens); None on the other ranks (as
 torch.distributed.pipelining gives losses on the last stage only). With
 `reduce_loss=True` (a collective: every rank passes the same) it is the loss of
 the whole global batch as a Python float on every rank (DeepSpeed's
 `train_batch`): one all-reduce over pp, one over dp and a host sync.
+
+Host syncs: none inside a step on a GPU beyond what the caller asks for. Loss
+weights and token counts stay on the device, so do the optimizer's norm and
+clipping; `reduce_loss=True` and reading `last_grad_norm` are reads the
+caller asks for. What is left is counted in tests/test_host_sync.py.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import datetime
 import json
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from . import auxloss, comm, split_backward
 from .optim import ZeroOptimizer
-from .pipeline import PipelineModule, check_interleaving
-from .schedules import SCHEDULES, Action, Kind, Schedule, TimelineEvent, build_schedule
+from .pipeline import PipelineModule
+from .schedules import Action, Kind, Schedule, TimelineEvent
 from .schedules.ir import WEIGHT_GRAD_KINDS
+from .spec import TiedLayerSpec
 from .topology import DEFAULT_TIMEOUT
 
 
@@ -152,11 +161,6 @@ def _cast_floats(x, dtype: torch.dtype | None):
     if isinstance(x, tuple):
         return tuple(_cast_floats(t, dtype) for t in x)
     return x.to(dtype) if x.is_floating_point() else x
-
-
-def _name(schedule) -> str:
-    """A schedule's name, given the name or the Schedule."""
-    return schedule if isinstance(schedule, str) else schedule.name
 
 
 def _all_tensors(x) -> list[torch.Tensor]:
@@ -261,23 +265,72 @@ class _InputShapes:
                 self.without.append(r)
 
 
+@dataclass(eq=False)
+class Step:
+    """What one step (`train_batch` or `eval_batch`) holds between its actions.
+
+    `_run` makes a fresh one per step and keeps it as `engine.step_state` until the
+    next; every handler gets it. Dicts are keyed by (virtual stage, microbatch), the
+    outbox by (stage, SEND kind, microbatch). A training step ends with the stash,
+    inbox, grads and weight work empty (`leftover`)."""
+
+    actions: list[Action]
+    training: bool
+    micro_in: list | None  # this rank's microbatch inputs (None: not given)
+    micro_labels: list | None  # its microbatch labels (None: not given)
+    io: list = field(default_factory=list)  # per virtual stage: (input, output) as meta tensors
+    weights: torch.Tensor | None = None  # (M,) float64 on the device: loss weights for the global batch
+    local_weights: torch.Tensor | None = None  # (M,): the same for this replica's own loss
+    posted: list = field(default_factory=list)  # sends in flight: (work, tensor)
+    stash: dict = field(default_factory=dict)  # -> (stage input, stage output or weighted loss)
+    inbox: dict = field(default_factory=dict)  # -> stage input (received, or from a local stage)
+    grads: dict = field(default_factory=dict)  # -> grads of the stage's float outputs
+    weight_work: dict = field(default_factory=dict)  # -> what W still has to do after I
+    outbox: dict = field(default_factory=dict)  # (stage, kind, mb) -> tensors waiting for their SEND
+    losses: list = field(default_factory=list)  # each microbatch's loss, weighted for the global batch
+    raw_losses: list = field(default_factory=list)  # each microbatch's loss as computed
+    outputs: list = field(default_factory=list)  # the last stage's outputs (eval)
+    recv_due: collections.deque = field(default_factory=collections.deque)  # RECV actions not yet posted
+    recv_posted: collections.deque = field(default_factory=collections.deque)  # (action, comm.PostedRecv)
+
+    def leftover(self) -> list:
+        """Activations or gradients a training step made and no action consumed."""
+        return [*self.stash, *self.inbox, *self.grads, *self.weight_work]
+
+
+Handler = Callable[["PipelineEngine", Step, Action], None]
+_HANDLERS: dict[Kind, Handler] = {}
+
+
+def register_action(kind: Kind | str, fn: Handler, *, replace: bool = False) -> Handler:
+    """Run `fn(engine, step, action)` for every action of `kind` (a `Kind` or its text, "F")
+    in the engines built from now on (an engine's own table is `engine.handlers`). The
+    built-in kinds are registered by this module; replacing one takes `replace=True`."""
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise ValueError(f"unknown action kind {kind!r}; the kinds are {', '.join(k.value for k in Kind)}") from None
+    if not callable(fn):
+        raise TypeError(f"the handler of {kind.value} must be callable (engine, step, action), got {fn!r}")
+    if kind in _HANDLERS and not replace:
+        raise ValueError(f"action kind {kind.value} already has a handler; pass replace=True to replace it")
+    _HANDLERS[kind] = fn
+    return fn
+
+
 class PipelineEngine:
-    """Trains a PipelineModule with a pipeline schedule.
+    """Trains a PipelineModule with the schedule the module declares.
 
     Args:
-        module: this rank's PipelineModule.
-        optimizer: a torch optimizer over `module.parameters()` (None: eval only).
-        schedule: None (default): the module's (`PipelineModule(schedule=...)`),
-            or "1f1b" when the module declares none. Else a
-            `pipekit.schedules.Schedule`, or the name of a registered one
-            ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", ...; see
-            `pipekit.schedules.SCHEDULES`), built for the module's pp and
-            chunks_per_rank. Its placement must be the module's, and its name the
-            module's schedule's when the module declares one.
-            "interleaved_1f1b" with one chunk per rank is refused (it would be
-            plain 1F1B).
-        num_microbatches: M, microbatches per optimizer step (default: the
-            Schedule's, or 1 with a name).
+        module: this rank's PipelineModule; its `schedule` (a built
+            `pipekit.schedules.Schedule`: placement, chunks, microbatches) is what runs.
+        optimizer: a `pipekit.optim.ZeroOptimizer`; a torch optimizer over
+            `module.parameters()`, wrapped at ZeRO stage 0 (same hyperparameters and
+            param groups, shared, so an LR scheduler made for it still applies; the
+            torch optimizer itself is not stepped: checkpoint `engine.optimizer`); or
+            a torch optimizer class or factory (`functools.partial(torch.optim.AdamW,
+            lr=...)`), built over whatever this rank holds, nothing included.
+            None: eval only.
         record_timeline: keep every action's measured start/end (seconds since
             `self.step_start`, a `time.perf_counter()` reading) in `self.timeline`,
             in the simulator's format.
@@ -285,7 +338,7 @@ class PipelineEngine:
             action and microbatch named.
         clip_grad_norm: clip the gradients to this global L2 norm (over every
             parameter of the model, each counted once) before the step.
-        lr_scheduler: stepped after every optimizer step.
+        lr_scheduler: stepped after every optimizer step that was not skipped.
         recv_ahead: how many of this rank's next receives are kept posted
             ahead of their RECV actions (default 4; 0: each is posted when its
             action runs). A message whose receive is already posted is
@@ -297,118 +350,65 @@ class PipelineEngine:
         self,
         module: PipelineModule,
         *,
-        optimizer: torch.optim.Optimizer | None = None,
-        schedule: str | Schedule | None = None,
-        num_microbatches: int | None = None,
+        optimizer=None,
         record_timeline: bool = False,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
         clip_grad_norm: float | None = None,
         lr_scheduler=None,
         recv_ahead: int = 4,
+        **removed,
     ):
+        _refuse_removed(removed)
         if isinstance(recv_ahead, bool) or not isinstance(recv_ahead, int) or recv_ahead < 0:
             raise ValueError(f"recv_ahead must be an int >= 0 (receives posted before they are needed; 0: each "
                              f"when its RECV action runs), got {recv_ahead!r}")
         self.recv_ahead = recv_ahead
         self.module = module
-        self.optimizer = optimizer
-        if (optimizer is not None and not isinstance(optimizer, ZeroOptimizer) and getattr(module.topology, "ep", 1) > 1
-                and any(getattr(p, "expert_parallel", False) for p in module.parameters())):
-            raise ValueError("expert parallelism (ep > 1) needs pipekit.optim.ZeroOptimizer (any stage): a plain "
-                             "torch optimizer's gradients would be averaged over the whole dp group, but each "
-                             "expert lives on one rank of its ep group")
+        self.topo = module.topology
+        self.optimizer = as_zero_optimizer(optimizer, module)
+        if self.optimizer is not None and clip_grad_norm is not None:
+            self.optimizer.clip_grad_norm = clip_grad_norm
         self.clip_grad_norm = clip_grad_norm
         self.lr_scheduler = lr_scheduler
-        self.last_grad_norm: float | None = None
-        self.last_step_skipped = False
-        self.topo = module.topology
         self.timeout = timeout
-        self.schedule: Schedule = self._resolve_schedule(schedule, num_microbatches)
+        self.schedule: Schedule = module.schedule
         self.num_microbatches = self.schedule.microbatches
         self.actions = list(self.schedule.ranks[self.topo.pp_rank])
         self.eval_actions = list(self.schedule.forward_only().ranks[self.topo.pp_rank])
         self.last_stage = module.num_stages - 1
         self.record_timeline = record_timeline
         self.timeline: list[TimelineEvent] = []
-        self.handlers = {
-            Kind.F: self._forward,
-            Kind.B: self._backward,
-            Kind.I: self._backward_input,
-            Kind.W: self._backward_weight,
-            Kind.SEND_F: self._send_forward,
-            Kind.RECV_F: self._recv_forward,
-            Kind.SEND_B: self._send_backward,
-            Kind.RECV_B: self._recv_backward,
-        }
+        self.step_start: float | None = None  # the last step's start, `time.perf_counter()`
+        self.handlers: dict[Kind, Handler] = dict(_HANDLERS)
+        self.step_state: Step | None = None
         self.tie_groups = module.tie_groups
-        self.zero = isinstance(optimizer, ZeroOptimizer)
-        if optimizer is not None and module.precision != "fp32" and not self.zero:
-            raise ValueError(f"precision={module.precision!r} needs fp32 master weights: pass "
-                             f"optimizer=pipekit.optim.ZeroOptimizer(module, ...) (any stage) instead of "
-                             f"{type(optimizer).__name__}")
-        if self.zero and clip_grad_norm is not None:
-            optimizer.clip_grad_norm = clip_grad_norm
         self._stage_params = {s: self._params_of_stage(s) for s in module.local_stages}
         self._final_params = self._params_final_after()
         self._io_meta: list | None = None
         self._io_key = None
         self._shapes = _InputShapes(self)
 
-    # ---- set-up -------------------------------------------------------
-    def _resolve_schedule(self, schedule, num_microbatches) -> Schedule:
-        """The Schedule to run: the given one or the module's, checked against the module
-        (same pp, same placement, the same name as the module's declared schedule)."""
-        module, pp = self.module, self.topo.pp
-        declared = getattr(module, "schedule", None)
-        if schedule is not None and not isinstance(schedule, (str, Schedule)):
-            raise TypeError(f"schedule must be a registered name ({', '.join(SCHEDULES)}) or a "
-                            f"pipekit.schedules.Schedule, got {type(schedule).__name__}")
-        if schedule is None and declared is None and module.chunks_per_rank > 1:
-            raise ValueError(
-                f"the module holds {module.chunks_per_rank} virtual stages per rank (placement "
-                f"{module.placement}) but declares no schedule to run them; declare it once: "
-                "PipelineModule(..., schedule='interleaved_1f1b' (or 'zbv', 'dualpipe_v', a Schedule)), "
-                "or pass schedule= to PipelineEngine"
-            )
-        if schedule is None:
-            schedule = declared if declared is not None else "1f1b"
-        elif declared is not None and _name(schedule) != _name(declared):
-            raise ValueError(
-                f"the module was built for schedule {_name(declared)!r} but the engine was given "
-                f"{_name(schedule)!r}; declare the schedule once: PipelineModule(..., schedule=...) and "
-                "leave PipelineEngine's schedule out"
-            )
-        if isinstance(schedule, str) and isinstance(declared, Schedule):
-            if num_microbatches in (None, declared.microbatches):
-                schedule = declared  # the module's own Schedule, by its name
-        if isinstance(schedule, str):
-            check_interleaving(schedule, module.chunks_per_rank)
-            schedule = build_schedule(schedule, pp, 1 if num_microbatches is None else num_microbatches,
-                                      module.chunks_per_rank)
-        elif num_microbatches is not None and num_microbatches != schedule.microbatches:
-            raise ValueError(f"num_microbatches={num_microbatches}, but schedule {schedule.name!r} runs "
-                             f"{schedule.microbatches}; leave num_microbatches out to take the schedule's")
-        if schedule.pp != pp:
-            raise ValueError(f"schedule {schedule.name!r} is for pp={schedule.pp}, but the topology has pp={pp}")
-        check_interleaving(schedule.name, schedule.chunks_per_rank)
-        if schedule.placement != module.placement:
-            generator = SCHEDULES.get(schedule.name)
-            named = getattr(generator, "placement", None)
-            hint = f" or placement={named!r}" if isinstance(named, str) else ""
-            chunks = f", chunks_per_rank={schedule.chunks_per_rank}"
-            declare = (f"schedule={schedule.name!r}" + (chunks if generator.chunks_per_rank is None else "")
-                       if generator is not None else "schedule=<the Schedule>")
-            raise ValueError(
-                f"schedule {schedule.name!r} places virtual stages on ranks {schedule.placement}, but the module "
-                f"was built with placement {module.placement}; declare the schedule on the module: "
-                f"PipelineModule(..., {declare}) (or placement=<the Schedule>{hint}{chunks})"
-            )
-        return schedule
+    # ---- what the optimizer reports ---------------------------------------
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping (None without clipping or
+        after a skipped step). Read from the device on access: the one host sync it costs."""
+        return None if self.optimizer is None else self.optimizer.last_grad_norm
 
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped (an fp16 overflow anywhere)."""
+        return False if self.optimizer is None else self.optimizer.last_step_skipped
+
+    def grad_norm(self) -> float | None:
+        """`last_grad_norm`: the global L2 norm of the last step's reduced, unscaled
+        gradients, each parameter counted once over dp, pp and tp (computed by the
+        optimizer when clipping)."""
+        return self.last_grad_norm
+
+    # ---- set-up -------------------------------------------------------
     def _params_of_stage(self, stage: int) -> list:
         """The parameters a backward pass over `stage` gives gradients to (tied layers included)."""
-        from .spec import TiedLayerSpec
-
         params = []
         for i in self.module.stage_layers(stage):
             spec = self.module.specs[i]
@@ -454,29 +454,21 @@ class PipelineEngine:
         may pass None in their place, or None for the whole batch (shapes: see
         the module docstring).
 
-        Returns, by default without any communication, this dp replica's loss
-        over its batch as a detached 0-dim float64 tensor on the ranks holding
-        the last stage, and None on the others. `reduce_loss=True` returns the
-        loss of the global batch (as in one process) as a float on every rank: a
-        collective (an all-reduce over pp and over dp), so every rank must pass it.
-        The gradients and the step are the same either way."""
+        Returns, by default without any communication or host sync, this dp
+        replica's loss over its batch as a detached 0-dim float64 tensor on the
+        ranks holding the last stage, and None on the others. `reduce_loss=True`
+        returns the loss of the global batch (as in one process) as a float on every
+        rank: a collective (an all-reduce over pp and over dp) and a host read, so
+        every rank must pass it. The gradients and the step are the same either way."""
         if self.optimizer is None:
             raise RuntimeError("train_batch needs an optimizer; pass optimizer=... to PipelineEngine")
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        self._run(self.actions, _next_batch(data), training=True)
-        if self.zero:  # reduction, unscaling, overflow check and clipping happen inside
-            self.optimizer.step()
-            self.last_grad_norm = self.optimizer.last_grad_norm
-            self.last_step_skipped = self.optimizer.last_step_skipped
-        else:
-            self._reduce_gradients()
-            self._clip_gradients()
-            self.optimizer.step()
-            self.last_step_skipped = False
+        step = self._run(self.actions, _next_batch(data), training=True)
+        self.optimizer.step()  # reduction, unscaling, overflow check, clipping, update
         if self.lr_scheduler is not None and not self.last_step_skipped:
             self.lr_scheduler.step()
-        return self._step_loss(reduce_loss)
+        return self._step_loss(step, reduce_loss)
 
     @torch.no_grad()
     def eval_batch(self, data=None, return_outputs: bool = False, *, reduce_loss: bool = False):
@@ -484,19 +476,19 @@ class PipelineEngine:
         Returns the loss as `train_batch` does (None without a loss_fn), or `(loss, outputs)`
         with the last stage's outputs concatenated over microbatches (None off the last stage)."""
         self.module.eval()
-        self._run(self.eval_actions, _next_batch(data), training=False)
-        loss = self._step_loss(reduce_loss) if self.module.has_loss else None
+        step = self._run(self.eval_actions, _next_batch(data), training=False)
+        loss = self._step_loss(step, reduce_loss) if self.module.has_loss else None
         if not return_outputs:
             return loss
-        outs = self._outputs if self.last_stage in self.module.local_stages else None
+        outs = step.outputs if self.last_stage in self.module.local_stages else None
         if outs is not None:
             outs = torch.cat(outs) if isinstance(outs[0], torch.Tensor) else tuple(map(torch.cat, zip(*outs)))
         return loss, outs
 
     # ---- this rank's data -----------------------------------------------
-    def _prepare(self, batch):
-        """Check, move and split this rank's batch into `_micro_in` / `_micro_labels` (None
-        where not given); returns the first microbatch's inputs (None: no inputs given)."""
+    def _prepare(self, batch) -> tuple[list | None, list | None]:
+        """Check, move and split this rank's batch: (microbatch inputs, microbatch labels),
+        each None where not given."""
         if batch is None:
             inputs = labels = None
         elif isinstance(batch, (tuple, list)) and len(batch) == 2:
@@ -506,14 +498,14 @@ class PipelineEngine:
             raise TypeError(f"a batch must be a pair (inputs, labels), or None on a rank that needs no data; "
                             f"got {type(batch).__name__}{size}")
         self._check_needs(inputs, labels)
-        self._micro_in = self._micro_labels = None
+        micro_in = micro_labels = None
         if inputs is not None:
             inputs = _cast_floats(_to_device(inputs, self.topo.device), self.module.param_dtype)
-            self._micro_in = split_microbatches(inputs, self.num_microbatches, "inputs")
+            micro_in = split_microbatches(inputs, self.num_microbatches, "inputs")
         if labels is not None:
             labels = _to_device(labels, self.topo.device)
-            self._micro_labels = split_microbatches(labels, self.num_microbatches, "labels")
-        return None if self._micro_in is None else self._micro_in[0]
+            micro_labels = split_microbatches(labels, self.num_microbatches, "labels")
+        return micro_in, micro_labels
 
     def _check_needs(self, inputs, labels) -> None:
         """Raise, naming this rank and its stages, when it lacks data one of its stages reads."""
@@ -528,171 +520,172 @@ class PipelineEngine:
                              f"needs {' and '.join(need)}, but got None; pass them on this rank")
 
     # ---- the action loop ----------------------------------------------
-    def _run(self, actions: list[Action], batch, *, training: bool) -> None:
-        example = self._prepare(batch)
-        self._posted: list = []
-        self._io = self._stage_io(self._shapes.example(example, self._posted))
-        self._weights, self._local_weights = self._loss_weights()
-        self._training = training
-        self._stash: dict = {}  # (stage, mb) -> (stage input, stage output or scaled loss)
-        self._inbox: dict = {}  # (stage, mb) -> stage input (received, or from a local stage)
-        self._grads: dict = {}  # (stage, mb) -> grads of the stage's float outputs
-        self._weight_work: dict = {}  # (stage, mb) -> what W still has to do after I
-        self._outbox: dict = {}  # (stage, kind, mb) -> tensors waiting for their SEND
-        self._losses: list[torch.Tensor] = []  # each microbatch's loss, weighted for the global batch
-        self._raw_losses: list[torch.Tensor] = []  # each microbatch's loss as computed
-        self._outputs: list = []
+    def _run(self, actions: list[Action], batch, *, training: bool) -> Step:
+        """Run one action list over `batch`; the Step it leaves (also `self.step_state`)."""
+        micro_in, micro_labels = self._prepare(batch)
+        step = self.step_state = Step(actions, training, micro_in, micro_labels)
+        example = self._shapes.example(None if micro_in is None else micro_in[0], step.posted)
+        step.io = self._stage_io(example)
+        step.weights, step.local_weights = self._loss_weights(micro_labels)
+        step.recv_due.extend(a for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B))
         self.timeline = []
-        self._recv_due = collections.deque(a for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B))
-        self._recv_posted: collections.deque = collections.deque()  # (action, comm.PostedRecv), program order
         self.step_start = t0 = time.perf_counter()  # timeline times are relative to this (a machine-wide clock)
-        self._post_receives()
-        for step, action in enumerate(actions):
+        self._post_receives(step)
+        for i, action in enumerate(actions):
             start = time.perf_counter()
             try:
-                self.handlers[action.kind](action)
+                self._handler(action)(self, step, action)
             except Exception as e:
-                raise PipelineError(self._failure_report(actions, step, e)) from e
+                raise PipelineError(self._failure_report(actions, i, e)) from e
             if self.record_timeline:
-                self.timeline.append(TimelineEvent(self.topo.pp_rank, str(action), start - t0, time.perf_counter() - t0))
-        comm.wait_all(self._posted, self.timeout)
+                end = time.perf_counter()
+                self.timeline.append(TimelineEvent(self.topo.pp_rank, str(action), start - t0, end - t0))
+        comm.wait_all(step.posted, self.timeout)
         self._shapes.finish_first_step()
-        leftover = [*self._stash, *self._inbox, *self._grads, *self._weight_work] if training else []
+        leftover = step.leftover() if training else []
         assert not leftover, f"rank {self.topo.rank}: unconsumed activations/grads after the step: {leftover}"
+        return step
+
+    def _handler(self, action: Action) -> Handler:
+        handler = self.handlers.get(action.kind)
+        if handler is None:
+            raise KeyError(f"no handler for action kind {action.kind.value}; register one with "
+                           "pipekit.engine.register_action(kind, fn)")
+        return handler
 
     def _failure_report(self, actions: list[Action], step: int, error: Exception) -> str:
         a = actions[step]
         lines = [
             f"rank {self.topo.rank} (pp_rank {self.topo.pp_rank}, dp_rank {self.topo.dp_rank}) failed at action "
-            f"#{step} {a} (stage {a.stage}, {a.kind.value}, microbatch {a.microbatch}): {type(error).__name__}: {error}",
+            f"#{step} {a} (stage {a.stage}, {a.kind.value}, microbatch {a.microbatch}): "
+            f"{type(error).__name__}: {error}",
             "this rank's actions:",
         ]
         for i, b in enumerate(actions):
             lines.append(f"  {'>>' if i == step else '  '} {i:4d} {b}")
         return "\n".join(lines)
 
-    # ---- handlers -----------------------------------------------------
-    def _forward(self, a: Action) -> None:
+    # ---- handlers: (engine, step, action), registered below ---------------
+    def _forward(self, st: Step, a: Action) -> None:
         s, m = a.stage, a.microbatch
-        x = self._micro_in[m] if s == 0 else self._inbox.pop((s, m))
+        x = st.micro_in[m] if s == 0 else st.inbox.pop((s, m))
         out = self.module.forward_stage(s, x)
-        self._check_shapes(out, self._io[s][1], f"stage {s} output")
+        self._check_shapes(out, st.io[s][1], f"stage {s} output")
         if s == self.last_stage:
-            self._finish_forward(x, out, m)
+            self._finish_forward(st, x, out, m)
             return
-        if self._training:
-            self._stash[(s, m)] = (x, out)
+        if st.training:
+            st.stash[(s, m)] = (x, out)
         if self.module.stage_rank(s + 1) == self.topo.pp_rank:
-            self._inbox[(s + 1, m)] = _leaf(out) if self._training else out
+            st.inbox[(s + 1, m)] = _leaf(out) if st.training else out
         else:
-            self._outbox[(s, Kind.SEND_F, m)] = _all_tensors(out)
+            st.outbox[(s, Kind.SEND_F, m)] = _all_tensors(out)
 
-    def _finish_forward(self, x, out, m: int) -> None:
+    def _finish_forward(self, st: Step, x, out, m: int) -> None:
         if not self.module.has_loss:
-            if self._training:
+            if st.training:
                 raise RuntimeError("training needs a loss; pass loss_fn=... to PipelineModule")
-            self._outputs.append(out)
+            st.outputs.append(out)
             return
         loss = self.module.loss_fn(_cast_floats(out, torch.float32 if self.module.param_dtype else None),
-                                   self._micro_labels[m])
-        self._losses.append(loss.detach() * self._weights[m])
-        self._raw_losses.append(loss.detach())
-        if self._training:
-            scale = self.optimizer.loss_scale if self.zero else 1.0
-            self._stash[(self.last_stage, m)] = (x, loss * (scale * self._weights[m]))
+                                   st.micro_labels[m])
+        st.losses.append(loss.detach() * st.weights[m].to(loss.dtype))
+        st.raw_losses.append(loss.detach())
+        if st.training:
+            weight = (st.weights[m] * self.optimizer.loss_scale).to(loss.dtype)  # on the device: no sync
+            st.stash[(self.last_stage, m)] = (x, loss * weight)
         else:
-            self._outputs.append(out)
+            st.outputs.append(out)
 
-    def _backward(self, a: Action) -> None:
+    def _backward(self, st: Step, a: Action) -> None:
         """B: the full backward of (stage, microbatch): input grad and weight grads."""
         s, m = a.stage, a.microbatch
-        x, outs, grads = self._backward_operands(s, m)
+        x, outs, grads = self._backward_operands(st, s, m)
         with self._weight_pass(s, m), self._aux_scale():
             if outs:
                 torch.autograd.backward(outs, grads)
-        self._hand_back(s, m, [t.grad if t.grad is not None else torch.zeros_like(t) for t in comm.float_entries(x)])
+        self._hand_back(st, s, m, [t.grad if t.grad is not None else torch.zeros_like(t)
+                                   for t in comm.float_entries(x)])
 
-    def _backward_input(self, a: Action) -> None:
+    def _backward_input(self, st: Step, a: Action) -> None:
         """I: only the input grad; what the weight grads need is kept for W."""
         s, m = a.stage, a.microbatch
-        x, outs, grads = self._backward_operands(s, m)
+        x, outs, grads = self._backward_operands(st, s, m)
         inputs = comm.float_entries(x) if s > 0 else []
         with self._aux_scale():
             input_grads, work = split_backward.backward_input(outs, grads, inputs, self._stage_params[s])
-        self._weight_work[(s, m)] = work
-        self._hand_back(s, m, input_grads)
+        st.weight_work[(s, m)] = work
+        self._hand_back(st, s, m, input_grads)
 
-    def _backward_weight(self, a: Action) -> None:
+    def _backward_weight(self, st: Step, a: Action) -> None:
         """W: the weight grads of (stage, microbatch), from where its I stopped."""
         s, m = a.stage, a.microbatch
-        if (s, m) not in self._weight_work:
+        if (s, m) not in st.weight_work:
             raise RuntimeError(f"weight grads of microbatch {m} on stage {s} before its input grads (I)")
         with self._weight_pass(s, m), self._aux_scale():
-            split_backward.backward_weight(self._weight_work.pop((s, m)))
+            split_backward.backward_weight(st.weight_work.pop((s, m)))
 
-    def _backward_operands(self, s: int, m: int):
+    def _backward_operands(self, st: Step, s: int, m: int):
         """(stage input, outputs to differentiate, their grads) of (stage, microbatch)."""
-        if (s, m) not in self._stash:
+        if (s, m) not in st.stash:
             raise RuntimeError(f"backward of microbatch {m} on stage {s} before its forward")
-        x, out = self._stash.pop((s, m))
+        x, out = st.stash.pop((s, m))
         if s == self.last_stage:
             return x, [out], [None]  # the weighted (and fp16-scaled) loss
-        pairs = [(o, g) for o, g in zip(comm.float_entries(out), self._grads.pop((s, m))) if o.requires_grad]
+        pairs = [(o, g) for o, g in zip(comm.float_entries(out), st.grads.pop((s, m))) if o.requires_grad]
         return x, [o for o, _ in pairs], [g for _, g in pairs]
 
     def _weight_pass(self, s: int, m: int):
         """A pass that accumulates stage s's parameter grads (inside ZeRO's bucketing)."""
-        if not self.zero:
-            return contextlib.nullcontext()
         return self.optimizer.backward_pass(self._stage_params[s], self._final_params.get((s, m), ()))
 
     def _aux_scale(self):
         """A layer's auxiliary loss (pipekit.auxloss.attach) counts as the mean over microbatches,
         scaled like the main loss for fp16."""
-        return auxloss.scaled_backward((self.optimizer.loss_scale if self.zero else 1.0) / self.num_microbatches)
+        return auxloss.scaled_backward(self.optimizer.loss_scale / self.num_microbatches)
 
-    def _hand_back(self, s: int, m: int, grads: list) -> None:
+    def _hand_back(self, st: Step, s: int, m: int, grads: list) -> None:
         """Give the input grad of (stage, microbatch) to the previous stage: local, or sent."""
         if s == 0:
             return
         if self.module.stage_rank(s - 1) == self.topo.pp_rank:
-            self._grads[(s - 1, m)] = grads
+            st.grads[(s - 1, m)] = grads
         else:
-            self._outbox[(s, Kind.SEND_B, m)] = grads
+            st.outbox[(s, Kind.SEND_B, m)] = grads
 
     def _peer(self, stage: int) -> int:
         return self.topo.global_rank(self.module.stage_rank(stage))
 
-    def _send_forward(self, a: Action) -> None:
-        self._posted += comm.send(self._outbox.pop((a.stage, Kind.SEND_F, a.microbatch)), self._peer(a.stage + 1))
+    def _send_forward(self, st: Step, a: Action) -> None:
+        st.posted += comm.send(st.outbox.pop((a.stage, Kind.SEND_F, a.microbatch)), self._peer(a.stage + 1))
 
-    def _send_backward(self, a: Action) -> None:
-        self._posted += comm.send(self._outbox.pop((a.stage, Kind.SEND_B, a.microbatch)), self._peer(a.stage - 1))
+    def _send_backward(self, st: Step, a: Action) -> None:
+        st.posted += comm.send(st.outbox.pop((a.stage, Kind.SEND_B, a.microbatch)), self._peer(a.stage - 1))
 
-    def _recv_forward(self, a: Action) -> None:
-        x = _rebuild(self._io[a.stage][0], self._received(a))
-        self._inbox[(a.stage, a.microbatch)] = _leaf(x) if self._training else x
+    def _recv_forward(self, st: Step, a: Action) -> None:
+        x = _rebuild(st.io[a.stage][0], self._received(st, a))
+        st.inbox[(a.stage, a.microbatch)] = _leaf(x) if st.training else x
 
-    def _recv_backward(self, a: Action) -> None:
-        self._grads[(a.stage, a.microbatch)] = self._received(a)
+    def _recv_backward(self, st: Step, a: Action) -> None:
+        st.grads[(a.stage, a.microbatch)] = self._received(st, a)
 
-    def _post_receives(self, at_least: int = 0) -> None:
+    def _post_receives(self, st: Step, at_least: int = 0) -> None:
         """Keep the next `recv_ahead` (or `at_least`) receives of this rank's program posted, in
         program order: the order the peers send in."""
-        while self._recv_due and len(self._recv_posted) < max(self.recv_ahead, at_least):
-            a = self._recv_due.popleft()
+        while st.recv_due and len(st.recv_posted) < max(self.recv_ahead, at_least):
+            a = st.recv_due.popleft()
             if a.kind is Kind.RECV_F:
-                like, src = _all_tensors(self._io[a.stage][0]), self._peer(a.stage - 1)
+                like, src = _all_tensors(st.io[a.stage][0]), self._peer(a.stage - 1)
             else:
-                like, src = comm.float_entries(self._io[a.stage][1]), self._peer(a.stage + 1)
-            self._recv_posted.append((a, comm.post_recv(like, src, self.topo.device)))
+                like, src = comm.float_entries(st.io[a.stage][1]), self._peer(a.stage + 1)
+            st.recv_posted.append((a, comm.post_recv(like, src, self.topo.device)))
 
-    def _received(self, a: Action) -> list[torch.Tensor]:
+    def _received(self, st: Step, a: Action) -> list[torch.Tensor]:
         """The tensors of RECV action `a`, the next posted receive (posted now if none is)."""
-        self._post_receives(at_least=1)
-        head, posted = self._recv_posted.popleft()
+        self._post_receives(st, at_least=1)
+        head, posted = st.recv_posted.popleft()
         assert head == a, f"rank {self.topo.rank}: receive for {head} posted, but the program runs {a}"
-        self._post_receives()
+        self._post_receives(st)
         return comm.wait_recv(posted, self.timeout)
 
     @staticmethod
@@ -700,96 +693,53 @@ class PipelineEngine:
         got = [(tuple(t.shape), t.dtype) for t in _all_tensors(value)]
         want = [(tuple(t.shape), t.dtype) for t in _all_tensors(meta)]
         if got != want:
-            raise RuntimeError(f"{where} is {got} but the meta-device run predicted {want}; layers must be shape-deterministic")
+            raise RuntimeError(f"{where} is {got} but the meta-device run predicted {want}; layers must be "
+                               "shape-deterministic")
 
-    # ---- after the actions --------------------------------------------
-    def _reduce_gradients(self) -> None:
-        for key, group in self.tie_groups.items():
-            grads = [p.grad for p in self._filled_grads(self.module.tied[key].parameters())]
-            _all_reduce_flat(grads, group, average=False)
-        if self.topo.dp_group is not None:
-            _all_reduce_flat([p.grad for p in self._filled_grads(self.module.parameters())], self.topo.dp_group, average=True)
-
-    def _clip_gradients(self) -> None:
-        """Scale all gradients so their global norm is at most `clip_grad_norm` (no-op when None)."""
-        if self.clip_grad_norm is None:
-            self.last_grad_norm = None
-            return
-        self.last_grad_norm = self.grad_norm()
-        if self.last_grad_norm > self.clip_grad_norm:
-            scale = self.clip_grad_norm / (self.last_grad_norm + 1e-6)
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-
-    def grad_norm(self) -> float:
-        """Global L2 norm of the (reduced) gradients of the whole model.
-
-        Each parameter counts once: a tp-replicated one only on tp rank 0, a
-        tied one only on the first pipeline rank that holds it; dp replicas
-        hold equal gradients after the reduction and are not summed. One
-        all-reduce over pp and one over tp."""
-        counted = self.module.counted_in_norm()
-        total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
-        for name, p in self.module.named_parameters():
-            if p.grad is not None and counted[name]:
-                total += p.grad.double().pow(2).sum()
-        for group in (self.topo.pp_group, self.topo.tp_group):
-            if group is not None:
-                dist.all_reduce(total, group=group)
-        return total.sqrt().item()
-
-    @staticmethod
-    def _filled_grads(params) -> list:
-        params = [p for p in params if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        return params
-
-    def _loss_weights(self) -> tuple[list[float], list[float]]:
-        """What each microbatch's loss is multiplied by, so that the step's loss and gradients
-        are those of the whole global batch, as in one process (the dp reduction then averages);
-        and, for the loss `train_batch` returns by default, so that it is this dp replica's.
+    # ---- the loss -------------------------------------------------------
+    def _loss_weights(self, labels: list | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each microbatch's loss is multiplied by, as (M,) float64 tensors on the device
+        (no host sync), so that the step's loss and gradients are those of the whole global
+        batch, as in one process (the dp reduction then averages); and, for the loss
+        `train_batch` returns by default, so that it is this dp replica's.
 
         A token-level loss (a `loss_fn` with an `ignore_index`, like cross-entropy) is a mean
         over its microbatch's valid tokens: microbatch m weighs dp * valid_m / valid, valid
         counted over every microbatch and dp replica (one all-reduce over dp on the last
         stage), so masked labels give the one-process loss at any m and dp; for the replica's
-        own loss it weighs valid_m / (its replica's valid). Any other loss weighs 1/M: the
-        mean over microbatches."""
-        m = self.num_microbatches
+        own loss it weighs valid_m / (its replica's valid). No valid token: weight 0. Any
+        other loss weighs 1/M: the mean over microbatches."""
+        m, device = self.num_microbatches, self.topo.device
         ignore = getattr(self.module.loss_fn, "ignore_index", None)
-        labels = self._micro_labels
         if ignore is None or self.last_stage not in self.module.local_stages or not torch.is_tensor(labels[0]):
-            return [1.0 / m] * m, [1.0 / m] * m
+            even = torch.full((m,), 1.0 / m, dtype=torch.float64, device=device)
+            return even, even
         counts = torch.stack([(y != ignore).sum() for y in labels]).double()
-        mine = counts.tolist()
-        local = [c / sum(mine) for c in mine] if sum(mine) else [0.0] * m
-        total = counts.sum()
+        mine = counts.sum()
+        local = torch.where(mine > 0, counts / mine, 0.0)
+        total = mine.clone()
         if self.topo.dp_group is not None:
             dist.all_reduce(total, group=self.topo.dp_group)
-        if total.item() == 0:
-            return [0.0] * m, local
-        return (counts * (self.topo.dp / total)).tolist(), local
+        return torch.where(total > 0, counts * (self.topo.dp / total), 0.0), local
 
-    def _step_loss(self, reduce_loss: bool):
+    def _step_loss(self, st: Step, reduce_loss: bool):
         """The loss `train_batch` / `eval_batch` return: with `reduce_loss`, the global
         batch's, as a float on every rank (collective); else this replica's as a 0-dim
-        float64 tensor where the last stage is, None elsewhere (no communication)."""
+        float64 tensor where the last stage is, None elsewhere (no communication, no sync;
+        a microbatch without valid tokens counts 0, not its NaN)."""
         if reduce_loss:
-            return self._mean_loss()
+            return self._mean_loss(st)
         if self.last_stage not in self.module.local_stages:
             return None
-        terms = [loss.double() * w for loss, w in zip(self._raw_losses, self._local_weights) if w]
-        return torch.stack(terms).sum() if terms else torch.zeros((), dtype=torch.float64, device=self.topo.device)
+        raw = torch.stack([loss.double() for loss in st.raw_losses])
+        return torch.where(st.local_weights != 0, raw * st.local_weights, 0.0).sum()
 
-    def _mean_loss(self) -> float:
+    def _mean_loss(self, st: Step) -> float:
         """The step's loss (the last stage's weighted microbatch losses, averaged over dp),
-        given to every rank."""
+        given to every rank: the one host read, which the caller asked for."""
         total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
-        if self._losses:
-            total += torch.stack(self._losses).double().sum()
+        if st.losses:
+            total += torch.stack(st.losses).double().sum()
         if self.topo.pp_group is not None:
             dist.all_reduce(total, group=self.topo.pp_group)
         if self.topo.dp_group is not None:
@@ -798,18 +748,39 @@ class PipelineEngine:
         return total.item()
 
 
-def _all_reduce_flat(tensors: list[torch.Tensor], group, *, average: bool) -> None:
-    """All-reduce a list of tensors in place through one flat buffer per dtype."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    size = dist.get_world_size(group)
-    for ts in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in ts])
-        dist.all_reduce(flat, group=group)
-        if average:
-            flat /= size
-        offset = 0
-        for t in ts:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+for _kind, _fn in {
+    Kind.F: PipelineEngine._forward,
+    Kind.B: PipelineEngine._backward,
+    Kind.I: PipelineEngine._backward_input,
+    Kind.W: PipelineEngine._backward_weight,
+    Kind.SEND_F: PipelineEngine._send_forward,
+    Kind.RECV_F: PipelineEngine._recv_forward,
+    Kind.SEND_B: PipelineEngine._send_backward,
+    Kind.RECV_B: PipelineEngine._recv_backward,
+}.items():
+    register_action(_kind, _fn)
+
+
+def as_zero_optimizer(optimizer, module: PipelineModule) -> ZeroOptimizer | None:
+    """The one optimizer the engine drives: a ZeroOptimizer as given; a torch optimizer
+    wrapped at stage 0 (`ZeroOptimizer.wrap`); a torch optimizer class or factory built
+    by ZeroOptimizer over this rank's parameters (none at all on an empty stage)."""
+    if optimizer is None or isinstance(optimizer, ZeroOptimizer):
+        return optimizer
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return ZeroOptimizer.wrap(optimizer, module)
+    if callable(optimizer):
+        return ZeroOptimizer(module, optimizer)
+    raise TypeError(f"optimizer must be a pipekit.optim.ZeroOptimizer, a torch optimizer, or a torch optimizer "
+                    f"class or factory, got {type(optimizer).__name__}")
+
+
+def _refuse_removed(removed: dict) -> None:
+    """PipelineEngine's keywords that moved to the module, or never existed: a TypeError."""
+    moved = [k for k in ("schedule", "num_microbatches") if k in removed]
+    if moved:
+        raise TypeError(f"PipelineEngine takes no {' or '.join(k + '=' for k in moved)}: the schedule is declared "
+                        "once, on the module; declare it there: PipelineModule(..., schedule=..., "
+                        "microbatches=...), and PipelineEngine(module) runs module.schedule")
+    if removed:
+        raise TypeError(f"PipelineEngine got unexpected keyword argument(s) {', '.join(sorted(removed))}")

@@ -1,11 +1,12 @@
 """PipelineModule: the layers of this rank's pipeline stage(s), and nothing else.
 
-The spec list is cut into `pp * chunks_per_rank` virtual stages; virtual stage
-`s` lives on pipeline rank `placement[s]`: looping (`s % pp`) by default, the
-V of ZBV (`placement="v"`), or exactly where a schedule puts it. The schedule
-is declared once, here (`schedule="interleaved_1f1b", chunks_per_rank=2`, or
-`schedule=<a Schedule>`): it fixes the placement and the chunks, and
-`PipelineEngine(module)` runs it. Each rank builds only
+The schedule is declared once, here: `PipelineModule(specs, schedule="zbv",
+microbatches=4)` (a registered name, built for the topology's pp with
+`microbatches` and `chunks_per_rank`, default the schedule's own) or
+`schedule=<a pipekit.schedules.Schedule>` (it carries its chunks, placement and
+microbatches). `module.schedule` is always the built Schedule; its placement
+says which pipeline rank hosts each of the `pp * chunks_per_rank` virtual
+stages, and `PipelineEngine(module)` runs it. Each rank builds only
 the layers of its own stages, each seeded by its global index, and names them
 by that index (`layers.7.weight`), so a parameter has the same name in every
 layout. Tied layers live under `tied.<key>` on every rank that uses them.
@@ -32,8 +33,9 @@ from torch.utils.checkpoint import checkpoint
 
 from .layers.parallel import expert_parallel, tensor_parallel
 from .partition import partition as partition_specs
-from .schedules import SCHEDULES, Schedule, ScheduleError, resolve_placement
+from .schedules import SCHEDULES, Schedule, build_schedule
 from .schedules.generators import get_generator
+from .schedules.placement import check_positive
 from .spec import LayerSpec, TiedLayerSpec, build_layer, spec_name
 from .topology import Topology
 
@@ -58,34 +60,27 @@ def check_interleaving(name: str, chunks_per_rank: int | None) -> None:
         get_generator(name).chunks(chunks_per_rank)
 
 
-def declare_schedule(schedule, placement, pp: int, chunks_per_rank: int | None):
-    """(the declared schedule: a name, a Schedule or None; the placement tuple) of a module.
-
-    A `schedule` sets the placement (its registration's for a name, built with
-    `chunks_per_rank` or the schedule's own chunks; its own for a Schedule); a
-    `placement` given beside it must agree. Without one, `placement` (default
-    looping) decides, and a Schedule passed as the placement is the declared one."""
-    if schedule is None:
-        if isinstance(placement, Schedule):
-            check_interleaving(placement.name, placement.chunks_per_rank)
-            return placement, resolve_placement(placement, pp, chunks_per_rank)
-        return None, resolve_placement("looping" if placement is None else placement, pp, chunks_per_rank)
+def declare_schedule(schedule, pp: int, microbatches: int | None, chunks_per_rank: int | None) -> Schedule:
+    """The built Schedule a module runs: a registered name built for `pp` with
+    `microbatches` (default 1) and `chunks_per_rank` (default: the schedule's own), or a
+    Schedule, which must be for `pp` and agree with the counts given beside it."""
+    for what, value in (("microbatches", microbatches), ("chunks_per_rank", chunks_per_rank)):
+        if value is not None:
+            check_positive(what, value)
     if isinstance(schedule, str):
-        generator = get_generator(schedule)
-        check_interleaving(schedule, chunks_per_rank)
-        placed = generator.place(pp, generator.chunks(chunks_per_rank))
-    elif isinstance(schedule, Schedule):
-        check_interleaving(schedule.name, schedule.chunks_per_rank)
-        placed = resolve_placement(schedule, pp, chunks_per_rank)
-    else:
+        return build_schedule(schedule, pp, 1 if microbatches is None else microbatches, chunks_per_rank)
+    if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a registered name ({', '.join(SCHEDULES)}) or a "
                         f"pipekit.schedules.Schedule, got {type(schedule).__name__}")
-    if placement is not None and resolve_placement(placement, pp) != placed:
-        named = schedule if isinstance(schedule, str) else schedule.name
-        raise ScheduleError(f"placement {resolve_placement(placement, pp)} disagrees with schedule {named!r}, "
-                            f"which places virtual stages on ranks {placed}; leave placement out (the "
-                            "schedule decides it)")
-    return schedule, placed
+    if schedule.pp != pp:
+        raise ValueError(f"schedule {schedule.name!r} is for pp={schedule.pp}, but the topology has pp={pp}")
+    for what, value, own in (("microbatches", microbatches, schedule.microbatches),
+                             ("chunks_per_rank", chunks_per_rank, schedule.chunks_per_rank)):
+        if value is not None and value != own:
+            raise ValueError(f"{what}={value}, but schedule {schedule.name!r} runs {own}; leave {what} out "
+                             "to take the schedule's")
+    check_interleaving(schedule.name, schedule.chunks_per_rank)
+    return schedule
 
 
 class PipelineModule(nn.Module):
@@ -93,28 +88,25 @@ class PipelineModule(nn.Module):
 
     Args:
         specs: LayerSpec / TiedLayerSpec / plain callables, in order.
+        topology: the process grid; None means one process (pp=1, dp=1).
         loss_fn: `loss_fn(outputs, labels) -> scalar`, applied after the last
             stage; a LayerSpec is built here, only on the rank holding the
             last stage (inside the tp context, so a vocab-parallel loss gets
             its group), so a loss with parameters is trained and saved once.
-        topology: the process grid; None means one process (pp=1, dp=1).
         partition: "parameters", "uniform", "type:REGEX", or explicit boundaries.
         seed: base seed; layer i is initialised from (seed, i).
         schedule: the pipeline schedule this module is built for, declared once: a
-            registered name ("1f1b", "interleaved_1f1b", "zbv", ...; see
-            `pipekit.schedules.SCHEDULES`) or a `pipekit.schedules.Schedule`. It sets
-            the placement, and for a name the chunks (`chunks_per_rank`, or the
-            schedule's own: 2 for zbv); `PipelineEngine(module)` then runs it.
-            "interleaved_1f1b" needs chunks_per_rank >= 2, given explicitly (with one
-            chunk it would be plain 1F1B, so that is an error, not a fallback).
-            None: no schedule declared (the engine's own, "1f1b" by default).
-        chunks_per_rank: virtual stages per rank (> 1 for interleaved 1F1B, 2 for
-            ZBV); None: 1, or what `placement` / `schedule` implies.
-        placement: which pipeline rank hosts each virtual stage: "looping" (stage s
-            on rank s % pp), "v" (rank r holds r and 2pp-1-r), a tuple of ranks,
-            or a `pipekit.schedules.Schedule` (the same as `schedule=` that
-            Schedule). None: looping, or where `schedule` puts the stages (a
-            placement given with a schedule must agree with it).
+            registered name ("1f1b", the default, "gpipe", "interleaved_1f1b", "zbv", ...;
+            see `pipekit.schedules.SCHEDULES`) or a `pipekit.schedules.Schedule`. It fixes
+            the placement of the virtual stages, the chunks and the microbatches;
+            `PipelineEngine(module)` then runs it. "interleaved_1f1b" needs
+            chunks_per_rank >= 2 (its default; with one chunk it would be plain 1F1B, so
+            that is an error, not a fallback).
+        microbatches: M, microbatches per optimizer step: built into a named schedule
+            (None: 1); a Schedule's own must agree (None: take it).
+        chunks_per_rank: virtual stages per rank for a named schedule (None: its own,
+            2 for interleaved_1f1b, zbv and dualpipe_v, else 1); a Schedule's own must
+            agree (None: take it).
         activation_checkpoint_interval: recompute every run of this many layers
             in backward instead of keeping their activations (0: off).
         checkpoint_layers: regex on layer class names; matching layers are
@@ -126,14 +118,14 @@ class PipelineModule(nn.Module):
     def __init__(
         self,
         specs: list,
+        topology: Topology | None = None,
         *,
         loss_fn: Callable | None = None,
-        topology: Topology | None = None,
         partition: str | list[int] = "parameters",
         seed: int = 0,
-        schedule: str | Schedule | None = None,
+        schedule: str | Schedule = "1f1b",
+        microbatches: int | None = None,
         chunks_per_rank: int | None = None,
-        placement=None,
         activation_checkpoint_interval: int = 0,
         checkpoint_layers: str | None = None,
         device: torch.device | str | None = None,
@@ -146,17 +138,16 @@ class PipelineModule(nn.Module):
         self.has_loss = loss_fn is not None  # on every rank, also where a loss module is not built
         self.topology = topology if topology is not None else Topology(pp=1, dp=1)
         self.seed = seed
-        if chunks_per_rank is not None and chunks_per_rank < 1:
-            raise ValueError(f"chunks_per_rank must be >= 1, got {chunks_per_rank}")
         if activation_checkpoint_interval < 0:
             raise ValueError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is not one of {list(PRECISIONS)}")
         self.precision = precision
         self.compile = compile
-        self.schedule, self.placement = declare_schedule(schedule, placement, self.topology.pp, chunks_per_rank)
-        self.num_stages = len(self.placement)
-        self.chunks_per_rank = self.num_stages // self.topology.pp
+        self.schedule = declare_schedule(schedule, self.topology.pp, microbatches, chunks_per_rank)
+        self.placement = self.schedule.placement  # derived: virtual stage -> pipeline rank
+        self.num_stages = self.schedule.num_stages
+        self.chunks_per_rank = self.schedule.chunks_per_rank
         self.boundaries = partition_specs(self.specs, self.num_stages, partition)
         self.local_stages = [s for s in range(self.num_stages) if self.placement[s] == self.topology.pp_rank]
         self.checkpoint_interval = activation_checkpoint_interval

@@ -83,7 +83,7 @@ def build(cfg: Config, topo: Topology) -> PipelineEngine:
         topology=topo,
         partition=partition_of(cfg, schedule, topo.device),
         seed=cfg.train.seed,
-        placement=schedule,
+        schedule=schedule,
         activation_checkpoint_interval=s.activation_checkpoint_interval,
         checkpoint_layers=s.checkpoint_layers,
         precision=cfg.train.precision,
@@ -92,7 +92,7 @@ def build(cfg: Config, topo: Topology) -> PipelineEngine:
     opt = make_optimizer(module, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     return PipelineEngine(
-        module, optimizer=opt, schedule=schedule, num_microbatches=s.microbatches,
+        module, optimizer=opt,
         clip_grad_norm=cfg.optimizer.clip_grad_norm, lr_scheduler=sched,
     )
 

@@ -94,9 +94,9 @@ def train(compile: bool, pp: int = 1) -> dict:
     try:
         with inductor:
             module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo, seed=SEED,
-                                            compile=compile)
+                                            compile=compile, schedule="1f1b", microbatches=MICROBATCHES)
             opt = torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9)
-            engine = pipekit.PipelineEngine(module, optimizer=opt, schedule="1f1b", num_microbatches=MICROBATCHES)
+            engine = pipekit.PipelineEngine(module, optimizer=opt)
             gen = torch.Generator().manual_seed(DATA_SEED)
             losses = []
             for _ in range(STEPS):

@@ -17,6 +17,7 @@ process of its own runs the world-of-one checks. float64, a tiny toy model.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -25,9 +26,12 @@ import torch
 import torch.distributed as dist
 
 import pipekit
+from pipekit.models import get_model, model_loss, model_specs
 from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
-from pipekit.schedules import ScheduleError, build_schedule
-from pipekit.testing import reference_model, run_distributed
+from pipekit.optim import ZeroOptimizer
+from pipekit.schedules import Kind, ScheduleError, build_schedule
+from pipekit.spec import LayerSpec
+from pipekit.testing import reference_model, reference_name, run_distributed
 
 CFG = ToyConfig(vocab=16, dim=8, wide_dim=8, blocks=1)
 SEED, BATCH, SEQ, LR = 7, 8, 3, 0.1
@@ -53,12 +57,11 @@ def float64():
     torch.set_default_dtype(old)
 
 
-def _engine(topo=None, *, engine_schedule=None, microbatches=2, engine_kwargs=None,
-            **module_kwargs) -> pipekit.PipelineEngine:
-    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo, seed=SEED, **module_kwargs)
+def _engine(topo=None, *, microbatches=2, engine_kwargs=None, **module_kwargs) -> pipekit.PipelineEngine:
+    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo, seed=SEED,
+                                    microbatches=microbatches, **module_kwargs)
     opt = torch.optim.SGD(module.parameters(), lr=LR)
-    return pipekit.PipelineEngine(module, optimizer=opt, schedule=engine_schedule, num_microbatches=microbatches,
-                                  **(engine_kwargs or {}))
+    return pipekit.PipelineEngine(module, optimizer=opt, **(engine_kwargs or {}))
 
 
 def _weights(engine) -> list[torch.Tensor]:
@@ -141,12 +144,11 @@ def test_the_loss_is_a_tensor_by_default_and_a_float_when_asked():
 def test_interleaving_is_declared_once_on_the_module():
     declared = _engine(schedule="interleaved_1f1b", chunks_per_rank=2)
     assert (declared.schedule.name, declared.schedule.chunks_per_rank) == ("interleaved_1f1b", 2)
-    agreeing = _engine(engine_schedule="interleaved_1f1b", schedule="interleaved_1f1b", chunks_per_rank=2)
-    old = _engine(engine_schedule="interleaved_1f1b", chunks_per_rank=2)  # the two-place way still works
+    assert declared.schedule is declared.module.schedule  # the engine runs the module's
+    built = _engine(schedule=build_schedule("interleaved_1f1b", 1, 2, 2), microbatches=None)  # the same, as a Schedule
     batch = _batch(0)
-    losses = [e.train_batch(batch, reduce_loss=True) for e in (declared, agreeing, old)]
-    assert losses[0] == losses[1] == losses[2]
-    assert _same(_weights(declared), _weights(old)) and _same(_weights(declared), _weights(agreeing))
+    losses = [e.train_batch(batch, reduce_loss=True) for e in (declared, built)]
+    assert losses[0] == losses[1] and _same(_weights(declared), _weights(built))
 
 
 def test_a_schedule_on_the_module_brings_its_chunks_placement_and_microbatches():
@@ -154,10 +156,12 @@ def test_a_schedule_on_the_module_brings_its_chunks_placement_and_microbatches()
     assert (zbv.schedule.name, zbv.module.chunks_per_rank, zbv.num_microbatches) == ("zbv", 2, 4)
     assert zbv.module.placement == (0, 0)
     table = build_schedule("zb_h1", 1, 4)
-    for how in ("schedule", "placement"):  # placement=<a Schedule> declares it too, as before
-        module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, seed=SEED, **{how: table})
+    for microbatches in (None, 4):  # a Schedule's own count, or the same count said again
+        module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, seed=SEED, schedule=table,
+                                        microbatches=microbatches)
         engine = pipekit.PipelineEngine(module, optimizer=torch.optim.SGD(module.parameters(), lr=LR))
         assert engine.schedule is table and engine.num_microbatches == 4
+    assert pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss).schedule.name == "1f1b"  # the default, built
 
 
 def test_interleaved_1f1b_with_one_chunk_is_refused_not_run_as_1f1b():
@@ -165,24 +169,58 @@ def test_interleaved_1f1b_with_one_chunk_is_refused_not_run_as_1f1b():
     with pytest.raises(ScheduleError, match=r"got chunks_per_rank=1 \(with one it is plain 1F1B"):
         _engine(schedule="interleaved_1f1b", chunks_per_rank=1)
     with pytest.raises(ScheduleError, match=r"got chunks_per_rank=1.*schedule='interleaved_1f1b', chunks_per_rank=2"):
-        _engine(engine_schedule="interleaved_1f1b")  # a one-chunk module
+        _engine(schedule="interleaved_1f1b", chunks_per_rank=1)
     with pytest.raises(ScheduleError, match=r"got chunks_per_rank=1"):
-        _engine(engine_schedule=build_schedule("interleaved_1f1b", 1, 2, 1))
+        _engine(schedule=build_schedule("interleaved_1f1b", 1, 2, 1), microbatches=None)
 
 
-def test_a_schedule_said_twice_must_agree():
-    with pytest.raises(ValueError, match=r"built for schedule 'interleaved_1f1b' but the engine was given '1f1b'; "
-                                         r"declare the schedule once"):
-        _engine(engine_schedule="1f1b", schedule="interleaved_1f1b", chunks_per_rank=2)
-    with pytest.raises(ValueError, match=r"holds 2 virtual stages per rank .* but declares no schedule"):
-        _engine(chunks_per_rank=2)
-    with pytest.raises(ScheduleError, match=r"placement \(0,\) disagrees with schedule 'zbv', which places "
-                                            r"virtual stages on ranks \(0, 0\); leave placement out"):
+def test_the_schedule_is_said_once_on_the_module():
+    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss)
+    for kwargs in ({"schedule": "1f1b"}, {"num_microbatches": 2}, {"schedule": "zbv", "num_microbatches": 4}):
+        with pytest.raises(TypeError, match=r"declare it there: PipelineModule\(\.\.\., schedule=\.\.\., "
+                                            r"microbatches=\.\.\.\)"):
+            pipekit.PipelineEngine(module, **kwargs)
+    with pytest.raises(ScheduleError, match=r"1f1b runs 1 chunk per rank, got chunks_per_rank=2"):
+        _engine(chunks_per_rank=2)  # virtual stages need a schedule that runs them
+    with pytest.raises(TypeError, match=r"placement"):
         pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, schedule="zbv", placement="looping")
     with pytest.raises(ScheduleError, match=r"zbv runs 2 chunks per rank, got chunks_per_rank=3"):
         _engine(schedule="zbv", chunks_per_rank=3)
     with pytest.raises(TypeError, match=r"schedule must be a registered name .* got int"):
         _engine(schedule=3)
+    table = build_schedule("zb_h1", 1, 4)
+    with pytest.raises(ValueError, match=r"microbatches=2, but schedule 'zb_h1' runs 4; leave microbatches out"):
+        _engine(schedule=table, microbatches=2)
+    with pytest.raises(ValueError, match=r"chunks_per_rank=2, but schedule 'zb_h1' runs 1"):
+        _engine(schedule=table, microbatches=None, chunks_per_rank=2)
+    with pytest.raises(ValueError, match=r"schedule 'zb_h1' is for pp=2, but the topology has pp=1"):
+        _engine(schedule=build_schedule("zb_h1", 2, 4), microbatches=None)
+
+
+# ---- the action handlers: one table, registrable -------------------------------------------------
+def test_an_action_kind_s_handler_can_be_registered_and_an_unknown_one_is_named():
+    forward = pipekit.engine.PipelineEngine._forward
+    seen = []
+
+    def counted_forward(engine, step, action):
+        seen.append(str(action))
+        forward(engine, step, action)
+
+    pipekit.engine.register_action("F", counted_forward, replace=True)
+    try:
+        engine = _engine()  # engines built from now on take the registered handler
+    finally:
+        pipekit.engine.register_action(Kind.F, forward, replace=True)
+    assert engine.train_batch(_batch(0), reduce_loss=True) == _engine().train_batch(_batch(0), reduce_loss=True)
+    assert seen == ["0F0", "0F1"] and _engine().handlers[Kind.F] is forward
+    with pytest.raises(ValueError, match=r"action kind F already has a handler; pass replace=True"):
+        pipekit.engine.register_action(Kind.F, forward)
+    with pytest.raises(ValueError, match=r"unknown action kind 'X'; the kinds are F, "):
+        pipekit.engine.register_action("X", forward)
+    del engine.handlers[Kind.B]  # this engine's own table
+    with pytest.raises(pipekit.PipelineError, match=r"(?s)failed at action #1 0B0 .*KeyError.*no handler for action "
+                                                    r"kind B; register one.*>>    1 0B0"):
+        engine.train_batch(_batch(1))
 
 
 # ---- two ranks, started the torch.multiprocessing way ---------------------------------------------
@@ -200,6 +238,9 @@ def _two_ranks(store_file: str) -> dict:
     out.update(_loss_per_replica(pipekit.Topology(pp=1, dp=2)))
     out.update(_declared_once_at_pp2(topo))
     out.update(_receives_posted_ahead(topo))
+    out.update(_plain_optimizer_unused_parameter(pipekit.Topology(pp=1, dp=2)))
+    out.update(_plain_optimizer_empty_stage(topo))
+    out.update(_plain_optimizer_experts(pipekit.Topology(pp=1, dp=2, ep=2)))
     first_loss = out["losses_full"][0]
     dist.destroy_process_group()
     # The script's own group (torch.multiprocessing without those variables): init_distributed is a no-op.
@@ -288,7 +329,7 @@ def _loss_per_replica(topo) -> dict:
 
 def _declared_once_at_pp2(topo) -> dict:
     declared = _engine(topo, schedule="interleaved_1f1b", chunks_per_rank=2)
-    old = _engine(topo, engine_schedule="interleaved_1f1b", chunks_per_rank=2)
+    old = _engine(topo, schedule=build_schedule("interleaved_1f1b", 2, 2, 2), microbatches=None)  # as a Schedule
     batch = _batch(0)
     losses = [e.train_batch(batch, reduce_loss=True) for e in (declared, old)]
     return {"interleaved_pp2": (declared.schedule.name, declared.module.local_stages, losses[0] == losses[1],
@@ -311,6 +352,98 @@ def _receives_posted_ahead(topo) -> dict:
                 for a, e in engines.items()]
         out[f"ahead_{name}"] = (same, losses[0][-1] == losses[1000][-1], engines[None].recv_ahead)
     return out
+
+
+class WithUnused(torch.nn.Module):
+    """A linear map beside a parameter that no forward uses: it never gets a gradient."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+        self.unused = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, h):
+        return torch.tanh(self.lin(h))
+
+
+def _double(x):
+    return 2.0 * x
+
+
+def _against_one_process(specs, engines: dict, topo, steps: int = 2, **module_kwargs) -> dict:
+    """Train each engine (name -> optimizer maker) on this replica's rows and the whole specs in
+    one process with torch's AdamW on the whole batch; the worst weight difference per engine."""
+    rows = BATCH // topo.dp
+    mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
+    ref = reference_model(specs, SEED)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    trained = {}
+    for name, make in engines.items():
+        module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo, seed=SEED, microbatches=2,
+                                        **module_kwargs)
+        engine = pipekit.PipelineEngine(module, optimizer=make(module))
+        for step in range(steps):
+            x, y = _batch(step)
+            engine.train_batch((x[mine], y[mine]))
+        trained[name] = module
+    for step in range(steps):
+        x, y = _batch(step)
+        ref_opt.zero_grad()
+        lm_loss(ref(x), y).backward()
+        ref_opt.step()
+    ref_params = dict(ref.named_parameters())
+    return {name: max([(p - ref_params[reference_name(n, specs)]).abs().max().item()
+                       for n, p in module.named_parameters()], default=0.0)
+            for name, module in trained.items()}
+
+
+def _plain_optimizer_unused_parameter(topo) -> dict:
+    """pp=1 x dp=2, a plain torch AdamW: a parameter that got no gradient anywhere stays put
+    (weight decay, moments and all), as in one process."""
+    specs = [LayerSpec(torch.nn.Embedding, CFG.vocab, 8), LayerSpec(WithUnused, 8), LayerSpec(torch.nn.Linear, 8,
+                                                                                               CFG.vocab)]
+    adamw = {"adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1)}
+    return {"unused_param": _against_one_process(specs, adamw, topo)}
+
+
+def _plain_optimizer_empty_stage(topo) -> dict:
+    """pp=2, stage 1 a lone function (no parameters on rank 1): a torch optimizer class or
+    factory works on every rank, and an instance wherever there are parameters to give it."""
+    specs = [LayerSpec(torch.nn.Embedding, CFG.vocab, 8), LayerSpec(torch.nn.Linear, 8, CFG.vocab), _double]
+    factory = functools.partial(torch.optim.AdamW, lr=LR, weight_decay=0.1)
+    makers = {"factory": lambda m: factory,
+              "instance": lambda m: factory(m.parameters()) if list(m.parameters()) else factory}
+    return {"empty_stage": _against_one_process(specs, makers, topo, partition=[0, 2, 3]),
+            "empty_stage_params": len(list(pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo,
+                                                                   partition=[0, 2, 3]).parameters()))}
+
+
+def _trained_weights(specs, loss, make, topo, batches) -> list[torch.Tensor]:
+    module = pipekit.PipelineModule(specs, loss_fn=loss, topology=topo, seed=SEED, microbatches=2)
+    engine = pipekit.PipelineEngine(module, optimizer=make(module))
+    for batch in batches:
+        engine.train_batch(batch)
+    return _weights(engine)
+
+
+def _plain_optimizer_experts(topo) -> dict:
+    """pp=1 x dp=2 x ep=2 (the experts shared out over the two ranks): a plain AdamW over
+    module.parameters() trains exactly as ZeroOptimizer given the expert groups explicitly
+    (their own dp group, summed over ep), which is what `pipekit train` builds."""
+    cfg = get_model("mixtral", "tiny", n_layers=1)
+    gen = torch.Generator().manual_seed(10 + topo.dp_rank)
+    batches = [(ids[:, :-1], ids[:, 1:]) for ids in torch.randint(0, 256, (2, 4, 9), generator=gen)]
+
+    def explicit(module):
+        experts = [p for p in module.parameters() if getattr(p, "expert_parallel", False)]
+        others = [p for p in module.parameters() if not getattr(p, "expert_parallel", False)]
+        groups = [{"params": others}, {"params": experts, "dp_group": topo.edp_group, "ep_group": topo.ep_group}]
+        return ZeroOptimizer(groups, "adamw", module=module, lr=LR)
+
+    plain = _trained_weights(model_specs(cfg), model_loss(cfg), lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
+                             topo, batches)
+    return {"experts": (_same(plain, _trained_weights(model_specs(cfg), model_loss(cfg), explicit, topo, batches)),
+                        len(plain))}
 
 
 @pytest.fixture(scope="module")
@@ -394,6 +527,52 @@ def test_receives_posted_ahead_change_nothing_but_the_wait(two_ranks):
     for r in two_ranks:
         for name in ("zbv", "gpipe"):
             assert r[f"ahead_{name}"] == ([True] * 4, True, 4), (name, r[f"ahead_{name}"])
+
+
+def test_a_plain_optimizer_leaves_a_parameter_without_gradient_alone_at_dp2(two_ranks):
+    for r in two_ranks:
+        assert r["unused_param"]["adamw"] <= TOL, r["unused_param"]
+
+
+def test_a_plain_optimizer_reduces_experts_over_their_own_groups_at_ep2(two_ranks):
+    assert all(r["experts"][0] and r["experts"][1] > 0 for r in two_ranks), [r["experts"] for r in two_ranks]
+
+
+def test_a_plain_optimizer_on_a_half_precision_model_gets_fp32_master_weights():
+    x, y = _batch(0)
+    runs = {}
+    for name, make in {"plain": lambda m: torch.optim.AdamW(m.parameters(), lr=LR),
+                       "zero": lambda m: ZeroOptimizer(m, "adamw", lr=LR)}.items():
+        module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, seed=SEED, microbatches=2, precision="bf16")
+        engine = pipekit.PipelineEngine(module, optimizer=make(module))
+        for step in range(2):
+            engine.train_batch(_batch(step))
+        runs[name] = (_weights(engine), {b.master.dtype for b in engine.optimizer.buckets})
+    assert _same(runs["plain"][0], runs["zero"][0]) and runs["plain"][1] == {torch.float32}
+
+
+def test_a_plain_optimizer_is_wrapped_once_fresh_and_anything_else_is_named():
+    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, seed=SEED)
+    opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=0.9)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
+    assert isinstance(engine.optimizer, ZeroOptimizer) and engine.optimizer.stage == 0
+    assert engine.optimizer.param_groups is opt.param_groups  # an LR scheduler made for `opt` still applies
+    engine.train_batch(_batch(0))
+    assert not opt.state  # the wrapper steps; the torch optimizer it was made from holds nothing
+    other = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, seed=SEED)
+    used = torch.optim.SGD(other.parameters(), lr=LR, momentum=0.9)
+    other(torch.zeros(1, SEQ, dtype=torch.long)).sum().backward()
+    used.step()
+    with pytest.raises(ValueError, match=r"SGD already holds state .* wrap a fresh one"):
+        pipekit.PipelineEngine(other, optimizer=used)
+    with pytest.raises(TypeError, match=r"optimizer must be a pipekit.optim.ZeroOptimizer, .* got str"):
+        pipekit.PipelineEngine(module, optimizer="adamw")
+
+
+def test_a_stage_without_parameters_works_with_a_plain_optimizer(two_ranks):
+    assert [r["empty_stage_params"] for r in two_ranks] == [3, 0]  # rank 1 holds nothing to optimise
+    for r in two_ranks:
+        assert all(worst <= TOL for worst in r["empty_stage"].values()), r["empty_stage"]
 
 
 def test_recv_ahead_must_be_a_count():

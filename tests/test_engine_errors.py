@@ -35,9 +35,10 @@ def test_grid_needs_distributed_beyond_one_process():
 
 
 def _engine(schedule="1f1b", microbatches=2, chunks=1, specs=None):
-    module = pipekit.PipelineModule(specs or toy_lm(CFG), loss_fn=lm_loss, chunks_per_rank=chunks)
+    module = pipekit.PipelineModule(specs or toy_lm(CFG), loss_fn=lm_loss, schedule=schedule, microbatches=microbatches,
+                                    chunks_per_rank=chunks)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    return pipekit.PipelineEngine(module, optimizer=opt, schedule=schedule, num_microbatches=microbatches)
+    return pipekit.PipelineEngine(module, optimizer=opt)
 
 
 def test_schedule_errors_name_the_value():
@@ -95,11 +96,9 @@ def test_partition_errors_reach_the_user():
 def _silent_peer() -> str:
     """Rank 1 builds its stage and then never runs: rank 0 must fail, naming what it waited for."""
     topo = pipekit.Topology(pp=2)
-    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo)
+    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo, schedule="1f1b", microbatches=2)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    engine = pipekit.PipelineEngine(
-        module, optimizer=opt, schedule="1f1b", num_microbatches=2, timeout=datetime.timedelta(seconds=2)
-    )
+    engine = pipekit.PipelineEngine(module, optimizer=opt, timeout=datetime.timedelta(seconds=2))
     if topo.pp_rank == 1:
         time.sleep(6)
         return ""
@@ -129,9 +128,9 @@ def _peer_gone() -> str:
     """Rank 1 builds its stage and leaves at once: rank 0 must say the peer closed, without waiting out
     the (long) timeout and without calling it silent."""
     topo = pipekit.Topology(pp=2)
-    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo)
+    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo, microbatches=2)
     engine = pipekit.PipelineEngine(module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
-                                    num_microbatches=2, timeout=datetime.timedelta(seconds=60))
+                                    timeout=datetime.timedelta(seconds=60))
     if topo.pp_rank == 1:
         return ""
     start = time.monotonic()

@@ -55,9 +55,10 @@ def run_layout(pp, dp, schedule, chunks, microbatches, kwargs) -> dict:
     torch.set_default_dtype(torch.float64)
     specs = toy_lm(CFG)
     topo = pipekit.Topology(pp=pp, dp=dp)
-    module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo, seed=SEED, chunks_per_rank=chunks, **kwargs)
+    module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo, seed=SEED, schedule=schedule,
+                                    microbatches=microbatches, chunks_per_rank=chunks, **kwargs)
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, schedule=schedule, num_microbatches=microbatches)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
 
     ref = reference_model(specs, SEED)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)

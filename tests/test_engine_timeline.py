@@ -14,9 +14,10 @@ CFG = ToyConfig(vocab=16, dim=8, wide_dim=8, blocks=1)
 
 def _record(schedule: str, chunks: int):
     topo = pipekit.Topology(pp=2)
-    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo, chunks_per_rank=chunks)
+    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo, schedule=schedule, microbatches=4,
+                                    chunks_per_rank=chunks)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, schedule=schedule, num_microbatches=4, record_timeline=True)
+    engine = pipekit.PipelineEngine(module, optimizer=opt, record_timeline=True)
     engine.train_batch(synthetic_batches(CFG.vocab, 8, 3))
     return engine.timeline, [str(a) for a in engine.actions], engine.schedule
 

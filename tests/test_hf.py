@@ -142,10 +142,11 @@ def run_case(payload: tuple, topo) -> dict:
     Returns the differences and (first rank) the converted-back HF state dict."""
     family, cfg, full, hf_sd, ids, labels, ref_logits, ref_loss, ref_train_losses, ref_trained = payload
     V, Vp = cfg.vocab_size, cfg.padded_vocab
-    module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo)
+    module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo, schedule="1f1b",
+                                    microbatches=2)
     load_full_state_dict(module, full)
     opt = torch.optim.SGD(module.parameters(), lr=LR)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, schedule="1f1b", num_microbatches=2)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
     shard = BATCH // topo.dp
     mine = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
     batch = (ids[mine], labels[mine])

@@ -44,14 +44,15 @@ def run_layout(pp: int, dp: int, microbatches: int, zero: bool) -> dict:
     cfg = get_model("gpt2", "tiny", **GPT)
     specs = model_specs(cfg)
     topo = pipekit.Topology(pp=pp, dp=dp)
-    module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED)
+    module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED,
+                                    microbatches=microbatches)
     ref = reference_model(specs, SEED)
     ref_loss_fn = model_loss(cfg).build()
     if zero:
         opt, ref_opt = ZeroOptimizer(module, "adamw", stage=1, lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05)
     else:
         opt, ref_opt = torch.optim.SGD(module.parameters(), lr=0.0), torch.optim.SGD(ref.parameters(), lr=0.0)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, num_microbatches=microbatches)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
     ref_params = dict(ref.named_parameters())
     pairs = [(p, ref_params[reference_name(n, specs)]) for n, p in module.named_parameters()]
     rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
@@ -118,8 +119,9 @@ def run_tempered(pp: int) -> dict:
 
     torch.set_default_dtype(torch.float64)
     specs = toy_lm(ToyConfig(vocab=24, dim=8, wide_dim=12, blocks=2))
-    module = pipekit.PipelineModule(specs, loss_fn=LayerSpec(TemperedLoss), topology=pipekit.Topology(pp=pp), seed=2)
-    engine = pipekit.PipelineEngine(module, optimizer=ZeroOptimizer(module, "sgd", stage=1, lr=0.5), num_microbatches=2)
+    module = pipekit.PipelineModule(specs, loss_fn=LayerSpec(TemperedLoss), topology=pipekit.Topology(pp=pp), seed=2,
+                                    microbatches=2)
+    engine = pipekit.PipelineEngine(module, optimizer=ZeroOptimizer(module, "sgd", stage=1, lr=0.5))
     ref, ref_loss = reference_model(specs, 2), TemperedLoss()
     ref_opt = torch.optim.SGD([*ref.parameters(), *ref_loss.parameters()], lr=0.5)
     gen = torch.Generator().manual_seed(3)

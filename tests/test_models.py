@@ -309,9 +309,9 @@ def test_sequence_longer_than_position_table():
 def test_tiny_flavour_trains(family):
     """20 AdamW steps on one repeating batch: the loss starts near log(vocab) and falls."""
     cfg = get_model(family, "tiny", n_layers=2)
-    module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=0)
+    module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=0, schedule="1f1b", microbatches=2)
     opt = torch.optim.AdamW(module.parameters(), lr=3e-3, weight_decay=0.0)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, schedule="1f1b", num_microbatches=2)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=gen)
     batch = (tokens[:, :-1], tokens[:, 1:])

@@ -31,9 +31,9 @@ STEPS, REL_TOL = 50, 0.01
 def _engine(precision: str, topo, *, scaler=None, stage=0, microbatches=2):
     cfg = get_model("gpt2", "tiny", **GPT)
     module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo, seed=3,
-                                    precision=precision)
+                                    precision=precision, microbatches=microbatches)
     opt = ZeroOptimizer(module, "adamw", stage=stage, lr=3e-3, weight_decay=0.1, loss_scaler=scaler)
-    return pipekit.PipelineEngine(module, optimizer=opt, num_microbatches=microbatches, clip_grad_norm=1.0)
+    return pipekit.PipelineEngine(module, optimizer=opt, clip_grad_norm=1.0)
 
 
 def loss_curves() -> dict:
@@ -49,7 +49,7 @@ def loss_curves() -> dict:
         out[precision + "_dtypes"] = {
             "params": {str(p.dtype) for p in module.parameters()},
             "masters": {str(b.master.dtype) for b in opt.buckets},
-            "messages": {str(t.dtype) for _, o in engine._io[:-1] for t in ([o] if torch.is_tensor(o) else o)
+            "messages": {str(t.dtype) for _, o in engine.step_state.io[:-1] for t in ([o] if torch.is_tensor(o) else o)
                          if t.is_floating_point()},
             "skipped": scaler.skipped_steps if scaler else 0,
         }

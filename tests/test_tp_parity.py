@@ -41,10 +41,10 @@ def run_layout(family: str, pp: int, dp: int, tp: int, schedule: str, microbatch
     cfg = get_model(family.split("-")[0], "tiny", **MODELS[family])
     specs = model_specs(cfg)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp)
-    module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED)
+    module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule=schedule,
+                                    microbatches=microbatches)
     opt = torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, schedule=schedule, num_microbatches=microbatches,
-                                    clip_grad_norm=CLIP)
+    engine = pipekit.PipelineEngine(module, optimizer=opt, clip_grad_norm=CLIP)
     ref = reference_model(specs, SEED)
     ref_loss_fn = model_loss(cfg).build()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)

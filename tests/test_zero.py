@@ -58,11 +58,11 @@ def train_and_compare(specs, loss, ref_loss_fn, batches, *, pp, dp, tp, stage, m
     torch.set_default_dtype(torch.float64)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp)
     module = pipekit.PipelineModule(specs, loss_fn=loss, topology=topo, seed=SEED, partition=partition,
+                                    schedule="interleaved_1f1b" if chunks > 1 else "1f1b", microbatches=microbatches,
                                     chunks_per_rank=chunks)
     opt = ZeroOptimizer(_decay_groups(module), optimizer, module=module, stage=stage, bucket_mb=TINY_BUCKETS,
                         lr=LR, **hyper)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, num_microbatches=microbatches, clip_grad_norm=CLIP,
-                                    schedule="interleaved_1f1b" if chunks > 1 else "1f1b")
+    engine = pipekit.PipelineEngine(module, optimizer=opt, clip_grad_norm=CLIP)
     ref = reference_model(specs, SEED)
     torch_opt = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
     ref_opt = torch_opt(_decay_groups(ref), lr=LR, **hyper)

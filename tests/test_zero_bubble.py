@@ -262,19 +262,22 @@ def test_a_bad_table_is_refused_on_load(table, message):
 # ---------------------------------------------------------------- the engine
 
 
-def test_engine_takes_a_schedule_object_or_a_name():
-    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss)
+def _module(**kwargs):
+    return pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, **kwargs)
+
+
+def test_engine_runs_the_module_s_schedule_object_or_name():
     schedule = build_schedule("zb_h1", 1, 4)
-    engine = pipekit.PipelineEngine(module, schedule=schedule)
+    engine = pipekit.PipelineEngine(_module(schedule=schedule))
     assert engine.schedule is schedule and engine.num_microbatches == 4
     assert [str(a) for a in engine.eval_actions] == ["0F0", "0F1", "0F2", "0F3"]
-    assert pipekit.PipelineEngine(module, schedule="zb_h1", num_microbatches=4).schedule == schedule
-    with pytest.raises(ValueError, match="num_microbatches=2, but schedule 'zb_h1' runs 4"):
-        pipekit.PipelineEngine(module, schedule=schedule, num_microbatches=2)
+    assert pipekit.PipelineEngine(_module(schedule="zb_h1", microbatches=4)).schedule == schedule
+    with pytest.raises(ValueError, match="microbatches=2, but schedule 'zb_h1' runs 4"):
+        _module(schedule=schedule, microbatches=2)
     with pytest.raises(ValueError, match="schedule 'zb_h1' is for pp=2, but the topology has pp=1"):
-        pipekit.PipelineEngine(module, schedule=build_schedule("zb_h1", 2, 4))
+        _module(schedule=build_schedule("zb_h1", 2, 4))
     with pytest.raises(TypeError, match="a registered name .* or a pipekit.schedules.Schedule, got int"):
-        pipekit.PipelineEngine(module, schedule=42)
+        _module(schedule=42)
 
 
 # ---------------------------------------------------------------- the engine, against one process
@@ -308,18 +311,17 @@ def run_case(pp, dp, how, microbatches, model="toy", zero_stage=None, by_name=Fa
     specs = _specs(model)
     topo = pipekit.Topology(pp=pp, dp=dp)
     schedule = _schedule(how, pp, microbatches)
-    if by_name:  # the name route: the module is told the placement, the engine builds the schedule
-        module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo, seed=SEED, placement="v",
-                                        chunks_per_rank=2, **kwargs)
-        schedule = how
+    if by_name:  # the name route: the module builds the schedule from its name
+        module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo, seed=SEED, schedule=how,
+                                        microbatches=microbatches, **kwargs)
+        assert module.schedule == schedule
     else:
-        module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo, seed=SEED, placement=schedule, **kwargs)
+        module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo, seed=SEED, schedule=schedule, **kwargs)
     if zero_stage is None:
         opt = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1)
     else:
         opt = ZeroOptimizer(module, "adamw", stage=zero_stage, bucket_mb=0.002, lr=0.01, weight_decay=0.1)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, schedule=schedule,
-                                    num_microbatches=microbatches if by_name else None)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
 
     ref = reference_model(specs, SEED)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
@@ -351,12 +353,14 @@ def run_case(pp, dp, how, microbatches, model="toy", zero_stage=None, by_name=Fa
 
 
 def wrong_placement_message() -> str:
-    """A looping module handed a V schedule: the engine refuses before running anything."""
+    """A looping module handed a V schedule by the engine: refused before running anything (the
+    engine takes no schedule of its own, so a second, differently placed one cannot arise)."""
     torch.set_default_dtype(torch.float64)
-    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=pipekit.Topology(pp=2), chunks_per_rank=2)
+    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=pipekit.Topology(pp=2),
+                                    schedule="interleaved_1f1b", microbatches=4)
     try:
         pipekit.PipelineEngine(module, optimizer=None, schedule="zbv", num_microbatches=4)
-    except ValueError as e:
+    except TypeError as e:
         return str(e)
     return "no error"
 
@@ -403,6 +407,5 @@ def test_engine_matches_one_process(distributed_results, index):
 
 def test_engine_refuses_a_schedule_placed_differently_from_the_module(distributed_results):
     message = distributed_results[0][1]
-    assert "schedule 'zbv' places virtual stages on ranks (0, 1, 1, 0)" in message
-    assert "the module was built with placement (0, 1, 0, 1)" in message
-    assert "placement='v'" in message
+    assert "PipelineEngine takes no schedule= or num_microbatches=" in message
+    assert "declare it there: PipelineModule(..., schedule=..., microbatches=...)" in message

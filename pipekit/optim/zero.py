@@ -1,7 +1,11 @@
 """ZeroOptimizer: ZeRO stages 0, 1 and 2 over data-parallel groups, fp32 master weights.
 
 One class for one rank or many, for fp32 and for half-precision models; on one
-rank at stage 0 in fp32 it is exactly the wrapped torch optimizer.
+rank at stage 0 in fp32 it is exactly the wrapped torch optimizer. It is the
+engine's one gradient path: `ZeroOptimizer.wrap(torch_optimizer, module)`
+takes a plain optimizer's class, param groups and hyperparameters at stage 0,
+and a class or factory is built over whatever a rank holds (nothing, on a
+stage without parameters).
 
 Layout. The trainable parameters are packed into flat *buckets*: one run of
 buckets per segment (a virtual pipeline stage, or a tied key, which must lay
@@ -43,6 +47,12 @@ Communication per optimizer step, per bucket, over its dp group:
                and tp) is clipped, the wrapped optimizer steps the master
                shards, and stages 1/2 all-gather the updated parameters.
 
+Host syncs per step: none without a loss scaler (the norm and the clipping
+factor stay on the device; `last_grad_norm` is read when read). With one, one
+read of the overflow flag, since whether the wrapped optimizer steps at all is
+decided on the host (as torch.amp.GradScaler does). A rank where some
+parameter got no gradient reads which ones got one elsewhere (below).
+
 On gloo, whose reduce-scatter and all-gather measured slower than its
 all-reduce and broadcasts, a reduce-scatter is an all-reduce (only the shard is
 read) and an all-gather is one broadcast per shard; NCCL gets the real ones.
@@ -52,13 +62,17 @@ before microbatch m+1's backward, M reductions per step where stages 0/1 do one.
 Experts: a param group may carry its own `dp_group` (experts sharded over ep
 ranks have a smaller data-parallel group) and an `ep_group` (the ranks holding
 the other experts); buckets, reductions, sharding and the norm follow each
-group's own dp group, and the norm sums over its ep group.
+group's own dp group, and the norm sums over its ep group. A group that sets
+no `dp_group` has its expert-parallel parameters (`p.expert_parallel`, ep > 1)
+put in the topology's expert dp and ep groups, so a wrapped plain optimizer
+needs no expert groups of its own.
 
 A parameter that got no gradient anywhere in its dp group this step (an
 expert that received no tokens) is skipped by the wrapped optimizer, as torch's
 optimizers skip a parameter whose .grad is None: the wrapped optimizer sees each
 parameter's part of a shard as its own pieces, and one small all-reduce per
-dp group per step agrees on which parameters were touched.
+dp group per step agrees on which parameters were touched (read back only on a
+rank where some parameter got no gradient: elsewhere the answer is "all").
 """
 
 from __future__ import annotations
@@ -120,8 +134,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         params: a PipelineModule (its dp group, stages, tied keys and tp
             layout are used), an nn.Module, or parameters / param groups
             (groups may set "dp_group").
-        optimizer: "adamw", "sgd" or a torch optimizer class, applied to the
-            master shards with each group's hyperparameters.
+        optimizer: "adamw", "sgd", a torch optimizer class or a factory
+            (`functools.partial(torch.optim.AdamW, lr=...)`), applied to the master
+            shards with each group's hyperparameters. A torch optimizer instance:
+            `ZeroOptimizer.wrap`.
         stage: 0 (replicated), 1 (master weights and optimizer state
             sharded), 2 (gradients too, reduced during backward).
         dp_group: the data-parallel group (default: the module's; None: no dp).
@@ -161,7 +177,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.clip_grad_norm, self.loss_scaler = clip_grad_norm, loss_scaler
         self.max_inflight = max_inflight
         self.default_dp_group = dp_group
-        self.last_grad_norm: float | None = None
+        self._grad_norm: torch.Tensor | None = None  # the last step's, on the device until read
         self.last_step_skipped = False
         self.peak_inflight_bytes = 0
         self._pending: list = []  # stage 2: (work, bucket) reductions in flight
@@ -173,27 +189,57 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner = self._make_inner()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
 
+    @classmethod
+    def wrap(cls, optimizer: torch.optim.Optimizer, module: nn.Module) -> ZeroOptimizer:
+        """Stage 0 around a plain torch optimizer over `module`'s parameters: the same
+        class, param groups and hyperparameters, stepping the master copies. The param
+        groups are shared (the same dicts), so an LR scheduler made for `optimizer`
+        still sets the learning rate. `optimizer` itself is not stepped again, so it
+        must hold no state yet."""
+        if optimizer.state:
+            raise ValueError(f"{type(optimizer).__name__} already holds state (it has stepped, or loaded a "
+                             "state dict); wrap a fresh one, or build pipekit.optim.ZeroOptimizer(module, ...)")
+        zero = cls(optimizer.param_groups, type(optimizer), module=module, stage=0)
+        zero.param_groups = optimizer.param_groups
+        return zero
+
     # ---- construction -------------------------------------------------------
     def _make_buckets(self) -> list[Bucket]:
         segment_of, counted, first_use = _segments(self.module)
         buckets: list[Bucket] = []
         for gi, group in enumerate(self.param_groups):
-            dp_group = group.get("dp_group", self.default_dp_group)
-            ep_group = group.get("ep_group")
-            runs: dict[tuple, list[nn.Parameter]] = {}
-            for p in group["params"]:
-                if p.requires_grad:
+            for (dp_group, ep_group), members in self._reduction_groups(group).items():
+                runs: dict[tuple, list[nn.Parameter]] = {}
+                for p in members:
                     runs.setdefault(segment_of(p), []).append(p)
-            # Launch order: stages before shared tied keys, and within a run the parameters whose
-            # gradients complete first (backward visits layers last to first; a tied input
-            # embedding, also the head, completes only at the end).
-            order = sorted(runs.items(), key=lambda kv: (isinstance(kv[0], str), str(kv[0])))
-            for segment, params in order:
-                backward_order = sorted(reversed(params), key=first_use, reverse=True)  # stable: ties reversed
-                for chunk in _chunks(backward_order, self.bucket_numel):
-                    buckets.append(self._make_bucket(chunk, gi, dp_group, counted, segment))
-                    buckets[-1].ep_group = ep_group
+                # Launch order: stages before shared tied keys, and within a run the parameters whose
+                # gradients complete first (backward visits layers last to first; a tied input
+                # embedding, also the head, completes only at the end).
+                order = sorted(runs.items(), key=lambda kv: (isinstance(kv[0], str), str(kv[0])))
+                for segment, params in order:
+                    backward_order = sorted(reversed(params), key=first_use, reverse=True)  # stable: ties reversed
+                    for chunk in _chunks(backward_order, self.bucket_numel):
+                        buckets.append(self._make_bucket(chunk, gi, dp_group, counted, segment))
+                        buckets[-1].ep_group = ep_group
         return buckets
+
+    def _reduction_groups(self, group: dict) -> dict[tuple, list[nn.Parameter]]:
+        """{(dp group, ep group): trainable parameters} of a param group: its own "dp_group"
+        and "ep_group" when it sets them; else the default dp group, and for experts
+        sharded over ep > 1 ranks (`p.expert_parallel`) the topology's expert dp group and
+        ep group, so a plain optimizer's param groups need no expert split of their own."""
+        topo = getattr(self.module, "topology", None)
+        split = "dp_group" not in group and getattr(topo, "ep", 1) > 1
+        out: dict[tuple, list[nn.Parameter]] = {}
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            if split and getattr(p, "expert_parallel", False):
+                key = (topo.edp_group, topo.ep_group)
+            else:
+                key = (group.get("dp_group", self.default_dp_group), group.get("ep_group"))
+            out.setdefault(key, []).append(p)
+        return out
 
     def _make_bucket(self, params, gi, dp_group, counted, segment) -> Bucket:
         b = Bucket(params, gi, dp_group, segment)
@@ -359,9 +405,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return b.grad_buf if self.stage == 0 else b.grad_buf[b.shard]
 
     # ---- the step -----------------------------------------------------------
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm before clipping (None without clipping, or
+        after a skipped step). Kept on the device: reading it is the host sync."""
+        return None if self._grad_norm is None else self._grad_norm.item()
+
     @torch.no_grad()
     def step(self, closure: Callable | None = None):
-        """Reduce, unscale, check overflow, clip, update the master weights, share them."""
+        """Reduce, unscale, check overflow, clip, update the master weights, share them.
+
+        Host syncs: none, except with a loss scaler, which reads one flag (did any rank
+        overflow?) to decide whether to step at all, as torch.amp.GradScaler does: the
+        wrapped optimizer, its host-side step counts and an LR schedule need that
+        decision on the host. Where a parameter got no gradient on this rank, one more
+        read (of which parameters got one anywhere; see `_touched_anywhere`)."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
         self._reduce()
@@ -375,15 +433,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = self._overflow(grads)
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.last_step_skipped)
+        self._grad_norm = None
         if self.last_step_skipped:
-            self.last_grad_norm = None
             for b in self.buckets:
                 b.master.grad = None
             return None
-        self.last_grad_norm = self.grad_norm() if self.clip_grad_norm is not None else None
-        if self.last_grad_norm is not None and self.last_grad_norm > self.clip_grad_norm:
-            for g in grads:
-                g.mul_(self.clip_grad_norm / (self.last_grad_norm + 1e-6))
+        if self.clip_grad_norm is not None:
+            self._clip(grads)
         if self.inner is not None:
             touched = self._touched_anywhere()
             for b, inner_group in zip(self.buckets, self.inner.param_groups):
@@ -399,9 +455,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
             b.master.grad = None
         return None
 
+    def _clip(self, grads: list[torch.Tensor]) -> None:
+        """Scale the gradients so that their global norm is at most `clip_grad_norm`, on the
+        device (multiplied by 1 when within it, as torch's clip_grad_norm_ does)."""
+        norm = self._grad_norm = self._norm()
+        coef = torch.where(norm > self.clip_grad_norm, self.clip_grad_norm / (norm + 1e-6), 1.0)
+        for g in grads:
+            g.mul_(coef)
+
     def _touched_anywhere(self) -> set[int]:
         """Ids of the parameters that got a gradient this step on some rank of their dp group
-        (one all-reduce per dp group). The others are skipped by the wrapped optimizer, as
+        (one all-reduce per dp group, read on the host only by a rank where some parameter
+        got no gradient; the others know the answer). The others are skipped by the wrapped optimizer, as
         torch's optimizers skip a parameter whose .grad is None: an expert that received no
         tokens anywhere keeps its weights, moments and step count, as in one process. Tied
         layers shared by pipeline ranks count as touched; an expert-parallel grouped weight
@@ -415,11 +480,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             elif b.dp_group is not None or b.ep_group is not None:
                 by_group.setdefault((b.dp_group, b.ep_group), []).extend(b.params)
         for groups, params in by_group.items():
-            flags = torch.tensor([id(p) in touched for p in params], dtype=torch.uint8, device=self._state_device())
+            here = [id(p) in touched for p in params]
+            flags = (torch.ones(len(params), dtype=torch.uint8, device=self._state_device()) if all(here) else
+                     torch.tensor(here, dtype=torch.uint8, device=self._state_device()))
             for group in groups:  # experts: a grouped weight is touched when any rank's share of it is
                 if group is not None:
                     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-            touched.update(id(p) for p, f in zip(params, flags.tolist()) if f)
+            if not all(here):  # the one read, where a parameter got no gradient on this rank
+                touched.update(id(p) for p, f in zip(params, flags.tolist()) if f)
         return touched
 
     def _state_device(self) -> torch.device:
@@ -438,9 +506,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return bool(bad.item())
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the unscaled, reduced gradients: each parameter once over dp,
-        pp and tp (tp-replicated ones on tp rank 0, tied ones on their first owner).
-        One all-reduce per distinct dp group (stages 1, 2), then one over pp and one over tp."""
+        """Global L2 norm of the unscaled, reduced gradients (during `step`), read on the
+        host; see `_norm`."""
+        return self._norm().item()
+
+    def _norm(self) -> torch.Tensor:
+        """Global L2 norm of the unscaled, reduced gradients, a 0-dim float64 tensor on the
+        device: each parameter once over dp, pp and tp (tp-replicated ones on tp rank 0,
+        tied ones on their first owner). One all-reduce per distinct dp group (stages 1,
+        2), then one over pp and one over tp."""
         device = self.buckets[0].param_buf.device if self.buckets else _device(self.module)
         by_group: dict[Any, torch.Tensor] = {}
         for b in self.buckets:
@@ -462,7 +536,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for group in (getattr(topo, "pp_group", None), getattr(topo, "tp_group", None)):
             if group is not None:
                 dist.all_reduce(total, group=group)
-        return total.sqrt().item()
+        return total.sqrt()
 
     def _share_params(self) -> None:
         """Write the updated master weights into the model's parameters; at stages 1, 2
