@@ -52,10 +52,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from pipeline_overhead import load_average, machine, table  # noqa: E402
-
 from pipekit.models import get_model, model_loss, model_specs  # noqa: E402
 from pipekit.split_backward import backward_input, backward_weight  # noqa: E402
+from pipeline_overhead import load_average, machine, table  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -96,7 +96,6 @@ import pipekit
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.optim import ZeroOptimizer
 from pipekit.testing import reference_model, run_distributed
-
 from pipeline_overhead import load_average, machine, table
 
 MODEL = dict(n_layers=4, dim=256)  # Psi = 3,257,856 with the tiny flavour's byte vocabulary

@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Callable, BinaryIO
+from collections.abc import Callable
+from typing import BinaryIO
 
 
 def write_atomic(path: str, data: bytes | str | Callable[[BinaryIO], None]) -> None:

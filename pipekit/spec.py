@@ -10,7 +10,8 @@ not depend on which rank, stage or layout builds it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -32,8 +32,7 @@ from pipekit import interchange  # noqa: E402
 from pipekit.checkpoint import full_state_dict, load_full_state_dict  # noqa: E402
 from pipekit.cli import main  # noqa: E402
 from pipekit.layers import gather_from_tp  # noqa: E402
-from pipekit.models import get_model, model_loss, model_specs, with_overrides  # noqa: E402
-from pipekit.models import hf  # noqa: E402
+from pipekit.models import get_model, hf, model_loss, model_specs, with_overrides  # noqa: E402
 from pipekit.testing import run_distributed  # noqa: E402
 
 TOL = 1e-5

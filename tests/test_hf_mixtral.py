@@ -39,8 +39,7 @@ import pipekit  # noqa: E402
 from pipekit import auxloss, interchange  # noqa: E402
 from pipekit.checkpoint import full_state_dict, load_full_state_dict, save_checkpoint  # noqa: E402
 from pipekit.cli import main  # noqa: E402
-from pipekit.models import get_model, model_specs, with_overrides  # noqa: E402
-from pipekit.models import hf  # noqa: E402
+from pipekit.models import get_model, hf, model_specs, with_overrides  # noqa: E402
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 N_EXPERTS, TOP_K, HIDDEN = 4, 2, 16

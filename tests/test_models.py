@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 
 import pipekit
-from pipekit.testing import FakeGroup
 from pipekit.checkpoint import full_state_dict, load_full_state_dict
 from pipekit.layers import VocabParallelCrossEntropy, tensor_parallel, vocab_parallel_cross_entropy
 from pipekit.models import (
@@ -38,6 +37,7 @@ from pipekit.models import (
 )
 from pipekit.models.hf import vocab_tensor_names
 from pipekit.spec import LayerSpec, TiedLayerSpec, build_layer
+from pipekit.testing import FakeGroup
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_FLAVOURS = [(family, flavour) for family, fam in FAMILIES.items() for flavour in fam.flavours]

@@ -19,9 +19,10 @@ Limits: no Llama-3.1 rope frequency scaling, no KV cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional
+from typing import Optional
 
 from ..layers import CausalSelfAttention, RMSNorm, SwiGLUMLP, TransformerBlock, VocabParallelCrossEntropy
 from ..spec import LayerSpec

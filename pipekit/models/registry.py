@@ -14,8 +14,9 @@ and `pipekit train ... model.vocab_size=64` work like any other family's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any, Callable
+from typing import Any
 
 from . import common, gpt2, llama, mixtral, toy
 
