@@ -164,7 +164,8 @@ def machine(device: torch.device) -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version(), "cpu_cores": os.cpu_count(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
     try:
-        info |= {"commit": git("rev-parse", "--short", "HEAD"), "pipekit_dirty": bool(git("status", "--porcelain", "--", "pipekit"))}
+        info |= {"commit": git("rev-parse", "--short", "HEAD"),
+                 "pipekit_dirty": bool(git("status", "--porcelain", "--", "pipekit"))}
     except OSError:
         pass
     return info
@@ -172,7 +173,8 @@ def machine(device: torch.device) -> dict:
 
 def table(rows: list[dict], device: torch.device) -> str:
     cuda = device.type == "cuda"
-    lines = ["| mode | run | tokens/s | pipekit / plain | step ms (median) | first step s | MFU | peak GiB | final loss |",
+    lines = ["| mode | run | tokens/s | pipekit / plain | step ms (median) | first step s | MFU | peak GiB "
+             "| final loss |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "skipped" in r:
@@ -209,7 +211,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.warmup < 1:
         p.error(f"--warmup must be >= 1 (the first step compiles and allocates), got {a.warmup}")
     if a.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is visible; use --device cpu (with --flavour tiny --seq 64 for a smoke run)")
+        p.error("--device cuda: no CUDA device is visible; "
+                "use --device cpu (with --flavour tiny --seq 64 for a smoke run)")
     return a
 
 

@@ -446,7 +446,8 @@ def bubble_rows(measured: dict) -> list[dict]:
     sched = build_schedule("1f1b", PP, MICROBATCHES)
     costs = {"F": measured["mean_F_s"], "B": measured["mean_B_s"]}
     latency = measured["comm_latency_s"]
-    rows = [{"run": "measured (engine timeline)", **{k: measured[k] for k in ("makespan_s", "bubble_per_rank", "bubble_fraction")}}]
+    keys = ("makespan_s", "bubble_per_rank", "bubble_fraction")
+    rows = [{"run": "measured (engine timeline)", **{k: measured[k] for k in keys}}]
     for lat in (0.0, latency):
         sim = simulate(sched, costs, comm_latency=lat)
         rows.append({"run": f"simulate(): mean F, B; comm latency {lat * 1e6:.0f} us", "makespan_s": sim.makespan,
@@ -473,7 +474,8 @@ def overhead_table(rows: list[dict]) -> str:
         spread = f"{r['step_us_p10']:.0f}-{r['step_us_p90']:.0f}"
         body.append([r["run"], r["pp"], f"{r['step_us']:.0f}", spread, f"{r['us_per_compute_action']:.0f}",
                      f"{r['us_per_action']:.0f}", f"{r['us_over_floor_per_compute_action']:.0f}"])
-    headers = ["run", "pp", "step us (median)", "p10-p90", "us / compute action", "us / action", "over floor, us / compute action"]
+    headers = ["run", "pp", "step us (median)", "p10-p90", "us / compute action", "us / action",
+               "over floor, us / compute action"]
     return table(headers, body)
 
 
@@ -529,7 +531,8 @@ def _git_state() -> dict:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
 
     try:
-        return {"commit": git("rev-parse", "--short", "HEAD"), "pipekit_dirty": bool(git("status", "--porcelain", "--", "pipekit"))}
+        return {"commit": git("rev-parse", "--short", "HEAD"),
+                "pipekit_dirty": bool(git("status", "--porcelain", "--", "pipekit"))}
     except OSError:
         return {}
 
@@ -538,7 +541,8 @@ def parse_args(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=400, help="timed steps per near-free run (default 400)")
     p.add_argument("--quick", action="store_true", help="smoke mode: a few steps of everything, seconds")
-    p.add_argument("--out", type=Path, default=RESULTS, help="JSON output (default benchmarks/results/pipeline_overhead.json)")
+    p.add_argument("--out", type=Path, default=RESULTS,
+                   help="JSON output (default benchmarks/results/pipeline_overhead.json)")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error(f"--steps must be >= 1, got {a.steps}")
@@ -548,10 +552,12 @@ def parse_args(argv=None) -> dict:
 
 
 def report(overhead, split, measured, bubbles, cfg, info) -> str:
+    busy = info["load_average_after"] > 1.5 * info["cores"]
+    m = measured
     return "\n\n".join([
         f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, gloo, 1 thread per rank; "
         f"1-min load average {info['load_average_before']:.2f} before, {info['load_average_after']:.2f} after"
-        + (" -- WARNING: other work shared the CPUs, figures are inflated" if info["load_average_after"] > 1.5 * info["cores"] else "") + ".",
+        + (" -- WARNING: other work shared the CPUs, figures are inflated" if busy else "") + ".",
         f"Near-free layers (8 x Scale, (2, 4) float32 per microbatch), M={MICROBATCHES}, "
         f"{cfg['steps']} timed steps each, interleaved in {cfg['rounds']} rounds:",
         overhead_table(overhead),
@@ -559,9 +565,9 @@ def report(overhead, split, measured, bubbles, cfg, info) -> str:
         "pipekit 1f1b pp=2, per action kind, us (median / mean over recorded steps):",
         breakdown_table(split),
         f"Bubble, 1F1B pp=2 m=8: {MLP['blocks']} MLP blocks (width {MLP['width']}, {MLP['rows']} rows per microbatch), "
-        f"{measured['steps']} recorded steps; mean F {measured['mean_F_s'] * 1e3:.2f} ms, mean B {measured['mean_B_s'] * 1e3:.2f} ms, "
-        f"comm latency {measured['comm_latency_s'] * 1e6:.0f} us median / {measured['comm_latency_mean_s'] * 1e6:.0f} us mean "
-        f"({measured['comm_latency_samples']} waiting RECVs); train_batch wall {measured['train_batch_wall_s'] * 1e3:.1f} ms:",
+        f"{m['steps']} recorded steps; mean F {m['mean_F_s'] * 1e3:.2f} ms, mean B {m['mean_B_s'] * 1e3:.2f} ms, "
+        f"comm latency {m['comm_latency_s'] * 1e6:.0f} us median / {m['comm_latency_mean_s'] * 1e6:.0f} us mean "
+        f"({m['comm_latency_samples']} waiting RECVs); train_batch wall {m['train_batch_wall_s'] * 1e3:.1f} ms:",
         bubble_table(bubbles),
         "Where each rank's step goes (mean per step, first to last action):",
         split_table(measured),

@@ -159,14 +159,16 @@ def main() -> int:
             print(f"    stage {stage} {kind}: measured {seconds * 1e3:7.1f} ms  profiled {planned * 1e3:7.1f} ms  "
                   f"ratio {seconds / planned if planned else float('nan'):.2f}")
         assert got["boundaries"] == c.boundaries, (got["boundaries"], c.boundaries)
-        rows.append({"schedule": name, "partition": method, "boundaries": c.boundaries, "predicted_ms": c.step_seconds * 1e3, "measured_ms": measured * 1e3,
+        rows.append({"schedule": name, "partition": method, "boundaries": c.boundaries,
+                     "predicted_ms": c.step_seconds * 1e3, "measured_ms": measured * 1e3,
                      "ratio": c.step_seconds / measured, "makespan_ms": c.makespan * 1e3,
                      "tail_ms": c.tail_seconds * 1e3, "bubble": c.bubble_fraction,
                      "p10_ms": _pct(got["steps"], 0.1) * 1e3, "p90_ms": _pct(got["steps"], 0.9) * 1e3})
         r = rows[-1]
         if args.png and len(rows) == 1:
             _picture(args.png, args.shape, name, c, [e for g in got_all for e in g["last_step"]], r)
-        print(f"{name:17s} {method:10s} {c.boundaries}  predicted {r['predicted_ms']:8.1f} ms  measured {r['measured_ms']:8.1f} ms "
+        print(f"{name:17s} {method:10s} {c.boundaries}  predicted {r['predicted_ms']:8.1f} ms  "
+              f"measured {r['measured_ms']:8.1f} ms "
               f"(p10-p90 {r['p10_ms']:.1f}-{r['p90_ms']:.1f})  predicted/measured {r['ratio']:.3f}", flush=True)
     load.append(os.getloadavg()[0])
     print("\n| schedule | partition | predicted ms | measured ms | predicted / measured |\n|---|---|---|---|---|")

@@ -331,8 +331,9 @@ def verdicts(memory: list[dict], versus: list[dict]) -> list[str]:
         if pk["step_s_median"] > th["step_s_median"]:
             out.append(f"- dp={dp}: pipekit stage 1 median step {pk['step_s_median'] * 1e3:.1f} ms is slower than "
                        f"ZeroRedundancyOptimizer's {th['step_s_median'] * 1e3:.1f} ms "
-                       f"({pk['step_s_median'] / th['step_s_median']:.3f}x; min-max {pk['step_s_min'] * 1e3:.0f}-"
-                       f"{pk['step_s_max'] * 1e3:.0f} vs {th['step_s_min'] * 1e3:.0f}-{th['step_s_max'] * 1e3:.0f} ms).")
+                       f"({pk['step_s_median'] / th['step_s_median']:.3f}x; "
+                       f"min-max {pk['step_s_min'] * 1e3:.0f}-{pk['step_s_max'] * 1e3:.0f} "
+                       f"vs {th['step_s_min'] * 1e3:.0f}-{th['step_s_max'] * 1e3:.0f} ms).")
     return out or ["- none: every memory figure is within 5% of its formula and pipekit's step is no slower."]
 
 
