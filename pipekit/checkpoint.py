@@ -82,7 +82,6 @@ def full_state_dict(module: PipelineModule) -> dict[str, torch.Tensor]:
 
 def load_full_state_dict(module: PipelineModule, full: dict[str, torch.Tensor], strict: bool = True) -> None:
     """Copy this rank's share of a full state dict into `module` (no communication)."""
-    topo = module.topology
     local = _local_tensors(module)
     missing = sorted(set(local) - set(full))
     if missing and strict:
@@ -97,7 +96,8 @@ def load_full_state_dict(module: PipelineModule, full: dict[str, torch.Tensor], 
                 size, index, _ = _axis(module, sharding[1])
                 src = src.chunk(size, dim=sharding[0])[index]
             if src.shape != t.shape:
-                raise ValueError(f"{name}: this rank holds shape {tuple(t.shape)}, the state dict gives {tuple(src.shape)}")
+                raise ValueError(
+                    f"{name}: this rank holds shape {tuple(t.shape)}, the state dict gives {tuple(src.shape)}")
             t.copy_(src)
 
 
@@ -239,8 +239,9 @@ def _entry_dim(p: torch.Tensor, value: torch.Tensor) -> tuple[int, str] | None:
 
 def _layout(module: PipelineModule) -> dict:
     topo = module.topology
-    return {"pp": topo.pp, "dp": topo.dp, "tp": topo.tp, "ep": getattr(topo, "ep", 1), "chunks_per_rank": module.chunks_per_rank,
-            "boundaries": list(module.boundaries), "world_size": topo.world_size}
+    return {"pp": topo.pp, "dp": topo.dp, "tp": topo.tp, "ep": getattr(topo, "ep", 1),
+            "chunks_per_rank": module.chunks_per_rank, "boundaries": list(module.boundaries),
+            "world_size": topo.world_size}
 
 
 def save_checkpoint(path: str, module: PipelineModule, optimizer=None, *, meta: dict | None = None,

@@ -217,7 +217,8 @@ class Topology:
         self.world_size = dist.get_world_size()
         self.pp, self.dp, self.tp = grid_sizes(self.world_size, pp, dp, tp)
         device_type = _group_device(device)
-        self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        self.device = (torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda"
+                       else torch.device("cpu"))
         self.mesh = init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
         self.rank = dist.get_rank()
         self.pp_rank, rest = divmod(self.rank, self.dp * self.tp)

@@ -11,6 +11,7 @@ hold the same weights; and a toy run for the family that has no Hugging Face for
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -123,7 +124,7 @@ def test_overwrite_replaces_only_the_files_it_writes(runs, tmp_path):
     shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     for name in shards:
         (out / name).write_bytes(b"stale shard")
-    (out / "model.safetensors.index.json").write_text('{"weight_map": {"a": "%s", "b": "%s"}}' % tuple(shards))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": shards[0], "b": shards[1]}}))
 
     assert export(runs["gpt2"] / STEP2, out, "--overwrite") == 0
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == sorted(

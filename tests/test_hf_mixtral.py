@@ -160,7 +160,7 @@ def test_hf_aux_loss_over_layers_is_top_k_times_the_mean_of_cross_layer_terms(ca
         assert torch.equal(loads, hf_loads.float()), "pipekit and HF route the same tokens to the same experts"
         f.append(loads / (T * TOP_K))
         P.append(logits.softmax(-1).mean(0))
-    cross = torch.stack([torch.stack([N_EXPERTS * (f[l] * P[m]).sum() for m in range(L)]) for l in range(L)])
+    cross = torch.stack([torch.stack([N_EXPERTS * (f[i] * P[j]).sum() for j in range(L)]) for i in range(L)])
     assert torch.allclose(torch.diagonal(cross), torch.stack([case.metrics[f"moe/{i}/aux_loss"][0]
                                                               for i in range(1, L + 1)]), rtol=1e-6)
     assert torch.allclose(case.out.aux_loss, TOP_K * cross.mean(), rtol=1e-6)

@@ -62,7 +62,8 @@ def test_get_model_defaults_and_overrides():
     (lambda: get_model("llama", n_layers=0), "n_layers must be a positive int"),
     (lambda: with_overrides(get_model("gpt2"), hidden=3), r"unknown gpt2 config key\(s\) \['hidden'\]"),
     (lambda: get_model("toy", n_heads=2),
-     r"unknown toy config key\(s\) \['n_heads'\]; valid keys: .*'blocks'.* \(or vocab_size for vocab, n_layers for blocks\)"),
+     r"unknown toy config key\(s\) \['n_heads'\]; valid keys: .*'blocks'.* "
+     r"\(or vocab_size for vocab, n_layers for blocks\)"),
     (lambda: get_model("toy", vocab_size=8, vocab=8), "'vocab_size' is given twice, also as 'vocab'"),
     (lambda: get_model("toy", "huge"), r"valid flavours: \['tiny'\]"),
     (lambda: get_model("toy", n_layers=0), "ToyConfig: blocks must be a positive int"),
@@ -209,7 +210,8 @@ def test_gpt2_moe_count_params_matches_the_spec_list(moe):
     dense = get_model("gpt2", "tiny", n_layers=2)
     per_expert = 8 * cfg.dim * cfg.dim + 5 * cfg.dim  # fc, proj and their biases
     routed = (count_params(cfg) - count_params(cfg, active=True)) / cfg.n_layers
-    assert routed == (cfg.n_experts - cfg.top_k) * per_expert and count_params(dense, active=True) == count_params(dense)
+    assert routed == (cfg.n_experts - cfg.top_k) * per_expert
+    assert count_params(dense, active=True) == count_params(dense)
 
 
 def test_mixtral_8x7b_active_parameters():

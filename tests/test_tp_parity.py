@@ -69,8 +69,10 @@ def run_layout(family: str, pp: int, dp: int, tp: int, schedule: str, microbatch
         worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
         worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - ref_norm))
         for p, r in pairs.values():
-            worst["grad"] = max(worst["grad"], (p.grad - reference_slice(r.grad, p, topo)).abs().max().item())
-            worst["weight"] = max(worst["weight"], (p.detach() - reference_slice(r.detach(), p, topo)).abs().max().item())
+            grad_diff = (p.grad - reference_slice(r.grad, p, topo)).abs().max().item()
+            weight_diff = (p.detach() - reference_slice(r.detach(), p, topo)).abs().max().item()
+            worst["grad"] = max(worst["grad"], grad_diff)
+            worst["weight"] = max(worst["weight"], weight_diff)
     return worst
 
 
@@ -89,4 +91,5 @@ def test_tensor_parallel_layouts_match_single_process(world):
     for rank, results in enumerate(run_distributed(check, world, layouts, timeout=400)):
         for (family, layout), worst in zip(cases(layouts), results):
             for what, diff in worst.items():
-                assert diff <= TOL, f"rank {rank}, {family} (pp, dp, tp)={layout[:3]} {layout[3]}: {what} differs by {diff:.3g}"
+                where = f"rank {rank}, {family} (pp, dp, tp)={layout[:3]} {layout[3]}"
+                assert diff <= TOL, f"{where}: {what} differs by {diff:.3g}"
