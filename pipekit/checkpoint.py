@@ -33,8 +33,9 @@ from .pipeline import PipelineModule
 def _shard_dim(t: torch.Tensor) -> tuple[int, str] | None:
     """(dim, axis) of a sharded parameter: a tp shard along its `tp_shard_dim`, or an expert
     shard (`expert_parallel`) along its `ep_shard_dim` over the ep group; None: replicated."""
-    if getattr(t, "expert_parallel", False) and getattr(t, "ep_shard_dim", None) is not None:
-        return t.ep_shard_dim, "ep"
+    ep_dim = getattr(t, "ep_shard_dim", None)
+    if getattr(t, "expert_parallel", False) and ep_dim is not None:
+        return ep_dim, "ep"
     dim = getattr(t, "tp_shard_dim", None)
     return None if dim is None else (dim, "tp")
 
@@ -205,8 +206,10 @@ def _global(module: PipelineModule, t: torch.Tensor, sharding: tuple[int, str] |
     from torch.distributed.tensor import DTensor, Shard
 
     topo = module.topology
-    mesh = topo.moe_mesh["ep"] if sharding[1] == "ep" else topo.mesh["tp"]
-    return DTensor.from_local(t, mesh, [Shard(sharding[0])], run_check=False)
+    axis = "ep" if sharding[1] == "ep" else "tp"
+    grid = topo.moe_mesh if axis == "ep" else topo.mesh
+    assert grid is not None, f"an {axis} axis of size > 1 lies on a device mesh"
+    return DTensor.from_local(t, grid[axis], [Shard(sharding[0])], run_check=False)
 
 
 def _full_shape(module: PipelineModule, t: torch.Tensor, sharding: tuple[int, str] | None) -> tuple[int, ...]:

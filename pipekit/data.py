@@ -144,7 +144,7 @@ def list_files(inputs: list[str]) -> list[str]:
 
 
 def _walk(root: str, suffixes: tuple[str, ...], skip: set[str] = _SKIP_DIRS) -> list[str]:
-    out = []
+    out: list[str] = []
     for d, dirs, names in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x not in skip and not x.startswith("."))
         out.extend(os.path.join(d, n) for n in sorted(names) if n.endswith(suffixes))
@@ -169,9 +169,11 @@ def _documents(files: list[str], val_fraction: float, seed: int, stats: dict):
     for i, path in enumerate(files):
         text = _read_text(path)
         stats["n_files" if text is not None else "n_skipped"] += 1
-        if text is not None and is_val is None:
+        if text is None:
+            continue
+        if is_val is None:
             yield from zip(*_split_single(text, val_fraction))
-        elif text is not None:
+        else:
             yield text, bool(is_val[i])
     if not stats["n_files"]:
         raise ValueError(f"no UTF-8 text among {len(files)} files ({stats['n_skipped']} undecodable)")

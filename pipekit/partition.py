@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import re
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 from itertools import accumulate
 
 from torch import nn
@@ -68,7 +69,7 @@ def layer_weights(specs: list, method: str) -> list[int]:
     raise ValueError(f"unknown partition method {method!r}; valid methods: {VALID_METHODS}")
 
 
-def partition_weights(weights: list[float], num_stages: int) -> list[int]:
+def partition_weights(weights: Sequence[float], num_stages: int) -> list[int]:
     """Optimal contiguous partition of `weights` into `num_stages` non-empty stages.
 
     Minimises the heaviest stage, then applies the tie-break in the module
@@ -136,7 +137,7 @@ def _check_counts(num_layers: int, num_stages: int) -> None:
         )
 
 
-def _check_weights(weights: list[float]) -> None:
+def _check_weights(weights: Sequence[float]) -> None:
     for i, w in enumerate(weights):
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ValueError(f"weight {w!r} of layer {i} is invalid; weights must be finite non-negative numbers")

@@ -103,7 +103,7 @@ class TiedLayerSpec(LayerSpec):
         module_cls: Callable[..., nn.Module],
         *args: Any,
         tied_weight_attr: str | list[str] = "weight",
-        forward_fn: Callable[[nn.Module, Any], Any] | None = None,
+        forward_fn: Callable[[Any, Any], Any] | None = None,  # (the module built here, x)
         **kwargs: Any,
     ):
         super().__init__(module_cls, *args, **kwargs)

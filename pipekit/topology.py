@@ -23,7 +23,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("PIPEKIT_TIMEOUT", 300)))
 
@@ -178,7 +178,7 @@ def init_distributed(
     # agent's store across `--max-restarts` restarts (same port, same keys), so the ranks of
     # a restart would read the dead attempt's addresses and gloo would wait on dead peers.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+    store: dist.Store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store)
     store = dist.PrefixStore(f"pipekit/attempt_{restart}", store)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
@@ -203,6 +203,9 @@ class Topology:
     has one); None keeps it on the CPU, the library default (`pipekit train`
     always passes `train.device`).
     """
+
+    mesh: DeviceMesh | None  # the (pp, dp, tp) mesh; None in one plain process
+    moe_mesh: DeviceMesh | None  # the (pp, edp, ep, tp) mesh when ep > 1, else None
 
     def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1, device_type: str | None = None,
                  device: str | None = None, ep: int = 1):

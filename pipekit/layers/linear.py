@@ -37,6 +37,8 @@ class ColumnParallelLinear(TensorParallelModule):
     preceded by the slicing of the output gradient when gathered.
     """
 
+    bias: nn.Parameter | None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, init_std: float = 0.02, group=None):
         super().__init__(group)
@@ -73,6 +75,8 @@ class RowParallelLinear(TensorParallelModule):
     (`reduce_from_tp`); backward none, or an all-gather of the input gradient
     when the input was not already parallel (`scatter_to_tp`).
     """
+
+    bias: nn.Parameter | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = True, init_std: float = 0.02, group=None):

@@ -32,6 +32,8 @@ class RMSNorm(nn.Module):
 class LayerNorm(nn.Module):
     """LayerNorm over the last dim with an optional bias (GPT-2 has one, weight 1, bias 0)."""
 
+    bias: nn.Parameter | None
+
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True):
         super().__init__()
         self.eps = eps

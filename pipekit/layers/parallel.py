@@ -205,7 +205,7 @@ def tp_slice(full: torch.Tensor, dim: int, group) -> torch.Tensor:
 def sharded_parameter(full: torch.Tensor, dim: int, group) -> nn.Parameter:
     """A parameter holding this rank's slice of `full` along `dim`, marked `tp_shard_dim`."""
     param = nn.Parameter(tp_slice(full, dim, group).clone(memory_format=torch.contiguous_format))
-    param.tp_shard_dim = dim
+    param.tp_shard_dim = dim  # type: ignore[attr-defined]  # pipekit's mark on a Parameter (see shard_dim)
     return param
 
 

@@ -62,6 +62,7 @@ def check_moe(cfg: MoEConfig) -> None:
     """The MoE fields of a model config (n_experts, top_k, n_shared_experts, capacity_factor, score)."""
     name = type(cfg).__name__
     check_positive(cfg, ("n_experts", "top_k"))
+    assert cfg.n_experts is not None  # check_positive refused None
     if cfg.top_k > cfg.n_experts:
         raise ValueError(f"{name}: top_k={cfg.top_k} exceeds n_experts={cfg.n_experts}")
     if cfg.n_shared_experts < 0:
@@ -121,8 +122,8 @@ def vocab_table_and_head(cfg) -> tuple[LayerSpec, LayerSpec]:
     `TiedLayerSpec("embed")` whose head multiplies by the table's vocab shard. Both padded."""
     rows = cfg.padded_vocab
     if cfg.tie_embeddings:
-        embed = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
-        head = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std,
+        embed: LayerSpec = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
+        head: LayerSpec = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std,
                              forward_fn=partial(vocab_logits, vocab_size=cfg.vocab_size))
     else:
         embed = LayerSpec(VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)

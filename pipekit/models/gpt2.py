@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -128,10 +129,10 @@ def tied_logits(module: GPT2Embedding, h: torch.Tensor) -> torch.Tensor:
 def gpt2_specs(cfg: GPT2Config) -> list:
     """The spec list of `cfg` (see the module docstring for its layout and names)."""
     embed_args = (cfg.vocab_size, cfg.max_seq_len, cfg.dim)
-    embed_kw = dict(init_std=cfg.init_std, padded_vocab=cfg.padded_vocab)
+    embed_kw: dict[str, Any] = dict(init_std=cfg.init_std, padded_vocab=cfg.padded_vocab)
     if cfg.tie_embeddings:
-        embed = TiedLayerSpec("embed", GPT2Embedding, *embed_args, **embed_kw, tied_weight_attr="wte.weight")
-        head = TiedLayerSpec("embed", GPT2Embedding, *embed_args, **embed_kw,
+        embed: LayerSpec = TiedLayerSpec("embed", GPT2Embedding, *embed_args, **embed_kw, tied_weight_attr="wte.weight")
+        head: LayerSpec = TiedLayerSpec("embed", GPT2Embedding, *embed_args, **embed_kw,
                              tied_weight_attr="wte.weight", forward_fn=tied_logits)
     else:
         embed = LayerSpec(GPT2Embedding, *embed_args, **embed_kw)

@@ -94,6 +94,11 @@ class StateDictAdapter:
         raise NotImplementedError
 
     @classmethod
+    def config_from_hf(cls, d: dict) -> GPT2Config | LlamaConfig | MixtralConfig:
+        """A transformers config.json (dict) -> this family's pipekit config."""
+        raise NotImplementedError
+
+    @classmethod
     def vocab_names(cls, cfg) -> list[str]:
         """The pipekit tensors with one row per token id: the token table, and the untied head."""
         table = f"{embed_prefix(cfg)}.{cls.table}"

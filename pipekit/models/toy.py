@@ -123,7 +123,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-lm_loss.ignore_index = -100  # a token-level mean: the engine weighs microbatches by valid tokens
+# a token-level mean: the engine weighs microbatches by valid tokens
+lm_loss.ignore_index = -100  # type: ignore[attr-defined]  # a mark on a plain function
 
 
 def toy_loss(cfg: ToyConfig | None = None):
