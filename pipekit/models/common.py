@@ -124,7 +124,7 @@ def vocab_table_and_head(cfg) -> tuple[LayerSpec, LayerSpec]:
     if cfg.tie_embeddings:
         embed: LayerSpec = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
         head: LayerSpec = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std,
-                             forward_fn=partial(vocab_logits, vocab_size=cfg.vocab_size))
+                                        forward_fn=partial(vocab_logits, vocab_size=cfg.vocab_size))
     else:
         embed = LayerSpec(VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
         head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, rows, init_std=cfg.init_std)

@@ -133,7 +133,7 @@ def gpt2_specs(cfg: GPT2Config) -> list:
     if cfg.tie_embeddings:
         embed: LayerSpec = TiedLayerSpec("embed", GPT2Embedding, *embed_args, **embed_kw, tied_weight_attr="wte.weight")
         head: LayerSpec = TiedLayerSpec("embed", GPT2Embedding, *embed_args, **embed_kw,
-                             tied_weight_attr="wte.weight", forward_fn=tied_logits)
+                                        tied_weight_attr="wte.weight", forward_fn=tied_logits)
     else:
         embed = LayerSpec(GPT2Embedding, *embed_args, **embed_kw)
         head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, cfg.padded_vocab, init_std=cfg.init_std)
