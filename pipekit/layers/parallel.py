@@ -195,6 +195,11 @@ def shard_dim(param: torch.Tensor) -> int | None:
     return getattr(param, "tp_shard_dim", None)
 
 
+def _mark_tp_shard(param: torch.Tensor, dim: int) -> None:
+    """Mark `param` as split along `dim` over the tp group (what `shard_dim` reads)."""
+    param.tp_shard_dim = dim  # type: ignore[attr-defined]  # pipekit's own mark on a Parameter
+
+
 def tp_slice(full: torch.Tensor, dim: int, group) -> torch.Tensor:
     """This rank's slice of the full tensor `full` along `dim` (a view; no communication)."""
     size = group_size(group)
@@ -205,7 +210,7 @@ def tp_slice(full: torch.Tensor, dim: int, group) -> torch.Tensor:
 def sharded_parameter(full: torch.Tensor, dim: int, group) -> nn.Parameter:
     """A parameter holding this rank's slice of `full` along `dim`, marked `tp_shard_dim`."""
     param = nn.Parameter(tp_slice(full, dim, group).clone(memory_format=torch.contiguous_format))
-    param.tp_shard_dim = dim  # type: ignore[attr-defined]  # pipekit's mark on a Parameter (see shard_dim)
+    _mark_tp_shard(param, dim)
     return param
 
 
@@ -256,6 +261,8 @@ class TensorParallelModule(nn.Module):
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__dict__, memo))
         for name, param in self._parameters.items():
-            if shard_dim(param) is not None:
-                new._parameters[name].tp_shard_dim = param.tp_shard_dim
+            dim = None if param is None else shard_dim(param)
+            copied = new._parameters[name]
+            if dim is not None and copied is not None:
+                _mark_tp_shard(copied, dim)
         return new

@@ -98,6 +98,10 @@ class StateDictAdapter:
         """A transformers config.json (dict) -> this family's pipekit config."""
         raise NotImplementedError
 
+    def hf_config(self):
+        """The transformers config object of `cfg`."""
+        raise NotImplementedError
+
     @classmethod
     def vocab_names(cls, cfg) -> list[str]:
         """The pipekit tensors with one row per token id: the token table, and the untied head."""
