@@ -46,9 +46,21 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
 
+from .config import Run, partition_boundaries
+from .models import model_loss, model_specs, model_vocab, synthetic_batches
+from .optim.factory import make_optimizer
+from .partition import check_boundaries, partition, partition_weights
+from .pipeline import PipelineModule
 from .schedules import SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule, simulate
+from .schedules.generators import get_generator
 from .schedules.ir import WEIGHT_GRAD_KINDS
+from .spawn import run_distributed
+from .spec import TiedLayerSpec, spec_name, tied_first_index
+from .split_backward import backward_input, backward_weight
+from .topology import Topology
 
 KINDS = ("F", "B", "I", "W")
 # Engine time per action beyond the layers' own work (dispatch, stashing, autograd set-up;
@@ -149,21 +161,16 @@ class Candidate:
 
 
 # ---- profiling ---------------------------------------------------------------
-def _model(cfg, device: str = "cpu"):
-    """The config's whole model as one pp=1 PipelineModule on `device`, and an example batch maker."""
-    from .config import model_config, model_loss, model_specs, model_vocab
-    from .models.toy import synthetic_batches
-    from .pipeline import PipelineModule
-    from .topology import Topology
-
-    mcfg = model_config(cfg.model)
+def _model(run: Run, device: str = "cpu"):
+    """The run's whole model as one pp=1 PipelineModule on `device`, and an example batch maker."""
+    cfg, mcfg = run.config, run.model
     dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
     alone = Topology.__new__(Topology)  # one process, no groups, also inside a job (Topology() would span it)
     alone._init_single(1, 1, 1, None)
     with _default_dtype(dtype):
         module = PipelineModule(model_specs(mcfg), loss_fn=model_loss(mcfg), topology=alone,
                                 partition="uniform", seed=cfg.train.seed, device=device,
-                                precision=cfg.train.precision)
+                                precision=run.precision.name)
     vocab = model_vocab(mcfg)
 
     def batch(rows: int):
@@ -241,8 +248,6 @@ def _time(fn, sync) -> float:
 
 
 def _layer_params(module, i: int) -> list[torch.Tensor]:
-    from .spec import TiedLayerSpec
-
     spec = module.specs[i]
     if isinstance(spec, TiedLayerSpec):
         return list(module.tied[spec.key].parameters())
@@ -251,8 +256,6 @@ def _layer_params(module, i: int) -> list[torch.Tensor]:
 
 def _label(specs: list, i: int) -> str:
     """Layer i's class name; a tied layer's later use says so (a GPT's head is its embedding's module)."""
-    from .spec import TiedLayerSpec, spec_name, tied_first_index
-
     spec = specs[i]
     if isinstance(spec, TiedLayerSpec) and (first := tied_first_index(specs)[spec.key]) < i:
         return f"{spec_name(spec)} (tied to layer {first})"
@@ -261,8 +264,6 @@ def _label(specs: list, i: int) -> str:
 
 def _profile_one(module, i: int, x, reps: int, sync):
     """(LayerCost, output) of layer i on input x: medians over `reps` after one warm-up."""
-    from .split_backward import backward_input, backward_weight
-
     params = [p for p in _layer_params(module, i) if p.requires_grad]
     times = {k: [] for k in KINDS}
     out = None
@@ -309,20 +310,20 @@ def _profile_loss(module, out, labels, reps: int, sync) -> LayerCost:
     return LayerCost("loss", 0, f, b, b, 0.0, saved, 0)
 
 
-def profile_layers(cfg, *, rows: int | None = None, reps: int = 5, threads: int | None = 1,
+def profile_layers(run: Run, *, rows: int | None = None, reps: int = 5, threads: int | None = 1,
                    device: str = "cpu") -> Profile:
     """Time the config's layers in this process (see the module docstring).
 
     `rows`: sequences per microbatch (default `train.micro_batch`); a second profile at
     half as many rows gives the row-independent part of each cost. `threads`: the
     intra-op threads to time with (None: leave torch's setting)."""
-    rows = rows or cfg.train.micro_batch
+    rows = rows or run.config.train.micro_batch
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        module, batch = _model(cfg, device)
-        _ = _run_optimizer(module, cfg)  # its gradient hooks run in every backward timed below, as in a run
+        module, batch = _model(run, device)
+        _ = make_optimizer(module, run.config.optimizer, run.precision)  # its gradient hooks run in every backward timed below, as in a run
         sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         _profile_rows(module, batch, rows, 0, sync)  # a whole untimed pass: the allocator's first big blocks
         layers, loss = _profile_rows(module, batch, rows, reps, sync)
@@ -330,21 +331,21 @@ def profile_layers(cfg, *, rows: int | None = None, reps: int = 5, threads: int 
         if rows >= 2:
             small, small_loss = _profile_rows(module, batch, rows // 2, reps, sync)
             fixed = [_intercept(big, lit, rows, rows // 2) for big, lit in zip(layers + [loss], small + [small_loss])]
-        per_param = _optimizer_seconds_per_param(cfg, module, sync)
+        per_param = _optimizer_seconds_per_param(run, module, sync)
     finally:
         torch.set_num_threads(old_threads)
     where = f"{device}, {threads or old_threads} thread{'s' if (threads or old_threads) > 1 else ''}"
     return Profile(layers, loss, rows, fixed, per_param, f"measured on {where}")
 
 
-def _profile_and_ping(cfg, rows, reps) -> tuple:
+def _profile_and_ping(run: Run, rows, reps) -> tuple:
     """On each of two gloo ranks sharing this host: the ping-pong, then the same profile at
     the same time (so each layer is timed while the other rank computes, as in a run)."""
     comm = _ping([4, 1 << 22], 30)
-    return comm, profile_layers(cfg, rows=rows, reps=reps, threads=1)
+    return comm, profile_layers(run, rows=rows, reps=reps, threads=1)
 
 
-def profile_on_two_ranks(cfg, *, rows: int | None = None, reps: int = 5,
+def profile_on_two_ranks(run: Run, *, rows: int | None = None, reps: int = 5,
                          timeout: float = 600.0) -> tuple[Profile, CommModel]:
     """The CPU profile and message costs as two pipeline ranks on this host see them.
 
@@ -352,9 +353,7 @@ def profile_on_two_ranks(cfg, *, rows: int | None = None, reps: int = 5,
     profile the layers side by side: each layer's time includes what a worker loses
     to the other one sharing the caches and memory bandwidth. The profile is the mean
     of the two ranks'."""
-    from .testing import run_distributed
-
-    (ping, one), (_, two) = run_distributed(_profile_and_ping, 2, cfg, rows, reps, timeout=timeout)
+    (ping, one), (_, two) = run_distributed(_profile_and_ping, 2, run, rows, reps, timeout=timeout)
     mean = replace(one, layers=[_mean_cost(a, b) for a, b in zip(one.layers, two.layers)],
                    loss=_mean_cost(one.loss, two.loss),
                    optimizer_seconds_per_param=(one.optimizer_seconds_per_param + two.optimizer_seconds_per_param) / 2,
@@ -386,8 +385,6 @@ def _chained(module, x, labels, reps: int, sync) -> dict[str, float]:
     stage runs its layers: forward (with the loss) and full backward ("F", "B"); and,
     from the first layer's output on (a stage whose input takes a gradient), the split
     backward's halves ("I", "W")."""
-    from .split_backward import backward_input, backward_weight
-
     n = len(module.specs)
     params = [p for p in module.parameters() if p.requires_grad]
     times: dict[str, list[float]] = {k: [] for k in KINDS}
@@ -446,15 +443,7 @@ def _intercept(big: LayerCost, small: LayerCost, rows: int, rows_small: int) -> 
     return LayerCost(big.name, big.params, *(cut(k) for k in KINDS), 0, 0)
 
 
-def _run_optimizer(module, cfg):
-    """The run's ZeroOptimizer over this one-process module (`pipekit train`'s), whose
-    post-accumulate-grad hooks move each gradient into its bucket: part of a backward's cost."""
-    from .train import make_optimizer
-
-    return make_optimizer(module, cfg)
-
-
-def _optimizer_seconds_per_param(cfg, module, sync) -> float:
+def _optimizer_seconds_per_param(run: Run, module, sync) -> float:
     """One step of the run's torch optimizer (AdamW or SGD) over fp32 copies of the whole
     model's weights, per parameter: what ZeroOptimizer runs on its master weights (no
     collectives here, so rank 0 of a job can time it alone)."""
@@ -463,7 +452,7 @@ def _optimizer_seconds_per_param(cfg, module, sync) -> float:
         return 0.0
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    o = cfg.optimizer
+    o = run.config.optimizer
     opt = (torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
            if o.name == "adamw" else torch.optim.SGD(params, lr=o.lr, momentum=o.momentum))
     opt.step()  # the first step allocates the state
@@ -474,15 +463,13 @@ def _optimizer_seconds_per_param(cfg, module, sync) -> float:
     return statistics.median(runs) / sum(p.numel() for p in params)
 
 
-def flop_layers(cfg, *, rows: int | None = None, flops_per_second: float | None = None) -> Profile:
+def flop_layers(run: Run, *, rows: int | None = None, flops_per_second: float | None = None) -> Profile:
     """The layer table from FLOP counts (torch's FlopCounterMode) on the meta device:
     seconds = FLOPs / `flops_per_second` (default: logging.peak_tflops, or 1 TFLOP/s).
     A backward's halves are taken as equal (I = W = B / 2)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    rows = rows or cfg.train.micro_batch
-    rate = flops_per_second or ((cfg.logging.peak_tflops or 0) * 1e12) or NOMINAL_FLOPS
-    module, batch = _model(cfg, "meta")
+    rows = rows or run.config.train.micro_batch
+    rate = flops_per_second or ((run.config.logging.peak_tflops or 0) * 1e12) or NOMINAL_FLOPS
+    module, batch = _model(run, "meta")
     x, labels = (t.to("meta") for t in batch(rows))
     layers = []
     out = x
@@ -515,8 +502,6 @@ def flop_layers(cfg, *, rows: int | None = None, flops_per_second: float | None 
 def _ping(sizes: list[int], reps: int) -> dict:
     """On each of two gloo ranks: half the median round trip of a message of each size,
     and of a one-element all-reduce."""
-    import torch.distributed as dist
-
     rank, out = dist.get_rank(), {}
 
     def lap(fn) -> float:
@@ -553,8 +538,6 @@ def _ping(sizes: list[int], reps: int) -> dict:
 def measure_comm(reps: int = 30, timeout: float = 60.0) -> CommModel:
     """Message latency and bandwidth between two gloo processes on this host (ping-pong),
     and a one-element all-reduce."""
-    from .testing import run_distributed
-
     return _comm_model(run_distributed(_ping, 2, [4, 1 << 22], reps, timeout=timeout)[0])
 
 
@@ -599,14 +582,14 @@ def activation_peaks(schedule: Schedule, saved: list[int]) -> list[int]:
     return peaks
 
 
-def state_bytes(params: int, cfg) -> int:
-    """Weights, gradients, fp32 master weights and optimizer moments of `params`
-    parameters on one rank, with ZeRO's sharding over dp."""
-    o, dp = cfg.optimizer, cfg.parallel.dp
-    low = cfg.train.precision != "fp32"
-    width = 8 if cfg.train.dtype == "float64" else (2 if low else 4)
-    moments = (2 if o.name == "adamw" else (1 if o.momentum else 0)) * (8 if cfg.train.dtype == "float64" else 4)
-    master = 4 if low else 0
+def state_bytes(params: int, run: Run) -> int:
+    """Weights, gradients, master weights and optimizer moments of `params` parameters on
+    one rank, in the run's precision policy's dtypes, with ZeRO's sharding over dp."""
+    o, dp, policy = run.config.optimizer, run.dp, run.precision
+    width = policy.param_dtype.itemsize
+    state = policy.master_dtype.itemsize
+    moments = (2 if o.name == "adamw" else (1 if o.momentum else 0)) * state
+    master = state if policy.mixed else 0  # fp32: the parameters are their own master copy
     grads = width
     sharded = (master + moments) + (grads if o.zero_stage >= 2 else 0)
     kept = width + (0 if o.zero_stage >= 2 else grads)
@@ -614,7 +597,7 @@ def state_bytes(params: int, cfg) -> int:
 
 
 def predict(schedule: Schedule, layers: list[LayerCost], boundaries: list[int], comm: CommModel,
-            optimizer_seconds_per_param: float, cfg=None) -> dict:
+            optimizer_seconds_per_param: float, run: Run | None = None) -> dict:
     """The predicted step of `schedule` with these layer costs cut at `boundaries`."""
     stages = stage_costs(layers, boundaries)
     over = comm.action_overhead
@@ -641,14 +624,15 @@ def predict(schedule: Schedule, layers: list[LayerCost], boundaries: list[int], 
     tail = collectives * comm.collective + optimizer
     saved = [s.saved_bytes for s in stages]
     acts = activation_peaks(schedule, saved)
-    memory = [acts[r] + (state_bytes(params[r], cfg) if cfg is not None else 0) for r in range(schedule.pp)]
+    memory = [acts[r] + (state_bytes(params[r], run) if run is not None else 0) for r in range(schedule.pp)]
     return {"step": max(ends) + tail, "makespan": sim.makespan, "bubble": sim.bubble_fraction, "tail": tail,
             "memory": memory, "timeline": sim.timeline}
 
 
 # ---- partitions ----------------------------------------------------------------
 def profile_boundaries(layers: list[LayerCost], num_stages: int, *, budget: float | None = None,
-                       schedule: Schedule | None = None, cfg=None, optimizer_seconds_per_param: float = 0.0) -> list[int]:
+                       schedule: Schedule | None = None, run: Run | None = None,
+                       optimizer_seconds_per_param: float = 0.0) -> list[int]:
     """Contiguous stages balancing the measured time of `layers`: F + B per microbatch, plus
     (given the rate) each layer's share of the optimizer step spread over the schedule's
     microbatches.
@@ -659,14 +643,12 @@ def profile_boundaries(layers: list[LayerCost], num_stages: int, *, budget: floa
     (the most microbatches `schedule` keeps between a stage's F and its B or W); a
     rank's budget is shared evenly by its virtual stages. ValueError when none fits.
     """
-    from .partition import partition_weights
-
     per_step = optimizer_seconds_per_param / (schedule.microbatches if schedule is not None else 1)
     times = [c.F + c.B + c.params * per_step for c in layers]
     if budget is None:
         return partition_weights(times, num_stages)
-    if schedule is None or cfg is None:
-        raise ValueError("a memory budget needs the schedule and the config (activations in flight, optimizer state)")
+    if schedule is None or run is None:
+        raise ValueError("a memory budget needs the schedule and the run (activations in flight, optimizer state)")
     inflight = _inflight_per_stage(schedule)
     share = budget / schedule.chunks_per_rank
     n = len(layers)
@@ -678,7 +660,7 @@ def profile_boundaries(layers: list[LayerCost], num_stages: int, *, budget: floa
         prefix_a.append(prefix_a[-1] + c.saved_bytes)
 
     def fits(s, lo, hi):
-        return state_bytes(prefix_p[hi] - prefix_p[lo], cfg) + inflight[s] * (prefix_a[hi] - prefix_a[lo]) <= share
+        return state_bytes(prefix_p[hi] - prefix_p[lo], run) + inflight[s] * (prefix_a[hi] - prefix_a[lo]) <= share
 
     inf = math.inf
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
@@ -716,43 +698,40 @@ def _inflight_per_stage(schedule: Schedule) -> list[int]:
     return peak
 
 
-def boundaries_for(method: str, cfg, layers: list[LayerCost], schedule: Schedule,
+def boundaries_for(method: str, run: Run, layers: list[LayerCost], schedule: Schedule,
                    budget: float | None = None, optimizer_seconds_per_param: float = 0.0) -> list[int]:
     """Boundaries of `method` ("profile" or any `pipekit.partition` method) over the schedule's stages."""
-    from .config import model_config, model_specs, partition_boundaries
-    from .partition import check_boundaries, partition
-
     if method == "profile":
-        return profile_boundaries(layers, schedule.num_stages, budget=budget, schedule=schedule, cfg=cfg,
+        return profile_boundaries(layers, schedule.num_stages, budget=budget, schedule=schedule, run=run,
                                   optimizer_seconds_per_param=optimizer_seconds_per_param)
     explicit = partition_boundaries(method)
     if explicit is not None:
         return check_boundaries(explicit, len(layers), schedule.num_stages)
-    return partition(model_specs(model_config(cfg.model)), schedule.num_stages, method)
+    return partition(model_specs(run.model), schedule.num_stages, method)
 
 
 # ---- the plan ------------------------------------------------------------------
-def microbatch_options(cfg) -> list[tuple[int, int]]:
-    """(microbatches, micro_batch) pairs with the config's batch per dp replica."""
-    rows = cfg.train.micro_batch * cfg.schedule.microbatches
+def microbatch_options(run: Run) -> list[tuple[int, int]]:
+    """(microbatches, micro_batch) pairs with the run's batch per dp replica."""
+    rows = run.config.train.micro_batch * run.schedule.microbatches
     return [(m, rows // m) for m in range(1, rows + 1) if rows % m == 0]
 
 
-def plan(cfg, profile: Profile, comm: CommModel, *, schedules=None, partitions=None, microbatches=None,
+def plan(run: Run, profile: Profile, comm: CommModel, *, schedules=None, partitions=None, microbatches=None,
          budget: float | None = None) -> list[Candidate]:
     """Every candidate the config allows, fastest predicted step first (those over the
     memory `budget`, bytes per rank, last)."""
-    pp = cfg.parallel.pp
+    pp = run.pp
     names = list(schedules or SCHEDULES)
-    parts = list(partitions or dict.fromkeys(["profile", "parameters", "uniform", cfg.schedule.partition]))
-    options = microbatch_options(cfg)
+    parts = list(partitions or dict.fromkeys(["profile", "parameters", "uniform", run.config.schedule.partition]))
+    options = microbatch_options(run)
     if microbatches:
         options = [(m, r) for m, r in options if m in set(microbatches)]
     out = []
-    tp = cfg.parallel.tp
+    tp = run.tp
     for m, rows in options:
         layers = [replace(c, **{k: getattr(c, k) / tp for k in KINDS}) for c in profile.at(rows)]
-        for name, chunks in _schedule_options(names, cfg):
+        for name, chunks in _schedule_options(names, run):
             try:
                 schedule = build_schedule(name, pp, m, chunks)
             except ScheduleError:
@@ -762,14 +741,14 @@ def plan(cfg, profile: Profile, comm: CommModel, *, schedules=None, partitions=N
             seen: dict[tuple, Candidate] = {}
             for method in parts:
                 try:
-                    bounds = boundaries_for(method, cfg, layers, schedule, budget if method == "profile" else None,
+                    bounds = boundaries_for(method, run, layers, schedule, budget if method == "profile" else None,
                                             profile.optimizer_seconds_per_param)
                 except ValueError:
                     continue
                 if tuple(bounds) in seen:
                     seen[tuple(bounds)].same_as.append(method)
                     continue
-                p = predict(schedule, layers, bounds, comm, profile.optimizer_seconds_per_param, cfg)
+                p = predict(schedule, layers, bounds, comm, profile.optimizer_seconds_per_param, run)
                 out.append(Candidate(name, schedule.chunks_per_rank, m, rows, method, bounds, p["step"],
                                      p["makespan"], p["bubble"], p["tail"], p["memory"],
                                      budget is None or max(p["memory"]) <= budget, p["timeline"]))
@@ -778,18 +757,15 @@ def plan(cfg, profile: Profile, comm: CommModel, *, schedules=None, partitions=N
     return out
 
 
-def _schedule_options(names, cfg) -> list[tuple[str, int | None]]:
+def _schedule_options(names, run: Run) -> list[tuple[str, int | None]]:
     """(schedule, chunks per rank) pairs: a schedule's own chunk count, or for one that
-    takes any (interleaved_1f1b), 2 and the config's."""
-    from .config import schedule_chunks
-    from .schedules.generators import get_generator
-
+    takes any (interleaved_1f1b), 2 and the run's."""
     out = []
     for name in names:
         if get_generator(name).chunks_per_rank is not None:
             out.append((name, None))
             continue
-        mine = schedule_chunks(cfg.schedule) if name == cfg.schedule.name else None
+        mine = run.schedule.chunks_per_rank if name == run.schedule.name else None
         out += [(name, k) for k in sorted({2, *([mine] if mine and mine > 1 else [])})]
     return out
 

@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .ir import WEIGHT_GRAD_KINDS, Action, Kind, Schedule, ScheduleError, matching_send
+from .ir import WEIGHT_GRAD_KINDS, Action, Kind, ScheduleError, matching_send
+
+if TYPE_CHECKING:  # the program's type only: validation runs this module's executor, so no import at run time
+    from .program import Schedule
 
 # A full backward costs twice a forward; its halves (input grad I, weight grads W) one each.
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
