@@ -7,7 +7,7 @@ reads it there, instead of interpreting the string `"bf16"` itself:
     name      param_dtype          reduce_dtype   master_dtype   loss scaling
     fp32      train.dtype          train.dtype    train.dtype    none
     bf16      bfloat16             float32        float32        none
-    fp16      float16              float32        float32        a LossScaler
+    fp16      float16              float32        float32        LossScaling
 
 `param_dtype` is what the layers' weights, their activations and the p2p
 messages are in; `reduce_dtype` what gradients are accumulated and reduced in;
@@ -23,8 +23,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .optim.scaler import LossScaler
-
 PRECISIONS = ("fp32", "bf16", "fp16")
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _FULL = {"float32": torch.float32, "float64": torch.float64}
@@ -32,18 +30,15 @@ _FULL = {"float32": torch.float32, "float64": torch.float64}
 
 @dataclass(frozen=True)
 class LossScaling:
-    """fp16 loss scaling, DeepSpeed's knobs: a static scale, or dynamic from 2**initial_scale_power."""
+    """fp16 loss scaling, DeepSpeed's knobs: a static scale, or dynamic from 2**initial_scale_power.
+    The fields are `pipekit.optim.LossScaler`'s arguments: `LossScaler(**asdict(scaling))`
+    (one scaler per optimizer: it holds the running scale)."""
 
     static_scale: float | None = None  # None: dynamic
     initial_scale_power: int = 16
     scale_window: int = 1000  # clean steps before the scale doubles
     hysteresis: int = 2  # overflows tolerated before the scale halves
     min_scale: float = 1.0
-
-    def scaler(self) -> LossScaler:
-        """A fresh LossScaler with these settings (one per optimizer: it holds the running scale)."""
-        return LossScaler(static_scale=self.static_scale, initial_scale_power=self.initial_scale_power,
-                          scale_window=self.scale_window, hysteresis=self.hysteresis, min_scale=self.min_scale)
 
 
 @dataclass(frozen=True)
@@ -60,10 +55,6 @@ class Precision:
     def mixed(self) -> bool:
         """Low-precision weights with wider master weights (bf16, fp16)."""
         return self.name != "fp32"
-
-    def loss_scaler(self) -> LossScaler | None:
-        """A fresh LossScaler for fp16, else None."""
-        return self.loss_scaling.scaler() if self.loss_scaling is not None else None
 
 
 def precision_policy(name: str = "fp32", dtype: str = "float32", fp16=None) -> Precision:

@@ -143,7 +143,7 @@ def train(run: Run) -> dict:
     path = data_dir(cfg)
     check_vocab(run, path)
     engine = build(run, topo)
-    start = resume(cfg, topo, engine)
+    start = resume(run, topo, engine)
     if start == 0:
         clear_old_checkpoints(cfg, topo)
     if start == cfg.train.steps:

@@ -11,17 +11,16 @@ policy's master and reduce dtypes and, for fp16, its loss scaler.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import asdict
 
+from ..precision import Precision
+from .scaler import LossScaler
 from .zero import ZeroOptimizer
 
-if TYPE_CHECKING:  # annotations only: the optimizer factory does not depend on the config module
-    from ..config import OptimizerConfig
-    from ..precision import Precision
 
-
-def lr_lambda(o: OptimizerConfig, steps: int):
-    """Multiplier of the peak lr at each step: linear warmup, then cosine to min_lr (or constant)."""
+def lr_lambda(o, steps: int):
+    """Multiplier of the peak lr at each step: linear warmup, then cosine to min_lr (or constant).
+    `o`: the config's optimizer section (`pipekit.config.OptimizerConfig`); `steps`: train.steps."""
     floor = o.min_lr / o.lr if o.lr else 0.0
 
     def at(step: int) -> float:
@@ -50,11 +49,14 @@ def param_groups(module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def make_optimizer(module, o: OptimizerConfig, precision: Precision) -> ZeroOptimizer:
+def make_optimizer(module, o, precision: Precision) -> ZeroOptimizer:
     """AdamW (or SGD) under ZeRO stage `o.zero_stage` over `module` (a PipelineModule),
     stepping `precision.master_dtype` master weights from `precision.reduce_dtype`
-    gradients, with the policy's loss scaler (fp16)."""
+    gradients, with a loss scaler for fp16. `o`: the config's optimizer section
+    (`pipekit.config.OptimizerConfig`; read by attribute, so this module needs no config)."""
+    scaling = precision.loss_scaling
     hyper = {"betas": (o.beta1, o.beta2), "eps": o.eps} if o.name == "adamw" else {"momentum": o.momentum}
     return ZeroOptimizer(param_groups(module, o.weight_decay), o.name, module=module, stage=o.zero_stage,
                          bucket_mb=o.bucket_mb, master_dtype=precision.master_dtype,
-                         grad_dtype=precision.reduce_dtype, loss_scaler=precision.loss_scaler(), lr=o.lr, **hyper)
+                         grad_dtype=precision.reduce_dtype, lr=o.lr, **hyper,
+                         loss_scaler=LossScaler(**asdict(scaling)) if scaling is not None else None)

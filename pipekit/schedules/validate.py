@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from .ir import INPUT_GRAD_KINDS, Action, Kind, ScheduleError, matching_recv, matching_send, message_stages
-from .simulate import execute
+from .execute import execute
 
 
 def validate(ranks: list[list[Action]], placement, microbatches: int, *, backward: bool = True) -> None:
