@@ -12,7 +12,7 @@ import torch
 
 from pipekit import planner
 from pipekit.cli import main
-from pipekit.config import ConfigError, load_config
+from pipekit.config import ConfigError, load_config, load_run
 from pipekit.partition import partition_weights
 from pipekit.schedules import build_schedule, simulate
 from pipekit.testing import run_distributed
@@ -70,22 +70,22 @@ def test_profile_boundaries_without_budget_balance_time():
 
 
 def test_memory_budget_moves_layers_off_the_stage_that_holds_most_activations():
-    cfg = load_config(GPT, SMALL)
+    run = load_run(GPT, SMALL)
     s = build_schedule("1f1b", 2, 4)  # stage 0 keeps 2 microbatches in flight, stage 1 one
     layers = [_layer(f=1, b=0, params=0, saved=10) for _ in range(6)]
     assert planner.profile_boundaries(layers, 2) == [0, 3, 6]
     # 2 * 30 > 50: stage 0 may hold at most 2 layers (2 * 20 <= 50); stage 1's 4 layers need 40
-    assert planner.profile_boundaries(layers, 2, budget=50, schedule=s, cfg=cfg) == [0, 2, 6]
+    assert planner.profile_boundaries(layers, 2, budget=50, schedule=s, run=run) == [0, 2, 6]
     with pytest.raises(ValueError, match="no partition of the 6 layers into 2 stages fits"):
-        planner.profile_boundaries(layers, 2, budget=15, schedule=s, cfg=cfg)
+        planner.profile_boundaries(layers, 2, budget=15, schedule=s, run=run)
 
 
 def test_profile_beats_parameters_where_cost_per_parameter_differs():
     """FLOP-counted (deterministic): the tied head costs far more time than its parameter twin."""
-    cfg = load_config(GPT, UNEVEN)
-    prof = planner.flop_layers(cfg, flops_per_second=1e9)  # compute-bound: messages are negligible,
+    run = load_run(GPT, UNEVEN)
+    prof = planner.flop_layers(run, flops_per_second=1e9)  # compute-bound: messages are negligible,
     prof.optimizer_seconds_per_param = 0.0  # and so is the optimizer step
-    found = planner.plan(cfg, prof, planner.CommModel(), schedules=["1f1b"], partitions=["profile", "parameters"],
+    found = planner.plan(run, prof, planner.CommModel(), schedules=["1f1b"], partitions=["profile", "parameters"],
                          microbatches=[4])
     by = {c.partition: c for c in found}
     assert by["profile"].boundaries != by["parameters"].boundaries
@@ -94,8 +94,8 @@ def test_profile_beats_parameters_where_cost_per_parameter_differs():
 
 # ---- profiles ---------------------------------------------------------------------------
 def test_profile_measures_every_layer_and_scales_with_rows():
-    cfg = load_config(GPT, SMALL)
-    prof = planner.profile_layers(cfg, reps=1)
+    run = load_run(GPT, SMALL)
+    prof = planner.profile_layers(run, reps=1)
     blocks = [c for c in prof.layers if c.name == "TransformerBlock"]
     assert len(prof.layers) == 4 + 3 and len(blocks) == 4
     assert all(c.F > 0 and c.B > 0 and c.I > 0 and c.W > 0 and c.saved_bytes > 0 for c in blocks)
@@ -121,8 +121,7 @@ def test_layer_costs_are_scaled_to_the_model_run_layer_after_layer():
 
 
 def test_chained_pass_times_every_kind():
-    cfg = load_config(GPT, SMALL)
-    module, batch = planner._model(cfg)
+    module, batch = planner._model(load_run(GPT, SMALL))
     x, labels = batch(2)
     got = planner._chained(module, x, labels, 1, lambda: None)
     assert set(got) == {"F", "B", "I", "W"} and all(v > 0 for v in got.values())
@@ -130,8 +129,7 @@ def test_chained_pass_times_every_kind():
 
 
 def test_flop_profile_on_meta_counts_matmuls():
-    cfg = load_config(GPT, SMALL)
-    prof = planner.flop_layers(cfg, flops_per_second=1.0)
+    prof = planner.flop_layers(load_run(GPT, SMALL), flops_per_second=1.0)
     block = prof.layers[1]
     tokens, d = 2 * 16, 32
     # q, k, v, o (4 d^2) and the MLP (2 * 4 d^2) per token, 2 FLOPs per multiply-add, plus attention
@@ -187,11 +185,11 @@ def test_config_partition_forms():
 def test_partition_profile_in_one_process():
     from pipekit.train import partition_of
 
-    cfg = load_config(GPT, [*UNEVEN, "parallel.pp=2", "schedule.partition=profile"])
-    s = build_schedule("1f1b", 2, 4)
-    bounds = partition_of(cfg, s)
+    run = load_run(GPT, [*UNEVEN, "parallel.pp=2", "schedule.partition=profile"])
+    assert run.schedule == build_schedule("1f1b", 2, 4)
+    bounds = partition_of(run)
     assert bounds[0] == 0 and bounds[-1] == 9 and len(bounds) == 3
-    assert partition_of(load_config(GPT, ["schedule.partition=0,2,7"]), s) == [0, 2, 7]
+    assert partition_of(load_run(GPT, ["schedule.partition=0,2,7"])) == [0, 2, 7]
 
 
 # ---- the planned program is the one the engine runs --------------------------------------
@@ -201,18 +199,18 @@ def _run_planned(overrides: list[str]) -> list[str]:
     from pipekit.topology import Topology
     from pipekit.train import batches, build
 
-    cfg = load_config(GPT, overrides)
+    run = load_run(GPT, overrides)
     topo = Topology(pp=2, device="cpu")
-    engine = build(cfg, topo)
+    engine = build(run, topo)
     engine.record_timeline = True
-    engine.train_batch(next(batches(cfg, topo)))
+    engine.train_batch(next(batches(run, topo)))
     dist.barrier()
     return {"actions": [e.action for e in engine.timeline], "boundaries": list(engine.module.boundaries)}
 
 
 def test_engine_runs_the_recommended_plan_in_the_planned_order():
-    cfg = load_config(GPT, SMALL)
-    found = planner.plan(cfg, planner.flop_layers(cfg), planner.CommModel(), microbatches=[4])
+    run = load_run(GPT, SMALL)
+    found = planner.plan(run, planner.flop_layers(run), planner.CommModel(), microbatches=[4])
     for cand in (found[0], next(c for c in found if c.schedule == "zbv")):
         schedule = build_schedule(cand.schedule, 2, cand.microbatches, cand.chunks_per_rank)
         explicit = f"schedule.partition={','.join(map(str, cand.boundaries))}"
