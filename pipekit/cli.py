@@ -37,7 +37,7 @@ from .data import prepare_data
 from .env import format_report, report
 from .generate import generate_text
 from .preflight import check_before_launch
-from .schedules import (ScheduleError, TimelineEvent, build_schedule, plan_report, render_png, render_text,
+from .schedules import (ScheduleError, TimelineEvent, plan_report, render_png, render_text,
                         to_chrome_trace)
 from .topology import fell_back, local_workers, resolve_device
 from .train import partition_of, train
@@ -303,8 +303,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _plan_config(args: argparse.Namespace) -> int:
-    """`pipekit plan CONFIG`: profile the config's layers, predict every schedule, partition
-    and microbatch count, recommend the fastest that fits."""
+    """`pipekit plan CONFIG`: profile the run's layers, predict every schedule, partition
+    and microbatch count, recommend the fastest that fits. Every flag and output path is
+    checked (and the run resolved) before anything is measured or written."""
     overrides = list(args.overrides)
     if "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         overrides, args.config = [args.config, *overrides], None
@@ -313,7 +314,36 @@ def _plan_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"pipekit plan: {e}", file=sys.stderr)
         return 2
-    cfg = run.config
+    if not _plan_flags_ok(args):
+        return 2
+    profile, comm = _plan_costs(run, args)
+    budget = args.memory_gb * 2**30 if args.memory_gb else None
+    candidates = planner.plan(run, profile, comm, budget=budget)
+    if not candidates:
+        raise ValueError(f"no schedule runs pp={run.pp} with this model's {len(profile.layers)} layers")
+    best, tokens = candidates[0], run.config.train.seq_len * run.dp
+    command = _recommended_command(args.config, overrides, best)
+    if args.json:
+        print(json.dumps({"profile": profile.source, "comm": {k: getattr(comm, k) for k in
+                                                               ("latency", "bandwidth", "collective",
+                                                                "action_overhead", "send_overhead", "source")},
+                          "layers": [vars(c) for c in profile.at(profile.rows)],
+                          "candidates": [planner.candidate_record(c, tokens) for c in candidates],
+                          "recommended": planner.candidate_record(best, tokens), "command": command}))
+    else:
+        _print_plan(run, profile, comm, candidates, args, command)
+    title = (f"{best.schedule}, pp={run.pp}, {best.microbatches} x {best.micro_batch} rows, "
+             f"predicted {best.step_seconds * 1e3:.1f} ms, bubble {best.bubble_fraction:.3f}")
+    if args.trace:
+        write_atomic(args.trace, json.dumps(to_chrome_trace(best.timeline)))
+    if args.png:
+        render_png(best.timeline, args.png, title)
+    return 0
+
+
+def _plan_flags_ok(args: argparse.Namespace) -> bool:
+    """`pipekit plan CONFIG`'s flags: ValueError for a bad number; False (said on stderr)
+    when --png cannot be drawn here; --trace and --png must be writable files."""
     for flag, value in (("--memory-gb", args.memory_gb), ("--latency", args.latency)):
         if value is not None and not (value > 0 and value != float("inf")):
             raise ValueError(f"{flag} {value} must be a finite number > 0")
@@ -324,60 +354,50 @@ def _plan_config(args: argparse.Namespace) -> int:
             _check_output_file(flag, path)
     if args.png:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib  # noqa: F401 - optional: only --png needs it
         except ImportError:
             print("pipekit plan: --png needs matplotlib: pip install matplotlib", file=sys.stderr)
-            return 2
+            return False
+    return True
+
+
+def _plan_costs(run: Run, args: argparse.Namespace):
+    """(layer profile, message costs) for the plan: FLOP counts (--no-profile), two CPU ranks
+    side by side (pp > 1 on the CPU, as two workers sharing this host see it), or this
+    process on the run's device; --latency replaces the measured message costs."""
     try:
-        device = resolve_device(cfg.train.device, local_workers(run.world_size))[0]
+        device = resolve_device(run.config.train.device, local_workers(run.world_size))[0]
     except ValueError:  # train.device=cuda without enough GPUs here: plan on what there is
         device = "cpu"
     if args.no_profile:
         profile, comm = planner.flop_layers(run), planner.CommModel()
     elif run.pp > 1 and device == "cpu" and args.latency is None:
-        profile, comm = planner.profile_on_two_ranks(run)  # as two workers sharing this host see it
+        profile, comm = planner.profile_on_two_ranks(run)
     else:
         profile = planner.profile_layers(run, device=device, threads=1 if device == "cpu" else None)
         comm = planner.CommModel()
     if args.latency is not None:
         comm = planner.CommModel(latency=args.latency, collective=2 * args.latency, source="--latency")
-    budget = args.memory_gb * 2**30 if args.memory_gb else None
-    candidates = planner.plan(run, profile, comm, budget=budget)
-    if not candidates:
-        raise ValueError(f"no schedule runs pp={run.pp} with this model's {len(profile.layers)} layers")
-    best = candidates[0]
-    tokens = cfg.train.seq_len * run.dp
-    if args.json:
-        print(json.dumps({"profile": profile.source, "comm": {k: getattr(comm, k) for k in
-                                                               ("latency", "bandwidth", "collective",
-                                                                "action_overhead", "send_overhead", "source")},
-                          "layers": [vars(c) for c in profile.at(profile.rows)],
-                          "candidates": [planner.candidate_record(c, tokens) for c in candidates],
-                          "recommended": planner.candidate_record(best, tokens),
-                          "command": _recommended_command(args.config, overrides, best)}))
-    else:
-        print(f"layers ({profile.source}; {profile.rows} rows x {cfg.train.seq_len} tokens per microbatch):")
-        print(planner.layer_table(profile))
-        print(f"\nmessages: {comm.latency * 1e6:.0f} us + bytes / {comm.bandwidth / 1e9:.2f} GB/s; "
-              f"posting a send {comm.send_overhead * 1e6:.0f} us; engine overhead {comm.action_overhead * 1e6:.0f} us "
-              f"per action ({comm.source})")
-        print(f"\npredicted steps, pp={run.pp} dp={run.dp} tp={run.tp}, "
-              f"{cfg.train.micro_batch * cfg.schedule.microbatches} rows per dp replica (fastest first):")
-        print(planner.candidate_table(candidates, tokens, args.top))
-        if not best.fits:
-            print(f"\nnothing fits {args.memory_gb} GiB per rank; the fastest is shown")
-        print(f"\nrecommended: {best.schedule}, {best.microbatches} microbatches of {best.micro_batch}, partition "
-              f"{best.partition} {best.boundaries}: {best.step_seconds * 1e3:.1f} ms per step")
-        print(f"  {_recommended_command(args.config, overrides, best)}\n")
-        print(render_text(best.timeline))
-    schedule = build_schedule(best.schedule, run.pp, best.microbatches, best.chunks_per_rank)
-    title = (f"{best.schedule}, pp={schedule.pp}, {best.microbatches} x {best.micro_batch} rows, "
-             f"predicted {best.step_seconds * 1e3:.1f} ms, bubble {best.bubble_fraction:.3f}")
-    if args.trace:
-        write_atomic(args.trace, json.dumps(to_chrome_trace(best.timeline)))
-    if args.png:
-        render_png(best.timeline, args.png, title)
-    return 0
+    return profile, comm
+
+
+def _print_plan(run: Run, profile, comm, candidates, args: argparse.Namespace, command: str) -> None:
+    """The plan as text: the layer table, the message costs, the candidates, the recommendation."""
+    best, cfg = candidates[0], run.config
+    print(f"layers ({profile.source}; {profile.rows} rows x {cfg.train.seq_len} tokens per microbatch):")
+    print(planner.layer_table(profile))
+    print(f"\nmessages: {comm.latency * 1e6:.0f} us + bytes / {comm.bandwidth / 1e9:.2f} GB/s; "
+          f"posting a send {comm.send_overhead * 1e6:.0f} us; engine overhead {comm.action_overhead * 1e6:.0f} us "
+          f"per action ({comm.source})")
+    print(f"\npredicted steps, pp={run.pp} dp={run.dp} tp={run.tp}, "
+          f"{cfg.train.micro_batch * cfg.schedule.microbatches} rows per dp replica (fastest first):")
+    print(planner.candidate_table(candidates, cfg.train.seq_len * run.dp, args.top))
+    if not best.fits:
+        print(f"\nnothing fits {args.memory_gb} GiB per rank; the fastest is shown")
+    print(f"\nrecommended: {best.schedule}, {best.microbatches} microbatches of {best.micro_batch}, partition "
+          f"{best.partition} {best.boundaries}: {best.step_seconds * 1e3:.1f} ms per step")
+    print(f"  {command}\n")
+    print(render_text(best.timeline))
 
 
 def _recommended_command(config, overrides, best) -> str:

@@ -40,7 +40,6 @@ GPU kernel overlap, and the allocator's fragmentation.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
