@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipekit import planner
+from pipekit import planner, profiler
 from pipekit.config import load_run
 from pipekit.schedules import Action
 from pipekit.testing import run_distributed
@@ -132,9 +132,9 @@ def main() -> int:
     load = [os.getloadavg()[0]]
     base = load_run(str(CONFIG), _overrides(args.shape, "1f1b"))
     if args.alone:
-        profile, comm = planner.profile_layers(base), planner.measure_comm()
+        profile, comm = profiler.profile_layers(base), profiler.measure_comm()
     else:
-        profile, comm = planner.profile_on_two_ranks(base)
+        profile, comm = profiler.profile_on_two_ranks(base)
     print(f"profile: {profile.source}; comm: latency {comm.latency * 1e6:.0f} us, collective "
           f"{comm.collective * 1e6:.0f} us, bandwidth {comm.bandwidth / 1e9:.2f} GB/s")
     rows = []
@@ -146,7 +146,7 @@ def main() -> int:
         got = got_all[0]
         measured = statistics.median(got["steps"])
         busy = {k: v for r in run for k, v in r["busy"].items()} if (run := got_all) else {}
-        stages = planner.stage_costs([replace(c, **{k: getattr(c, k) / planned.tp for k in planner.KINDS})
+        stages = planner.stage_costs([replace(c, **{k: getattr(c, k) / planned.tp for k in profiler.KINDS})
                                       for c in profile.at(c.micro_batch)], c.boundaries)
         print(f"    per action, rank 0/1: posting a send {got_all[0]['busy'].pop('send') * 1e6:.0f}/"
               f"{got_all[1]['busy'].pop('send') * 1e6:.0f} us (modelled {comm.send_overhead * 1e6:.0f}), between "

@@ -29,7 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args
 from torch.distributed.run import run as torchrun
 
-from . import __version__, planner
+from . import __version__, planner, profiler
 from .atomic import write_atomic
 from .comm import PeerClosed
 from .config import ConfigError, Run, load_run
@@ -370,14 +370,14 @@ def _plan_costs(run: Run, args: argparse.Namespace):
     except ValueError:  # train.device=cuda without enough GPUs here: plan on what there is
         device = "cpu"
     if args.no_profile:
-        profile, comm = planner.flop_layers(run), planner.CommModel()
+        profile, comm = profiler.flop_layers(run), profiler.CommModel()
     elif run.pp > 1 and device == "cpu" and args.latency is None:
-        profile, comm = planner.profile_on_two_ranks(run)
+        profile, comm = profiler.profile_on_two_ranks(run)
     else:
-        profile = planner.profile_layers(run, device=device, threads=1 if device == "cpu" else None)
-        comm = planner.CommModel()
+        profile = profiler.profile_layers(run, device=device, threads=1 if device == "cpu" else None)
+        comm = profiler.CommModel()
     if args.latency is not None:
-        comm = planner.CommModel(latency=args.latency, collective=2 * args.latency, source="--latency")
+        comm = profiler.CommModel(latency=args.latency, collective=2 * args.latency, source="--latency")
     return profile, comm
 
 

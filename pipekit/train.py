@@ -25,7 +25,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from . import auxloss, planner
+from . import auxloss
 from .atomic import torch_save_atomic, write_atomic
 from .checkpoint import (CheckpointError, full_state_dict, latest_checkpoint, list_checkpoints, load_checkpoint,
                          read_meta, save_checkpoint, step_dir)
@@ -37,6 +37,8 @@ from .metrics import Logger, moe_summary
 from .models import model_loss, model_specs, model_vocab, synthetic_batches
 from .optim.factory import lr_lambda, make_optimizer
 from .pipeline import PipelineModule
+from .planner import profile_boundaries
+from .profiler import profile_layers
 from .schedules import Schedule, TimelineEvent, mean_costs, render_png, simulate, to_chrome_trace
 from .topology import Topology, fell_back, init_distributed, local_workers, resolve_device
 
@@ -83,10 +85,9 @@ def profiled_boundaries(run: Run, schedule: Schedule, device="cpu") -> list[int]
     s, budget = run.config.schedule, None
     if s.memory_budget_gb:
         budget = s.memory_budget_gb * 2**30
-    prof = planner.profile_layers(run, threads=1 if run.world_size > 1 else None, device=str(device))
-    return planner.profile_boundaries(prof.at(run.config.train.micro_batch), schedule.num_stages, budget=budget,
-                                      schedule=schedule, run=run,
-                                      optimizer_seconds_per_param=prof.optimizer_seconds_per_param)
+    prof = profile_layers(run, threads=1 if run.world_size > 1 else None, device=str(device))
+    return profile_boundaries(prof.at(run.config.train.micro_batch), schedule.num_stages, budget=budget,
+                              schedule=schedule, run=run, optimizer_seconds_per_param=prof.optimizer_seconds_per_param)
 
 
 # ---- data ------------------------------------------------------------------
