@@ -24,7 +24,7 @@ from .config import ConfigError, Run
 from .data import ByteTokenizer
 from .data import read_meta as read_data_meta
 from .models import model_vocab
-from .train import check_same_model, resume_path
+from .resume import check_same_model, resume_path
 
 BUILT_IN_SOURCES = ("stdlib", "synthetic")
 
