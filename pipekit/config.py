@@ -1,10 +1,22 @@
-"""Experiment configs: typed dataclasses, merged with YAML and `key=value` overrides.
+"""Experiment configs: typed dataclasses, merged with YAML and `key=value` overrides,
+and resolved once into the `Run` that every part of pipekit takes.
 
-`load_config(path, overrides)` builds `OmegaConf.structured(Config)`, merges
-the YAML file and the dot-list overrides (an unknown key or a value of the
-wrong type fails with OmegaConf's message naming the key), converts the
-result to real dataclasses, and runs the cross-field checks of
-`check_config` — all before any worker is launched.
+`load_run(path, overrides)` builds `OmegaConf.structured(Config)`, merges the
+YAML file and the dot-list overrides (an unknown key or a value of the wrong
+type fails with OmegaConf's message naming the key), converts the result to
+real dataclasses, checks the values (`check_config`), and `resolve`s the run:
+imports `schedule.module`, makes the family's model config, the `Schedule`,
+the precision policy and the partition, and checks them against each other —
+all before any worker is launched (and again, identically, in each worker,
+from the same arguments). `load_config` is the same, returning the keys alone.
+
+    run = load_run("configs/gpt2_tiny.yaml", ["parallel.pp=2"])
+    run.model, run.schedule, run.precision, (run.pp, run.dp, run.tp, run.ep)
+    train(run); planner.plan(run, ...); check_before_launch(run)
+
+Limits: a `Run` is frozen (its fields cannot be reassigned; it keeps its own
+copy of the keys), but the model config and the keys inside it are plain
+dataclasses: treat them as read-only.
 """
 
 from __future__ import annotations
