@@ -36,7 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .models import FAMILIES, get_model, model_keys, model_specs, model_vocab
 from .partition import check_boundaries, layer_weights
-from .precision import PRECISIONS, Precision, precision_policy
+from .precision import PRECISION_NAMES, Precision, precision_policy
 from .schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, load_schedule
 from .spec import spec_name
 from .topology import local_workers, resolve_device
@@ -265,7 +265,7 @@ def check_config(cfg: Config) -> None:
     _check_choice("optimizer.name", cfg.optimizer.name, ("adamw", "sgd"))
     _check_choice("optimizer.zero_stage", cfg.optimizer.zero_stage, (0, 1, 2))
     _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
-    _check_choice("train.precision", t.precision, PRECISIONS)
+    _check_choice("train.precision", t.precision, PRECISION_NAMES)
     _check_optimizer(cfg)
     _check_precision(cfg)
     _check_runtime(cfg)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISION_NAMES = ("fp32", "bf16", "fp16")
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 _FULL = {"float32": torch.float32, "float64": torch.float64}
 
@@ -61,8 +61,8 @@ def precision_policy(name: str = "fp32", dtype: str = "float32", fp16=None) -> P
     """The policy of `train.precision=name` with `train.dtype=dtype`; `fp16` (an
     `Fp16Config`, used for name="fp16") gives the loss scaling, DeepSpeed's
     `loss_scale: 0` meaning dynamic. ValueError for a name or dtype not in the table."""
-    if name not in PRECISIONS:
-        raise ValueError(f"precision={name!r} is not one of {list(PRECISIONS)}")
+    if name not in PRECISION_NAMES:
+        raise ValueError(f"precision={name!r} is not one of {list(PRECISION_NAMES)}")
     if dtype not in _FULL:
         raise ValueError(f"dtype={dtype!r} is not one of {list(_FULL)}")
     if name == "fp32":
