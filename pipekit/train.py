@@ -135,11 +135,7 @@ def train(run: Run) -> dict:
     `run` is resolved (a Config is resolved here first, for callers holding one)."""
     run = resolve(run)
     cfg = run.config
-    device, reason = resolve_device(cfg.train.device, local_workers(cfg.world_size))
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.world_size > 1:
-        init_distributed(device=device)
-    torch.set_default_dtype(getattr(torch, cfg.train.dtype))
-    topo = Topology(pp=run.pp, dp=run.dp, tp=run.tp, ep=run.ep, device=device)
+    topo, notice = _join(run)
     path = data_dir(cfg)
     check_vocab(run, path)
     engine = build(run, topo)
@@ -152,8 +148,29 @@ def train(run: Run) -> dict:
                   flush=True)
         save_weights(run, topo, engine, path)
         return {"steps": 0, "resumed_from": start}
-    log = Logger(run, topo, engine, notice=reason if fell_back(cfg.train.device, device) else None,
-                 start_step=start)
+    log = Logger(run, topo, engine, notice=notice, start_step=start)
+    summary = _steps(run, topo, engine, log, path, start)
+    if "stopped_by" not in summary:
+        save_weights(run, topo, engine, path)
+    return summary
+
+
+def _join(run: Run) -> tuple[Topology, str | None]:
+    """This worker's place: its device, the process group (when there is more than one
+    worker), the default dtype, the topology; and the notice to print when train.device=auto
+    fell back to the CPU."""
+    device, reason = resolve_device(run.config.train.device, local_workers(run.world_size))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or run.world_size > 1:
+        init_distributed(device=device)
+    torch.set_default_dtype(getattr(torch, run.config.train.dtype))
+    topo = Topology(pp=run.pp, dp=run.dp, tp=run.tp, ep=run.ep, device=device)
+    return topo, reason if fell_back(run.config.train.device, device) else None
+
+
+def _steps(run: Run, topo: Topology, engine: PipelineEngine, log: Logger, path: str | None, start: int) -> dict:
+    """Steps start+1 .. train.steps: train, validate, log, checkpoint, and stop early (after
+    a checkpoint) when any rank got SIGTERM/SIGINT. Returns the logger's summary."""
+    cfg = run.config
     train_data = batches(run, topo, "train", path, start_step=start)
     root, saved_at = checkpoint_root(cfg), None
     has_moe = getattr(run.model, "n_experts", None) is not None
@@ -183,9 +200,7 @@ def train(run: Run) -> dict:
             if stopping:
                 log.stopped(step, stop.signal_name, saved_at if saved_at and saved_at.endswith(f"{step:08d}") else None)
                 return {**log.finish(), "stopped_by": stop.signal_name}
-    summary = log.finish()
-    save_weights(run, topo, engine, path)
-    return summary
+    return log.finish()
 
 
 def _injected_fault(step: int, topo: Topology) -> None:
