@@ -17,12 +17,12 @@ how tokens reach their experts and come back:
                      run the expert (`w[e]` of the stacked weights, as
                      transformers 5's MixtralExperts indexes its 3D
                      parameters), `index_add` its weighted output.
-  pipekit, loop      `MoEMLP(backend="loop")`: one stable sort of the slots by
+  pipekit, loop      `MoEMLP(gemm="loop")`: one stable sort of the slots by
                      expert, one gather, a loop of matmuls over contiguous
                      slices (weights unbound once, so backward stacks the E
                      weight gradients instead of adding E zero-padded
                      ones), one index_add.
-  pipekit, grouped_mm  `MoEMLP(backend="grouped_mm")`: the same permutation,
+  pipekit, grouped_mm  `MoEMLP(gemm="grouped_mm")`: the same permutation,
                      each projection one `torch._grouped_mm` call (this torch
                      runs it on CPU float32 for 16-byte-aligned rows).
 
@@ -66,7 +66,6 @@ from pipekit.auxloss import attach, metrics
 from pipekit.moe import MoEMLP, dispatch
 from pipekit.moe.grouped import grouped_mm_runs
 from pipekit.testing import run_distributed
-
 from pipeline_overhead import load_average, machine, table
 
 SEED = 0
@@ -81,8 +80,8 @@ QUICK_CASES = {
 }
 
 
-def build(case: dict, backend: str = "auto", ep_group=None) -> MoEMLP:
-    return LayerSpec(MoEMLP, case["dim"], case["hidden"], case["n_experts"], case["top_k"], backend=backend,
+def build(case: dict, gemm: str = "auto", ep_group=None) -> MoEMLP:
+    return LayerSpec(MoEMLP, case["dim"], case["hidden"], case["n_experts"], case["top_k"], gemm=gemm,
                      ep_group=ep_group).build(seed=SEED, index=1)
 
 
@@ -116,7 +115,7 @@ def dispatch_rows(name: str, case: dict, warmup: int, steps: int) -> list[dict]:
     probe = torch.empty(1, case["dim"])
     if grouped_mm_runs(probe, torch.empty(1, case["dim"], case["hidden"])):
         layers["pipekit dropless, grouped_mm"] = build(case, "grouped_mm")
-    fns = {k: (lambda x, l=layer: naive_forward(l, x)) if k.startswith("naive") else layer
+    fns = {k: (lambda x, moe=layer: naive_forward(moe, x)) if k.startswith("naive") else layer
            for k, layer in layers.items()}
     gen = torch.Generator().manual_seed(1)
     times = {k: [] for k in layers}

@@ -449,10 +449,43 @@ def _env(args: argparse.Namespace) -> int:
     return 0
 
 
-def _convert(args: argparse.Namespace) -> int:
-    from .models.hf import run_convert
+_DTYPES = ("bfloat16", "float16", "float32")  # convert --dtype: torch dtypes by name
 
-    return run_convert(args) or 0
+
+def _add_convert_args(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `pipekit convert`."""
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face model dir (config.json + weights)")
+    src.add_argument("--to-hf", metavar="MODEL", help="a model pipekit saved: a model.pt, a checkpoint dir "
+                     "(checkpoints/step_N) or a checkpoints root (its newest complete checkpoint)")
+    parser.add_argument("--out", required=True, help="the pipekit file (--from-hf) or HF model dir (--to-hf) to write")
+    parser.add_argument("--dtype", choices=_DTYPES, default=None, help="cast floating weights (default: keep)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out file, or the model files in an existing --out dir "
+                             "(other files in it are kept)")
+
+
+def _convert(args: argparse.Namespace) -> int:
+    """Run `pipekit convert`; 0 on success, 2 with a message on stderr for bad input."""
+    import torch
+
+    from .interchange import convert
+
+    direction, src = ("from_hf", args.from_hf) if args.from_hf else ("to_hf", args.to_hf)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    try:
+        convert(src, args.out, direction, overwrite=args.overwrite, dtype=dtype)
+    except ImportError as e:
+        if e.name != "transformers":
+            raise
+        print(f"pipekit convert: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError, OSError) as e:
+        said = e.args[0] if isinstance(e, KeyError) and e.args else e  # str(KeyError) quotes its message
+        print(f"pipekit convert: {said}", file=sys.stderr)
+        return 2
+    print(f"pipekit convert: wrote {args.out}")
+    return 0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -507,9 +540,7 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_prepare_data)
 
     c = sub.add_parser("convert", help="import weights from / export to HuggingFace transformers")
-    from .models.hf import add_convert_args
-
-    add_convert_args(c)
+    _add_convert_args(c)
     c.set_defaults(fn=_convert)
 
     g = sub.add_parser("generate", help="sample text from a trained model.pt or a checkpoint")

@@ -18,7 +18,6 @@ rows, zero on import, must still be zero after training (zero gradient).
 
 from __future__ import annotations
 
-import argparse
 import io
 from dataclasses import asdict
 
@@ -29,7 +28,9 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 import pipekit  # noqa: E402
+from pipekit import interchange  # noqa: E402
 from pipekit.checkpoint import full_state_dict, load_full_state_dict  # noqa: E402
+from pipekit.cli import main  # noqa: E402
 from pipekit.layers import gather_from_tp  # noqa: E402
 from pipekit.models import get_model, model_loss, model_specs, with_overrides  # noqa: E402
 from pipekit.models import hf  # noqa: E402
@@ -256,26 +257,24 @@ def offline(monkeypatch):
 def test_save_hf_checkpoint_loads_in_transformers(cases, case_id, tmp_path, offline):
     case = cases[case_id]
     out = tmp_path / "hf"
-    hf.save_hf_checkpoint(case.family, case.full, case.cfg, str(out))
+    interchange.save_hf_checkpoint(case.family, case.full, case.cfg, str(out))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["hf"], "no temporary dir may be left behind"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
     assert type(loaded) is type(case.model)
     assert same_state(loaded.state_dict(), case.hf_sd)
     assert max_diff(hf_logits(loaded, case.ids), case.logits) == 0.0
-    family, cfg, full = hf.load_hf_checkpoint(str(out))
+    family, cfg, full = interchange.load_hf_checkpoint(str(out))
     assert (family, cfg) == (case.family, case.cfg)
     assert same_state(full, case.full)
     with pytest.raises(FileExistsError, match="overwrite"):
-        hf.save_hf_checkpoint(case.family, case.full, case.cfg, str(out))
-    hf.save_hf_checkpoint(case.family, case.full, case.cfg, str(out), overwrite=True)
+        interchange.save_hf_checkpoint(case.family, case.full, case.cfg, str(out))
+    interchange.save_hf_checkpoint(case.family, case.full, case.cfg, str(out), overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
 def convert_cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="pipekit convert")
-    hf.add_convert_args(parser)
-    return hf.run_convert(parser.parse_args(list(argv)))
+    return main(["convert", *argv])
 
 
 @pytest.mark.parametrize("case_id", ["gpt2-tied", "llama-untied"])
@@ -285,7 +284,7 @@ def test_convert_round_trip_from_transformers_files(cases, case_id, tmp_path, of
     case.model.save_pretrained(str(tmp_path / "src"))
     pk = str(tmp_path / "model.pt")
     assert convert_cli("--from-hf", str(tmp_path / "src"), "--out", pk) == 0
-    family, cfg, full = hf.load_pipekit_file(pk)
+    family, cfg, full = interchange.load_pipekit_file(pk)
     assert (family, cfg) == (case.family, case.cfg) and same_state(full, case.full)
     assert convert_cli("--to-hf", pk, "--out", str(tmp_path / "dst")) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dst"), attn_implementation="eager")
@@ -300,13 +299,13 @@ def test_convert_round_trip_from_transformers_files(cases, case_id, tmp_path, of
 def test_convert_to_bfloat16(cases, tmp_path, offline):
     case = cases["llama-untied"]
     pk = str(tmp_path / "model.pt")
-    hf.save_pipekit_file(case.family, case.cfg, case.full, pk)
-    hf.convert(pk, str(tmp_path / "bf16"), "to_hf", dtype=torch.bfloat16)
-    _, _, full = hf.load_hf_checkpoint(str(tmp_path / "bf16"))
+    interchange.save_pipekit_file(case.family, case.cfg, case.full, pk)
+    interchange.convert(pk, str(tmp_path / "bf16"), "to_hf", dtype=torch.bfloat16)
+    _, _, full = interchange.load_hf_checkpoint(str(tmp_path / "bf16"))
     assert all(t.dtype == torch.bfloat16 for t in full.values())
     assert all(torch.equal(full[k], case.full[k].to(torch.bfloat16)) for k in full)
     with pytest.raises(ValueError, match="from_hf"):
-        hf.convert(pk, str(tmp_path / "x"), "sideways")
+        interchange.convert(pk, str(tmp_path / "x"), "sideways")
 
 
 def test_padded_vocab_files(cases, tmp_path, offline):
@@ -320,21 +319,21 @@ def test_padded_vocab_files(cases, tmp_path, offline):
         for name in hf.vocab_tensor_names(case.cfg):
             assert case.full[name].shape[0] == 64 and not case.full[name][ODD:].any(), name
         out = tmp_path / case_id
-        hf.save_hf_checkpoint(case.family, case.full, case.cfg, str(out))
+        interchange.save_hf_checkpoint(case.family, case.full, case.cfg, str(out))
         loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
         assert loaded.config.vocab_size == ODD and same_state(loaded.state_dict(), case.hf_sd)
         assert max_diff(hf_logits(loaded, case.ids), case.logits) == 0.0
 
         pk = str(tmp_path / f"{case_id}.pt")
-        hf.save_pipekit_file(case.family, case.cfg, case.full, pk)
-        family, cfg, full = hf.load_pipekit_file(pk)
+        interchange.save_pipekit_file(case.family, case.cfg, case.full, pk)
+        family, cfg, full = interchange.load_pipekit_file(pk)
         assert (family, cfg) == (case.family, case.cfg) and same_state(full, case.full)
 
         old = asdict(case.cfg)
         old.pop("vocab_pad_multiple")
         unpadded = {k: v[:ODD].clone() if k in hf.vocab_tensor_names(case.cfg) else v for k, v in case.full.items()}
         torch.save({"family": case.family, "config": old, "state_dict": unpadded}, pk)
-        family, cfg, full = hf.load_pipekit_file(pk)
+        family, cfg, full = interchange.load_pipekit_file(pk)
         assert cfg == with_overrides(case.cfg, vocab_pad_multiple=128) and cfg.padded_vocab == 128
         assert all(full[n].shape[0] == 128 and not full[n][ODD:].any() for n in hf.vocab_tensor_names(cfg))
         assert same_state(hf.to_hf_state_dict(family, full, cfg), case.hf_sd)
@@ -417,7 +416,7 @@ def test_state_dict_mismatches_are_named(cases):
 
 
 def test_the_toy_family_has_no_hf_form():
-    """The registry's `hf=False` refuses the toy model in one line, wherever it is asked."""
+    """A family without a Hugging Face adapter (`hf.ADAPTERS`) is refused in one line, wherever it is asked."""
     toy = get_model("toy")
     said = "'toy' model, which has no Hugging Face form; only gpt2, llama and mixtral models convert"
     for call in (lambda: hf.hf_config_from(toy), lambda: hf.to_hf_state_dict("toy", {}, toy),

@@ -25,7 +25,6 @@ for one layer.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict
 
 import pytest
@@ -37,8 +36,9 @@ from test_hf import TOL, hf_logits, max_diff, same_state  # noqa: E402
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: E402
 
 import pipekit  # noqa: E402
-from pipekit import auxloss  # noqa: E402
+from pipekit import auxloss, interchange  # noqa: E402
 from pipekit.checkpoint import full_state_dict, load_full_state_dict, save_checkpoint  # noqa: E402
+from pipekit.cli import main  # noqa: E402
 from pipekit.models import get_model, model_specs, with_overrides  # noqa: E402
 from pipekit.models import hf  # noqa: E402
 
@@ -108,9 +108,7 @@ def per_expert_form(hf_sd: dict, n_layers: int) -> dict:
 
 
 def convert_cli(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="pipekit convert")
-    hf.add_convert_args(parser)
-    return hf.run_convert(parser.parse_args(list(argv)))
+    return main(["convert", *argv])
 
 
 # ---- weights and logits --------------------------------------------------------------
@@ -176,7 +174,7 @@ def test_saved_export_is_fused_and_loads_in_transformers(cases, name, tmp_path, 
 
     case = cases[name]
     out = tmp_path / "hf"
-    hf.save_hf_checkpoint("mixtral", case.full, case.cfg, str(out))
+    interchange.save_hf_checkpoint("mixtral", case.full, case.cfg, str(out))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(str(out / "model.safetensors"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager").eval()
@@ -184,7 +182,7 @@ def test_saved_export_is_fused_and_loads_in_transformers(cases, name, tmp_path, 
     assert same_state(loaded.state_dict(), case.hf_sd)
     assert max_diff(hf_logits(loaded, case.ids), case.out.logits) == 0.0
     assert loaded.config.router_aux_loss_coef == HF_AUX_COEF
-    family, cfg, full = hf.load_hf_checkpoint(str(out))
+    family, cfg, full = interchange.load_hf_checkpoint(str(out))
     assert (family, cfg) == ("mixtral", case.cfg) and same_state(full, case.full)
 
 
@@ -202,7 +200,7 @@ def test_convert_round_trip_from_transformers_save_pretrained(cases, tmp_path, o
     case.model.save_pretrained(str(tmp_path / "src"))
     pk = str(tmp_path / "model.pt")
     assert convert_cli("--from-hf", str(tmp_path / "src"), "--out", pk) == 0
-    family, cfg, full = hf.load_pipekit_file(pk)
+    family, cfg, full = interchange.load_pipekit_file(pk)
     assert (family, cfg) == ("mixtral", case.cfg) and same_state(full, case.full)
     assert convert_cli("--to-hf", pk, "--out", str(tmp_path / "dst")) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dst"), attn_implementation="eager")
@@ -240,13 +238,13 @@ def test_configs_without_a_hf_form_are_refused_in_one_line(cases, overrides, tmp
         cfg, full = with_overrides(cases["2-layers"].cfg, **overrides), cases["2-layers"].full
     for call in (lambda: hf.hf_config_from(cfg), lambda: hf.to_hf_state_dict("mixtral", full, cfg),
                  lambda: hf.from_hf_state_dict("mixtral", cases["2-layers"].hf_sd, cfg),
-                 lambda: hf.save_hf_checkpoint("mixtral", full, cfg, str(tmp_path / "hf"))):
+                 lambda: interchange.save_hf_checkpoint("mixtral", full, cfg, str(tmp_path / "hf"))):
         with pytest.raises(ValueError, match="Hugging Face's Mixtral lacks") as e:
             call()
         assert "\n" not in str(e.value)
     assert not (tmp_path / "hf").exists()
     pk = str(tmp_path / "model.pt")
-    hf.save_pipekit_file("mixtral", cfg, full, pk)
+    interchange.save_pipekit_file("mixtral", cfg, full, pk)
     assert convert_cli("--to-hf", pk, "--out", str(tmp_path / "hf")) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Hugging Face's Mixtral lacks" in err

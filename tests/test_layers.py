@@ -48,6 +48,8 @@ from pipekit.layers import (
     tp_slice,
     vocab_parallel_cross_entropy,
 )
+from pipekit.models.gpt2 import gpt2_block_parts
+from pipekit.models.llama import llama_block_parts
 from pipekit.testing import FakeGroup, run_distributed
 
 SEED = 1234
@@ -102,9 +104,9 @@ CASES = [
     Case("attn_mha", lambda: CausalSelfAttention(32, 4, init_std=0.2, out_init_std=0.1), _x(2, 6, 32)),
     Case("gelu_mlp", lambda: GeluMLP(16, 64), _x(2, 5, 16)),
     Case("swiglu_mlp", lambda: SwiGLUMLP(16, 48, init_std=0.3), _x(2, 5, 16)),
-    Case("block_gpt2", lambda: TransformerBlock(32, 4, n_layers_for_init=6), _x(2, 6, 32)),
-    Case("block_llama", lambda: TransformerBlock(32, 8, 4, hidden=64, style="llama", rope_theta=500000.0),
+    Case("block_gpt2", lambda: TransformerBlock(32, **gpt2_block_parts(4, 128, 1e-5), n_layers_for_init=6),
          _x(2, 6, 32)),
+    Case("block_llama", lambda: TransformerBlock(32, **llama_block_parts(8, 4, 64, 1e-6, 500000.0)), _x(2, 6, 32)),
 ]
 
 
@@ -268,12 +270,13 @@ def test_group_capture_and_names():
     assert current_tp_group() is None
     with tensor_parallel(g):
         assert current_tp_group() is g
-        block = TransformerBlock(32, 4, n_kv_heads=2, style="llama", hidden=64)
+        block = TransformerBlock(32, **llama_block_parts(4, 2, 64, 1e-6, 10000.0))
     assert current_tp_group() is None
     assert block.attn.q.group is g and block.mlp.down.group is g
     assert (group_size(None), group_rank(None), group_size(g), group_rank(g)) == (1, 0, 2, 1)
     names = [n for n, _ in block.named_parameters()]
-    assert names == [n for n, _ in TransformerBlock(32, 4, 2, style="llama", hidden=64).named_parameters()]
+    plain = TransformerBlock(32, **llama_block_parts(4, 2, 64, 1e-6, 10000.0))
+    assert names == [n for n, _ in plain.named_parameters()]
     assert names == ["norm1.weight", "attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight",
                      "norm2.weight", "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight"]
     marks = {n: shard_dim(p) for n, p in block.named_parameters()}
@@ -297,7 +300,7 @@ def test_init_draw_order():
     biases are zero and the output projections use the GPT-2 scaled std."""
     torch.manual_seed(7)
     with tensor_parallel(FakeGroup(2, 1)):
-        block = TransformerBlock(16, 4, n_layers_for_init=3)
+        block = TransformerBlock(16, **gpt2_block_parts(4, 64, 1e-5), n_layers_for_init=3)
     torch.manual_seed(7)
     out_std = 0.02 / math.sqrt(6)
     shapes = [("attn.q", (16, 16), 0.02), ("attn.k", (16, 16), 0.02), ("attn.v", (16, 16), 0.02),
@@ -445,7 +448,7 @@ def test_errors_name_the_values():
         with pytest.raises(ValueError, match=r"n_kv_heads=2 .*tensor-parallel size 4"):
             CausalSelfAttention(32, 8, 2)
         with pytest.raises(ValueError, match=r"n_heads=6 .*tensor-parallel size 4"):
-            TransformerBlock(24, 6, style="llama", hidden=64)
+            TransformerBlock(24, **llama_block_parts(6, 6, 64, 1e-6, 10000.0))
         with pytest.raises(ValueError, match=r"num_embeddings=50257 .*tensor-parallel size 4"):
             VocabParallelEmbedding(50257, 8)
         with pytest.raises(ValueError, match=r"out_features=10 .*tensor-parallel size 4"):
@@ -454,5 +457,3 @@ def test_errors_name_the_values():
             RowParallelLinear(10, 8)
     with pytest.raises(ValueError, match=r"n_heads=8 is not divisible by n_kv_heads=3"):
         CausalSelfAttention(32, 8, 3)
-    with pytest.raises(ValueError, match="style='bert'"):
-        TransformerBlock(32, 4, style="bert")

@@ -124,6 +124,26 @@ def test_config_generate_and_train_do_not_branch_on_a_family():
         assert "ToyConfig" not in source and not re.search(r"""== ["'](toy|gpt2|llama|mixtral)["']""", source), name
 
 
+def test_the_moe_fields_are_defined_once():
+    """Mixtral is Llama's config with the MoE fields; GPT-2 has the same optional ones; every
+    one of them is a `model.` key of the training config, so YAML and overrides reach it."""
+    from dataclasses import fields
+
+    from pipekit.config import ModelConfig
+    from pipekit.models import MixtralConfig, MoEConfig
+
+    moe = [f.name for f in fields(MoEConfig)]
+    assert issubclass(MixtralConfig, LlamaConfig) and issubclass(MixtralConfig, MoEConfig)
+    assert issubclass(GPT2Config, MoEConfig) and get_model("gpt2").n_experts is None
+    assert set(model_keys("mixtral")) == set(model_keys("llama")) | set(moe)
+    assert set(moe) <= {f.name for f in fields(ModelConfig)}
+    mixtral = get_model("mixtral", n_experts=4, top_k=1, rope_theta=1.0)
+    assert (mixtral.n_experts, mixtral.top_k, mixtral.rope_theta, get_model("mixtral", "8x7b").rope_theta) == \
+        (4, 1, 1.0, 1e6)
+    with pytest.raises(ValueError, match="MixtralConfig: dim=102 is not divisible by n_heads=4"):
+        get_model("mixtral", dim=102)
+
+
 def test_shared_parts_live_in_common():
     """Llama and Mixtral borrow nothing from gpt2.py; the helpers stay importable from it."""
     from pipekit.models import common, gpt2, mixtral

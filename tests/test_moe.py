@@ -22,7 +22,17 @@ from pipekit import LayerSpec
 from pipekit.auxloss import metrics, scaled_backward
 from pipekit.layers import tensor_parallel
 from pipekit.layers.parallel import expert_parallel
-from pipekit.moe import BACKENDS, Experts, MoEMLP, apply_bias_updates, capacity
+from pipekit.moe import (
+    GEMMS,
+    AllToAllDispatcher,
+    Experts,
+    LocalDispatcher,
+    MoEMLP,
+    apply_bias_updates,
+    capacity,
+    dispatch,
+    register_dispatcher,
+)
 from pipekit.moe.grouped import grouped_mm_runs, megablocks_available
 from pipekit.testing import FakeGroup, run_distributed
 
@@ -342,7 +352,7 @@ def test_jitter_only_in_training():
     assert not torch.equal(layer(x), layer(x))
 
 
-# ---- grouped matmul backends ------------------------------------------------------
+# ---- grouped matmuls (gemm) -------------------------------------------------------
 def test_loop_and_grouped_mm_paths_agree():
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("this torch has no torch._grouped_mm")
@@ -357,9 +367,9 @@ def test_loop_and_grouped_mm_paths_agree():
     except RuntimeError as e:
         pytest.skip(f"torch._grouped_mm refuses CPU float32 here: {e}")
     results = {}
-    for backend in ("loop", "grouped_mm"):
-        layer = build(dim=16, hidden=32, n_experts=8, top_k=2, backend=backend).float()
-        results[backend] = run(layer, x, g)
+    for gemm in ("loop", "grouped_mm"):
+        layer = build(dim=16, hidden=32, n_experts=8, top_k=2, gemm=gemm).float()
+        results[gemm] = run(layer, x, g)
     (out_l, xg_l, gr_l), (out_g, xg_g, gr_g) = results["loop"], results["grouped_mm"]
     torch.testing.assert_close(out_g, out_l, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(xg_g, xg_l, atol=1e-5, rtol=1e-5)
@@ -367,21 +377,58 @@ def test_loop_and_grouped_mm_paths_agree():
         torch.testing.assert_close(gr_g[name], gr_l[name], atol=1e-5, rtol=1e-5)
 
 
-def test_empty_groups_in_every_backend_keep_weight_gradients():
+def test_empty_groups_in_every_gemm_keep_weight_gradients():
     x = torch.randn(5, 16, dtype=torch.float32, requires_grad=True)
     w = torch.randn(3, 16, 8, dtype=torch.float32, requires_grad=True)
     for name in ("loop", "grouped_mm", "auto"):
         for sizes in ([0, 5, 0], [5, 0, 0]):
-            y = BACKENDS[name](x, w, sizes)
+            y = GEMMS[name](x, w, sizes)
             assert y.shape == (5, 8)
             gx, gw = torch.autograd.grad(y.sum(), (x, w))
             assert gw.shape == w.shape and gw[[i for i, s in enumerate(sizes) if s == 0]].abs().sum() == 0
 
 
 @pytest.mark.skipif(megablocks_available(), reason="megablocks is installed here")
-def test_megablocks_backend_asked_for_but_missing_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"backend='megablocks' needs the megablocks package"):
-        MoEMLP(8, 8, 4, backend="megablocks")
+def test_megablocks_gemm_asked_for_but_missing_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"gemm='megablocks' needs the megablocks package"):
+        MoEMLP(8, 8, 4, gemm="megablocks")
+
+
+# ---- the dispatcher seam ------------------------------------------------------------
+class RecordingDispatcher(LocalDispatcher):
+    """The local dispatcher, logging each call: what a registered dispatcher sees."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls = []
+
+    def dispatch(self, x_TD, routing):
+        x_MD, sizes, state = super().dispatch(x_TD, routing)
+        self.calls.append(("dispatch", x_TD.shape[0], x_MD.shape[0], sum(sizes)))
+        return x_MD, sizes, state
+
+    def combine(self, y_MD, state):
+        self.calls.append(("combine", y_MD.shape[0]))
+        return super().combine(y_MD, state)
+
+
+def test_a_registered_dispatcher_carries_every_row_once_per_forward(monkeypatch):
+    monkeypatch.setattr(dispatch, "DISPATCHERS", dict(dispatch.DISPATCHERS))
+    register_dispatcher("recording", RecordingDispatcher)
+    layer = build(dispatcher="recording", n_shared_experts=1)  # 18 tokens, top_k=4: 72 rows, dropless
+    x, g = inputs()
+    assert_same(run(layer, x, g), run_reference(layer, x, g))
+    assert layer.dispatcher.calls == [("dispatch", 18, 72, 72), ("combine", 72)]  # backward calls neither
+    assert layer.dispatcher.n_experts == 16 and layer.dispatcher.capacity_factor is None
+
+
+def test_auto_dispatcher_is_local_without_ep_and_alltoall_with_it():
+    assert type(MoEMLP(12, 8, 8, 2).dispatcher) is LocalDispatcher
+    assert type(MoEMLP(12, 8, 8, 2, ep_group=FakeGroup(1)).dispatcher) is LocalDispatcher
+    layer = MoEMLP(12, 8, 8, 2, ep_group=FakeGroup(2, 1), capacity_factor=1.5, drop_policy="score")
+    assert type(layer.dispatcher) is AllToAllDispatcher and layer.dispatcher.group.size() == 2
+    assert "AllToAllDispatcher(ep=2, capacity_factor=1.5, drop_policy='score')" in repr(layer)
+    assert copy.deepcopy(layer).dispatcher.group is layer.dispatcher.group  # shared, not copied
 
 
 # ---- construction: seeding, marks, tp, meta --------------------------------------------
@@ -458,7 +505,10 @@ def test_metrics_per_layer_name():
     (dict(score="tanh"), r"score='tanh' is not one of \('softmax', 'sigmoid'\)"),
     (dict(drop_policy="random"), r"drop_policy='random' is not one of \('position', 'score'\)"),
     (dict(activation="relu"), r"activation='relu' is not one of \('swiglu', 'gelu'\)"),
-    (dict(backend="triton"), r"backend='triton' is not one of \[.*'loop'.*\]"),
+    (dict(gemm="triton"), r"gemm='triton' is not one of \[.*'loop'.*\]"),
+    (dict(dispatcher="deepep"), r"dispatcher='deepep' is not one of \['auto', 'alltoall', 'local'.*\]"),
+    (dict(dispatcher="local", ep_group=FakeGroup(2)), r"dispatcher='local' .* sharded over ep=2 ranks"),
+    (dict(dispatcher="alltoall"), r"dispatcher='alltoall' needs an expert-parallel group"),
     (dict(n_shared_experts=-1), r"n_shared_experts=-1 must be an int >= 0"),
     (dict(jitter=1.5), r"jitter=1.5 must be in \[0, 1\)"),
     (dict(aux_loss_coef=-0.1), r"aux_loss_coef=-0.1 must be a finite number >= 0"),
@@ -538,8 +588,8 @@ def test_expert_parallel_matches_ep1_on_each_ranks_tokens():
                 one, many = res[name][1], res[name][ep]
                 peers = range(r // ep * ep, r // ep * ep + ep)
                 where = f"{name}, ep={ep}, rank {r}"
-                torch.testing.assert_close(many["out"], one["out"], **TOL, msg=lambda m: f"{where}: {m}")
-                torch.testing.assert_close(many["x_grad"], one["x_grad"], **TOL, msg=lambda m: f"{where}: {m}")
+                torch.testing.assert_close(many["out"], one["out"], **TOL, msg=lambda m, w=where: f"{w}: {m}")
+                torch.testing.assert_close(many["x_grad"], one["x_grad"], **TOL, msg=lambda m, w=where: f"{w}: {m}")
                 assert many["dropped"] == one["dropped"], where
                 n = 8 // ep
                 local = slice(many["first"], many["first"] + n)
@@ -551,7 +601,7 @@ def test_expert_parallel_matches_ep1_on_each_ranks_tokens():
                         want = sum(per_rank[q][name][1]["grads"][p] for q in peers)[local]
                     else:  # router, shared expert: replicated, this rank's tokens only
                         want = one["grads"][p]
-                    torch.testing.assert_close(grad, want, **TOL, msg=lambda m, p=p: f"{where}, {p}: {m}")
+                    torch.testing.assert_close(grad, want, **TOL, msg=lambda m, w=where, p=p: f"{w}, {p}: {m}")
                 assert sorted(many["grads"]) == sorted(one["grads"])
                 if name == "capacity":  # aux-free bias from the loads summed over the ep group
                     load = sum(per_rank[q]["capacity"]["counts"] for q in peers).float()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import einops
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,23 +55,17 @@ class CausalSelfAttention(nn.Module):
         self.v = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, bias=bias, init_std=init_std, group=group)
         self.o = RowParallelLinear(n_heads * self.head_dim, dim, bias=bias, init_std=out_std, group=group)
 
-    def _heads(self, y: torch.Tensor, n: int) -> torch.Tensor:
-        B, T, _ = y.shape
-        return y.view(B, T, n, self.head_dim).transpose(1, 2)  # (B, n, T, head_dim)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         x = copy_to_tp(x, self.q.group)  # one backward all-reduce for q, k and v together
-        q = self._heads(self.q.forward_copied(x), self.local_heads)  # (B, H/tp, T, hd)
-        k = self._heads(self.k.forward_copied(x), self.local_kv_heads)  # (B, KV/tp, T, hd)
-        v = self._heads(self.v.forward_copied(x), self.local_kv_heads)
+        q = einops.rearrange(self.q.forward_copied(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, H/tp, T, hd)
+        k = einops.rearrange(self.k.forward_copied(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, KV/tp, T, hd)
+        v = einops.rearrange(self.v.forward_copied(x), "b t (h d) -> b h t d", d=self.head_dim)
         if self.rope_theta is not None:
-            cos, sin = rotary_cos_sin(T, self.head_dim, self.rope_theta, x.device, q.dtype)
+            cos, sin = rotary_cos_sin(x.shape[1], self.head_dim, self.rope_theta, x.device, q.dtype)
             q, k = apply_rotary(q, k, cos, sin)
-        if self.local_kv_heads != self.local_heads:
-            repeat = self.local_heads // self.local_kv_heads
-            k = k.repeat_interleave(repeat, dim=1)  # (B, H/tp, T, hd): query head i uses kv head i // repeat
-            v = v.repeat_interleave(repeat, dim=1)
+        if self.local_kv_heads != self.local_heads:  # query head i uses kv head i // r
+            r = self.local_heads // self.local_kv_heads
+            k = einops.repeat(k, "b h t d -> b (h r) t d", r=r)  # (B, H/tp, T, hd)
+            v = einops.repeat(v, "b h t d -> b (h r) t d", r=r)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.local_heads * self.head_dim)  # (B, T, H/tp * hd)
-        return self.o(y)
+        return self.o(einops.rearrange(y, "b h t d -> b t (h d)"))  # (B, T, H/tp * hd)

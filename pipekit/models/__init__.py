@@ -1,10 +1,11 @@
 """The model zoo as LayerSpec lists, one registry entry per family (`FAMILIES`):
-GPT-2 and Llama (with Hugging Face conversion in `pipekit.models.hf`),
-Mixtral-style MoE models (Llama blocks with `pipekit.moe` feed-forward layers),
-and a tiny built-in language model (`toy`, `toy_lm`) for demos and the engine's
-parity tests. The parts the families share live in `pipekit.models.common`."""
+GPT-2, Llama, Mixtral-style MoE models (Llama blocks with `pipekit.moe`
+feed-forward layers), and a tiny built-in language model (`toy`, `toy_lm`) for
+demos and the engine's parity tests. The parts the families share live in
+`pipekit.models.common`; the Hugging Face name and layout mapping, one adapter per
+family, in `pipekit.models.hf` (files are read and written by `pipekit.interchange`)."""
 
-from .common import VocabParallelHead, moe_mlp, padded_vocab
+from .common import MoEConfig, VocabParallelHead, moe_mlp, padded_vocab
 from .gpt2 import GPT2Config, gpt2_loss, gpt2_specs
 from .llama import LlamaConfig, llama_loss, llama_specs
 from .mixtral import MixtralConfig, mixtral_loss, mixtral_specs
@@ -34,6 +35,7 @@ __all__ = [
     "gpt2_loss",
     "padded_vocab",
     "VocabParallelHead",
+    "MoEConfig",
     "moe_mlp",
     "LlamaConfig",
     "llama_specs",

@@ -2,8 +2,8 @@
 table and head, the MoE feed-forward factory, and the attention FLOPs.
 
 A family's spec list composes these with `pipekit.layers.TransformerBlock`
-(whose `mlp=` factory swaps the dense MLP for `moe_mlp`); nothing here knows
-which family calls it.
+(whose `mlp=` part is the dense MLP or `moe_mlp`); nothing here knows which
+family calls it.
 
 Vocabulary padding (Megatron's `--make-vocab-size-divisible-by`): the token
 table and the head have Vp = `padded_vocab(cfg)` rows, `vocab_size` rounded up
@@ -18,7 +18,9 @@ zero gradient. Hugging Face import pads with zero rows, export strips them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +30,26 @@ from ..layers.parallel import current_ep_group, group_rank
 from ..spec import LayerSpec, TiedLayerSpec
 
 
-# ---- config checks -------------------------------------------------------------------
+# ---- the MoE fields of a config, and config checks ---------------------------------------------
+@dataclass(kw_only=True)
+class MoEConfig:
+    """The MoE fields a family's config adds to its dense one, defined once (GPT-2's optional
+    ones, Mixtral's): with `n_experts` set, every block's feed-forward part is an MoE layer
+    (`moe_mlp`, a `pipekit.moe.MoEMLP`) of `n_experts` routed experts, `top_k` per token,
+    beside `n_shared_experts` always-on ones. Keyword-only, so that a family config inherits
+    them after its own positional fields; the names stay flat (`cfg.n_experts`, the config
+    key `model.n_experts`). A family whose blocks are always MoE overrides the defaults
+    (Mixtral: 8 experts) and checks them with `check_moe`."""
+
+    n_experts: Optional[int] = None  # routed experts per block; None: dense blocks
+    top_k: int = 2  # routed experts per token
+    n_shared_experts: int = 0  # always-on experts beside the routed ones (one dense MLP of n_shared * hidden)
+    score: str = "softmax"  # router scores: softmax | sigmoid (DeepSeek-V3)
+    aux_loss_coef: float = 0.01  # load-balancing loss weight, per block
+    z_loss_coef: float = 0.0  # router z-loss weight, per block
+    capacity_factor: Optional[float] = None  # None: dropless
+
+
 def check_positive(cfg, names: tuple[str, ...]) -> None:
     """Raise a ValueError naming the first field of `cfg` that is not a positive int."""
     for name in names:
@@ -37,7 +58,7 @@ def check_positive(cfg, names: tuple[str, ...]) -> None:
             raise ValueError(f"{type(cfg).__name__}: {name} must be a positive int, got {value!r}")
 
 
-def check_moe(cfg) -> None:
+def check_moe(cfg: MoEConfig) -> None:
     """The MoE fields of a model config (n_experts, top_k, n_shared_experts, capacity_factor, score)."""
     name = type(cfg).__name__
     check_positive(cfg, ("n_experts", "top_k"))
@@ -114,7 +135,7 @@ def moe_mlp(dim: int, hidden: int, *, group=None, init_std: float = 0.02, out_in
             cfg, layer_index: int, activation: str = "swiglu", bias: bool = False):
     """The MoE feed-forward part of block `layer_index` of a config with MoE fields (Mixtral's,
     or GPT-2's with n_experts set), on the current expert-parallel group: a `TransformerBlock`
-    `mlp=` factory (`partial(moe_mlp, cfg=cfg, layer_index=i)`)."""
+    `mlp=` part (`partial(moe_mlp, hidden=..., cfg=cfg, layer_index=i)`)."""
     from ..moe import MoEMLP
 
     return MoEMLP(dim, hidden, cfg.n_experts, cfg.top_k, activation=activation, bias=bias, score=cfg.score,

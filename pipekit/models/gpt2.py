@@ -1,7 +1,7 @@
 """GPT-2 as a spec list: tied vocab-parallel embedding, pre-norm blocks, LayerNorm, tied head.
 
     [0]        TiedLayerSpec("embed", GPT2Embedding)   ids (B, T) int64 -> hidden (B, T, D)
-    [1..L]     LayerSpec(TransformerBlock, style="gpt2")            (B, T, D) -> (B, T, D)
+    [1..L]     LayerSpec(TransformerBlock, **gpt2_block_parts)     (B, T, D) -> (B, T, D)
     [L+1]      LayerSpec(LayerNorm)                                  (B, T, D) -> (B, T, D)
     [L+2]      TiedLayerSpec("embed", ..., forward_fn=tied_logits)   (B, T, D) -> (B, T, Vp/tp)
 
@@ -13,8 +13,10 @@ bias-free `VocabParallelHead` (names `layers.0.*`, `layers.{L+2}.weight`).
 
 Vocabulary padding: the token table and the head have Vp = `padded_vocab(cfg)`
 rows and the padded ids' logits are -inf (see `pipekit.models.common`).
-With `n_experts` set, every block's MLP is `common.moe_mlp` (GELU experts with
-biases), passed to the block as its `mlp=` factory.
+A block is `TransformerBlock` with GPT-2's parts (`gpt2_block_parts`): LayerNorm,
+multi-head attention with biases and no rotary embedding, the GELU MLP of width
+4*dim with biases, and GPT-2's scaled init of the output projections. With
+`n_experts` set, every block's MLP is `common.moe_mlp` (GELU experts with biases).
 
 Parameter names (the same at every pp/tp): `tied.embed.wte.weight`,
 `tied.embed.wpe.weight`, `layers.{i}.norm1.weight`, `layers.{i}.attn.q.weight`
@@ -25,15 +27,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
 
 import torch
 from torch import nn
 
-from ..layers import LayerNorm, TransformerBlock, VocabParallelCrossEntropy, VocabParallelEmbedding
+from ..layers import (
+    CausalSelfAttention,
+    GeluMLP,
+    LayerNorm,
+    TransformerBlock,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+)
 from ..layers.parallel import normal_full
 from ..spec import LayerSpec, TiedLayerSpec
 from .common import (  # noqa: F401 - the shared helpers, importable from here as before
+    MoEConfig,
     VocabParallelHead,
     check_moe,
     check_positive,
@@ -45,7 +54,11 @@ from .common import (  # noqa: F401 - the shared helpers, importable from here a
 
 
 @dataclass
-class GPT2Config:
+class GPT2Config(MoEConfig):
+    """GPT-2, and GPT-2-MoE with `n_experts` set: every block's MLP is then an MoE layer of
+    n_experts GELU experts (width 4*dim, with biases), top_k per token (the MoE fields:
+    `common.MoEConfig`, keyword-only)."""
+
     vocab_size: int
     max_seq_len: int  # learned positions (HF n_positions)
     n_layers: int
@@ -57,15 +70,6 @@ class GPT2Config:
     # The token table and the head get vocab_size rounded up to a multiple of this (1: no padding);
     # the padded ids' logits are -inf. Independent of tp, which must divide the padded size.
     vocab_pad_multiple: int = 128
-    # GPT-2-MoE: with n_experts set, every block's MLP is an MoE layer of n_experts GELU experts
-    # (width 4*dim, with biases), top_k per token (see pipekit.moe.MoEMLP for the router options).
-    n_experts: Optional[int] = None
-    top_k: int = 2
-    n_shared_experts: int = 0
-    score: str = "softmax"
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0
-    capacity_factor: Optional[float] = None
 
     def __post_init__(self):
         check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "vocab_pad_multiple"))
@@ -133,17 +137,24 @@ def gpt2_specs(cfg: GPT2Config) -> list:
         embed = LayerSpec(GPT2Embedding, *embed_args, **embed_kw)
         head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, cfg.padded_vocab, init_std=cfg.init_std)
 
-    def mlp(i: int):  # the block's feed-forward factory: None (the dense GELU MLP) or MoE
-        if cfg.n_experts is None:
-            return None
-        return partial(moe_mlp, cfg=cfg, layer_index=i + 1, activation="gelu", bias=True)
+    parts = gpt2_block_parts(cfg.n_heads, 4 * cfg.dim, cfg.norm_eps)
 
-    blocks = [
-        LayerSpec(TransformerBlock, cfg.dim, cfg.n_heads, hidden=4 * cfg.dim, style="gpt2",
-                  norm_eps=cfg.norm_eps, n_layers_for_init=cfg.n_layers, mlp=mlp(i))
-        for i in range(cfg.n_layers)
-    ]
+    def mlp(i: int):  # block i's feed-forward factory: the dense GELU MLP, or MoE
+        if cfg.n_experts is None:
+            return parts["mlp"]
+        return partial(moe_mlp, hidden=4 * cfg.dim, cfg=cfg, layer_index=i + 1, activation="gelu", bias=True)
+
+    blocks = [LayerSpec(TransformerBlock, cfg.dim, **{**parts, "mlp": mlp(i)}, n_layers_for_init=cfg.n_layers)
+              for i in range(cfg.n_layers)]
     return [embed, *blocks, LayerSpec(LayerNorm, cfg.dim, cfg.norm_eps), head]
+
+
+def gpt2_block_parts(n_heads: int, hidden: int, norm_eps: float) -> dict:
+    """`TransformerBlock`'s parts in GPT-2's form: LayerNorm with bias, multi-head attention
+    with biases and no rotary embedding, the GELU MLP of width `hidden` with biases.
+    (GPT-2's scaled init of the output projections is the block's `n_layers_for_init`.)"""
+    return dict(norm=partial(LayerNorm, eps=norm_eps), attn=partial(CausalSelfAttention, n_heads=n_heads, bias=True),
+                mlp=partial(GeluMLP, hidden=hidden, bias=True))
 
 
 def gpt2_loss(cfg: GPT2Config | None = None) -> LayerSpec:

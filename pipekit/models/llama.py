@@ -1,7 +1,7 @@
 """Llama (2/3 architecture) as a spec list.
 
     [0]        embedding: VocabParallelEmbedding        ids (B, T) int64 -> hidden (B, T, D)
-    [1..L]     LayerSpec(TransformerBlock, style="llama")           (B, T, D) -> (B, T, D)
+    [1..L]     LayerSpec(TransformerBlock, **llama_block_parts)    (B, T, D) -> (B, T, D)
     [L+1]      LayerSpec(RMSNorm)                                    (B, T, D) -> (B, T, D)
     [L+2]      head: VocabParallelHead(D, V)                         (B, T, D) -> (B, T, Vp/tp)
 
@@ -10,17 +10,20 @@ and the head `layers.{L+2}.weight`; with `tie_embeddings=True` both are one
 `TiedLayerSpec("embed")` (`tied.embed.weight`) and the head multiplies by the
 embedding's vocab shard. The token table and the head have Vp =
 `padded_vocab(cfg)` rows and the padded ids' logits are -inf (see common.py).
-Rotary positions 0..T-1 are made inside attention from the sequence length
-(no position input travels between stages).
+A block is `TransformerBlock` with Llama's parts (`llama_block_parts`): RMSNorm,
+grouped-query attention without biases and with the rotary embedding, the SwiGLU
+MLP of width `hidden`. Rotary positions 0..T-1 are made inside attention from the
+sequence length (no position input travels between stages).
 Limits: no Llama-3.1 rope frequency scaling, no KV cache.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional
 
-from ..layers import RMSNorm, TransformerBlock, VocabParallelCrossEntropy
+from ..layers import CausalSelfAttention, RMSNorm, SwiGLUMLP, TransformerBlock, VocabParallelCrossEntropy
 from ..spec import LayerSpec
 from .common import check_positive, padded_vocab, vocab_table_and_head
 
@@ -49,12 +52,13 @@ class LlamaConfig:
     def __post_init__(self):
         check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden",
                               "vocab_pad_multiple"))
+        name = type(self).__name__  # MixtralConfig too
         if self.dim % self.n_heads:
-            raise ValueError(f"LlamaConfig: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+            raise ValueError(f"{name}: dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"LlamaConfig: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+            raise ValueError(f"{name}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"LlamaConfig: head dim {self.dim // self.n_heads} must be even for the rotary embedding")
+            raise ValueError(f"{name}: head dim {self.dim // self.n_heads} must be even for the rotary embedding")
 
 
 # Sizes: `tiny` is ours (byte vocabulary, grouped-query attention, CPU-sized).
@@ -77,15 +81,20 @@ FLAVOURS: dict[str, LlamaConfig] = {
 def llama_specs(cfg: LlamaConfig, mlp: Optional[Callable[[int], Callable]] = None) -> list:
     """The spec list of `cfg` (see the module docstring for its layout and names).
 
-    `mlp(i)`, when given, is block i's feed-forward factory (`TransformerBlock`'s `mlp=`):
-    mixtral.py builds its MoE model as this list with MoE factories."""
+    `mlp(i)`, when given, is block i's feed-forward factory (`TransformerBlock`'s `mlp=`)
+    instead of the dense SwiGLU MLP: mixtral.py builds its MoE model as this list with MoE factories."""
     embed, head = vocab_table_and_head(cfg)
-    blocks = [
-        LayerSpec(TransformerBlock, cfg.dim, cfg.n_heads, cfg.n_kv_heads, hidden=cfg.hidden, style="llama",
-                  norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, mlp=mlp(i) if mlp else None)
-        for i in range(cfg.n_layers)
-    ]
+    parts = llama_block_parts(cfg.n_heads, cfg.n_kv_heads, cfg.hidden, cfg.norm_eps, cfg.rope_theta)
+    blocks = [LayerSpec(TransformerBlock, cfg.dim, **{**parts, "mlp": mlp(i) if mlp else parts["mlp"]})
+              for i in range(cfg.n_layers)]
     return [embed, *blocks, LayerSpec(RMSNorm, cfg.dim, cfg.norm_eps), head]
+
+
+def llama_block_parts(n_heads: int, n_kv_heads: int, hidden: int, norm_eps: float, rope_theta: float) -> dict:
+    """`TransformerBlock`'s parts in Llama's form: RMSNorm, grouped-query attention without
+    biases and with the rotary embedding at `rope_theta`, the SwiGLU MLP of width `hidden`."""
+    attn = partial(CausalSelfAttention, n_heads=n_heads, n_kv_heads=n_kv_heads, bias=False, rope_theta=rope_theta)
+    return dict(norm=partial(RMSNorm, eps=norm_eps), attn=attn, mlp=partial(SwiGLUMLP, hidden=hidden, bias=False))
 
 
 def llama_loss(cfg: LlamaConfig | None = None) -> LayerSpec:

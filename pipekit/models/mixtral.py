@@ -1,7 +1,7 @@
 """Mixtral-style MoE models (Llama with MoE feed-forward blocks) as a spec list.
 
     [0]        embedding: VocabParallelEmbedding                      ids (B, T) -> (B, T, D)
-    [1..L]     LayerSpec(TransformerBlock, style="llama", mlp=MoE)    (B, T, D) -> (B, T, D)
+    [1..L]     LayerSpec(TransformerBlock, Llama's parts, mlp=MoE)    (B, T, D) -> (B, T, D)
     [L+1]      LayerSpec(RMSNorm)
     [L+2]      head: VocabParallelHead(D, V)                          (B, T, D) -> (B, T, Vp/tp)
 
@@ -13,8 +13,9 @@ always-on experts (DeepSeek-style; with many small routed experts, that is the
 `aux_loss_coef`, the z-loss by `z_loss_coef`. HF Mixtral adds one loss for
 all layers together, `router_aux_loss_coef` times top_k times (about) the
 mean of pipekit's per-layer losses, so `aux_loss_coef = router_aux_loss_coef *
-top_k / n_layers` gives the same pressure per layer (what HF conversion does). Experts are sharded over the expert-parallel group the
-PipelineModule builds layers under (`parallel.ep`).
+top_k / n_layers` gives the same pressure per layer (what HF conversion does).
+Experts are sharded over the expert-parallel group the PipelineModule builds
+layers under (`parallel.ep`).
 
 Parameter names: `layers.{i}.mlp.router.weight` (E, D), `layers.{i}.mlp.experts.
 w_gate` / `w_up` (E, D, H) and `w_down` (E, H, D); the rest as in llama.py.
@@ -24,46 +25,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
 
 from ..layers import VocabParallelCrossEntropy
 from ..spec import LayerSpec
-from .common import check_moe, check_positive, moe_mlp, padded_vocab
-from .llama import llama_params, llama_specs
+from .common import MoEConfig, check_moe, moe_mlp
+from .llama import LlamaConfig, llama_params, llama_specs
 
 
-@dataclass
-class MixtralConfig:
-    vocab_size: int
-    max_seq_len: int
-    n_layers: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    hidden: int  # each routed expert's SwiGLU width
+@dataclass(kw_only=True)
+class MixtralConfig(LlamaConfig, MoEConfig):
+    """Llama's config (its fields and checks; `hidden` is each routed expert's SwiGLU width) with
+    the MoE fields of `common.MoEConfig`, checked too. Only defaults are declared here: 8 experts,
+    `aux_loss_coef` 0.02, `rope_theta` 1e6 (Mixtral's); they are keyword-only, as the MoE fields."""
+
     n_experts: int = 8
-    top_k: int = 2
-    n_shared_experts: int = 0  # always-on experts beside the routed ones (one dense MLP of n_shared * hidden)
-    score: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
     aux_loss_coef: float = 0.02
-    z_loss_coef: float = 0.0
-    capacity_factor: Optional[float] = None  # None: dropless
-    norm_eps: float = 1e-5
     rope_theta: float = 1000000.0
-    tie_embeddings: bool = False
-    init_std: float = 0.02
-    vocab_pad_multiple: int = 128
-
-    @property
-    def padded_vocab(self) -> int:
-        return padded_vocab(self)
 
     def __post_init__(self):
-        check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden",
-                              "n_experts", "top_k", "vocab_pad_multiple"))
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or (self.dim // self.n_heads) % 2:
-            raise ValueError(f"MixtralConfig: dim={self.dim}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads} "
-                             "need dim % n_heads == 0, n_heads % n_kv_heads == 0 and an even head dim")
+        super().__post_init__()
         check_moe(self)
 
 
@@ -84,7 +64,7 @@ FLAVOURS: dict[str, MixtralConfig] = {
 def mixtral_specs(cfg: MixtralConfig) -> list:
     """The spec list of `cfg` (see the module docstring for its layout and names): Llama's,
     with block i's feed-forward factory `common.moe_mlp` for layer index i + 1."""
-    return llama_specs(cfg, mlp=lambda i: partial(moe_mlp, cfg=cfg, layer_index=i + 1))
+    return llama_specs(cfg, mlp=lambda i: partial(moe_mlp, hidden=cfg.hidden, cfg=cfg, layer_index=i + 1))
 
 
 def mixtral_loss(cfg: MixtralConfig | None = None) -> LayerSpec:

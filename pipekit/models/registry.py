@@ -5,7 +5,7 @@
     count_params(cfg), flops_per_token(cfg, seq_len), model_vocab(cfg)
 
 Every family, the engine's toy model included, is one `Family` entry in
-`FAMILIES`; the rest of pipekit (config, train, generate, hf) asks the registry
+`FAMILIES`; the rest of pipekit (config, train, generate) asks the registry
 and never branches on a family. A family whose config names a common key
 differently says so in its `aliases` (the toy's `vocab` is `vocab_size`): the
 registry translates them here, in one place, so `get_model("toy", vocab_size=64)`
@@ -31,7 +31,6 @@ class Family:
     params: Callable[..., tuple[int, int]]  # (config, *, padded, active) -> (parameters, those in lookup-only tables)
     attention_flops: Callable[[Any, int], int]  # (config, seq_len) -> attention FLOPs per token, not in 6 * N
     aliases: dict[str, str] = field(default_factory=dict)  # a common key (vocab_size, n_layers) -> the config's field
-    hf: bool = True  # has a Hugging Face form (pipekit.models.hf converts it)
 
 
 FAMILIES: dict[str, Family] = {
@@ -43,7 +42,7 @@ FAMILIES: dict[str, Family] = {
                       mixtral.mixtral_params, common.attention_flops),
     "toy": Family(toy.ToyConfig, toy.FLAVOURS, toy.toy_lm, toy.toy_loss, toy.toy_params,
                   lambda cfg, seq_len: 0,  # no attention: tokens do not mix
-                  aliases={"vocab_size": "vocab", "n_layers": "blocks"}, hf=False),
+                  aliases={"vocab_size": "vocab", "n_layers": "blocks"}),
 }
 
 

@@ -1,40 +1,67 @@
-"""Mixture-of-Experts (Megatron-Core / MegaBlocks style): router -> dispatch -> experts -> combine.
+"""Mixture-of-Experts (Megatron-Core / MegaBlocks style): router -> dispatcher -> experts -> combine.
 
     router.py    Router: linear gate, softmax/sigmoid scores, top-k, load-balancing
                  and z losses, DeepSeek-V3 aux-loss-free bias
+    dispatch.py  the Dispatcher seam: the dispatch plan (sort by expert, capacity
+                 drops), then dispatch / combine, locally or by all_to_all over ep
     experts.py   Experts (grouped SwiGLU/GELU weights, seeded per global expert),
                  SharedExpert (the always-on dense MLP)
-    grouped.py   grouped matmul backends: loop, torch._grouped_mm, megablocks
-    dispatch.py  sort by expert, capacity drops, all_to_all expert parallelism, combine
+    grouped.py   the experts' grouped matmul (GEMMS): loop, torch._grouped_mm, megablocks
     layer.py     MoEMLP, the drop-in for a dense MLP
 
-Only dispatch.py communicates. The aux losses reach the router through
-`pipekit.auxloss.attach` on the block's output; values go to `pipekit.auxloss.metrics`.
+Only the dispatcher's dispatch and combine communicate in a forward (and the
+layer's aux-free bias update, when it sums loads over its balance group). The
+aux losses reach the router through `pipekit.auxloss.attach` on the block's
+output; values go to `pipekit.auxloss.metrics`.
 """
 
-from .dispatch import DROP_POLICIES, DispatchPlan, all_to_all, capacity, combine, permute, plan_dispatch
+from .dispatch import (
+    DISPATCHERS,
+    DROP_POLICIES,
+    AllToAllDispatcher,
+    Dispatcher,
+    DispatchPlan,
+    DispatchState,
+    ExchangeState,
+    LocalDispatcher,
+    all_to_all,
+    capacity,
+    combine,
+    make_dispatcher,
+    permute,
+    plan_dispatch,
+    register_dispatcher,
+)
 from .experts import ACTIVATIONS, Experts, SharedExpert
-from .grouped import BACKENDS, register_backend
+from .grouped import GEMMS, register_gemm
 from .layer import BIAS_UPDATES, MoEMLP, apply_bias_updates
 from .router import SCORES, Router, Routing
 
 __all__ = [
     "ACTIVATIONS",
-    "BACKENDS",
     "BIAS_UPDATES",
+    "DISPATCHERS",
     "DROP_POLICIES",
+    "GEMMS",
+    "SCORES",
+    "AllToAllDispatcher",
     "DispatchPlan",
+    "DispatchState",
+    "Dispatcher",
+    "ExchangeState",
     "Experts",
+    "LocalDispatcher",
     "MoEMLP",
     "Router",
     "Routing",
-    "SCORES",
     "SharedExpert",
     "all_to_all",
     "apply_bias_updates",
     "capacity",
     "combine",
+    "make_dispatcher",
     "permute",
     "plan_dispatch",
-    "register_backend",
+    "register_dispatcher",
+    "register_gemm",
 ]

@@ -33,12 +33,21 @@ from torch import nn
 
 from ..layers.parallel import normal_full
 from ..spec import layer_seed
-from .grouped import BACKENDS
+from .grouped import GEMMS
 
 ACTIVATIONS = ("swiglu", "gelu")
 
 
-def _expert_parameters(shapes: dict[str, tuple[tuple[int, ...], float]], first: int, n_local: int,
+Shapes = dict[str, tuple[tuple[int, ...], float]]  # {name: (shape of one expert's tensor, init std)}
+
+
+def mark_expert(p: nn.Parameter) -> nn.Parameter:
+    """Mark `p` as an expert tensor, sharded over ep along dim 0 (what the optimizer and checkpoints read)."""
+    p.expert_parallel, p.ep_shard_dim = True, 0  # type: ignore[attr-defined]  # pipekit's marks on a Parameter
+    return p
+
+
+def _expert_parameters(shapes: Shapes, first: int, n_local: int,
                        seed: int) -> dict[str, nn.Parameter]:
     """{name: (n_local, *shape) parameter}; expert first+i draws its tensors, in `shapes`
     order, from a generator seeded with layer_seed(seed, first+i). std 0 means zeros."""
@@ -50,11 +59,7 @@ def _expert_parameters(shapes: dict[str, tuple[tuple[int, ...], float]], first: 
             for name, (_, std) in shapes.items():
                 if std > 0:
                     out[name][i].normal_(0.0, std, generator=gen)
-    params = {}
-    for name, t in out.items():
-        params[name] = p = nn.Parameter(t)
-        p.expert_parallel, p.ep_shard_dim = True, 0
-    return params
+    return {name: mark_expert(nn.Parameter(t)) for name, t in out.items()}
 
 
 class Experts(nn.Module):
@@ -62,12 +67,21 @@ class Experts(nn.Module):
 
     forward(x_ND, sizes): rows of `x_ND` sorted by local expert, `sizes[e]` of
     them for local expert e (Python ints), -> (N, dim), each row through its
-    expert. `backend` names the grouped-matmul function (see grouped.py).
+    expert. `gemm` names the grouped-matmul function (see grouped.py). No communication.
     """
+
+    # (E_local, ...) parameters, registered in __init__ by activation (see the module docstring)
+    w_gate: nn.Parameter
+    w_up: nn.Parameter
+    w_down: nn.Parameter
+    w_fc: nn.Parameter
+    w_proj: nn.Parameter
+    b_fc: nn.Parameter
+    b_proj: nn.Parameter
 
     def __init__(self, dim: int, hidden: int, n_experts: int, activation: str = "swiglu", bias: bool = False,
                  ep_size: int = 1, ep_rank: int = 0, init_std: float = 0.02, out_init_std: float | None = None,
-                 seed: int | None = None, backend: str = "auto"):
+                 seed: int | None = None, gemm: str = "auto"):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
@@ -79,8 +93,9 @@ class Experts(nn.Module):
         self.dim, self.hidden, self.n_experts, self.activation = dim, hidden, n_experts, activation
         self.n_local = n_experts // ep_size
         self.first = ep_rank * self.n_local
-        self.backend = backend
+        self.gemm = gemm
         out_std = init_std if out_init_std is None else out_init_std
+        shapes: Shapes
         if activation == "swiglu":
             shapes = {"w_gate": ((dim, hidden), init_std), "w_up": ((dim, hidden), init_std),
                       "w_down": ((hidden, dim), out_std)}
@@ -99,11 +114,12 @@ class Experts(nn.Module):
         memo[id(self)] = new
         new.__setstate__(copy.deepcopy(self.__dict__, memo))
         for p in new._parameters.values():
-            p.expert_parallel, p.ep_shard_dim = True, 0
+            if p is not None:
+                mark_expert(p)
         return new
 
     def forward(self, x_ND: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        mm = BACKENDS[self.backend]
+        mm = GEMMS[self.gemm]
         if self.activation == "swiglu":
             h_NH = F.silu(mm(x_ND, self.w_gate, sizes)) * mm(x_ND, self.w_up, sizes)
             return mm(h_NH, self.w_down, sizes)
@@ -116,7 +132,7 @@ class Experts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, hidden={self.hidden}, experts {self.first}..{self.first + self.n_local - 1} "
-                f"of {self.n_experts}, activation={self.activation!r}, bias={self.bias}, backend={self.backend!r}")
+                f"of {self.n_experts}, activation={self.activation!r}, bias={self.bias}, gemm={self.gemm!r}")
 
 
 class SharedExpert(nn.Module):
@@ -127,6 +143,14 @@ class SharedExpert(nn.Module):
     `proj` (+ `fc_bias`, `proj_bias`). Drawn from the default generator
     (after the router), identical on every rank; replicated, not tp-sharded.
     """
+
+    gate: nn.Parameter
+    up: nn.Parameter
+    down: nn.Parameter
+    fc: nn.Parameter
+    proj: nn.Parameter
+    fc_bias: nn.Parameter
+    proj_bias: nn.Parameter
 
     def __init__(self, dim: int, hidden: int, activation: str = "swiglu", bias: bool = False,
                  init_std: float = 0.02, out_init_std: float | None = None):

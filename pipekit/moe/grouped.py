@@ -1,9 +1,11 @@
 """Grouped matrix products over variable-size groups: the seam where kernels plug in.
 
-A backend is a function `fn(x_NI, w_EIO, sizes) -> y_NO`: the rows of `x` come
+A gemm is a function `fn(x_NI, w_EIO, sizes) -> y_NO`: the rows of `x` come
 sorted by expert, `sizes[e]` of them for expert e (a list of Python ints that
 sums to N, zeros allowed), and rows of group e are multiplied by `w[e]`.
-Autograd must flow to `x` and `w`. Register new ones with `register_backend`.
+Autograd must flow to `x` and `w`. It computes only (no communication; moving
+rows between ranks is the dispatcher's job, dispatch.py). `MoEMLP(gemm=name)`
+picks one from `GEMMS`; register new ones with `register_gemm`.
 
   loop        a Python loop of `x[a:b] @ w[e]` over contiguous slices; any
               device and dtype (float64 included). Empty groups still enter
@@ -24,7 +26,7 @@ Autograd must flow to `x` and `w`. Register new ones with `register_backend`.
 from __future__ import annotations
 
 import importlib.util
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -83,7 +85,7 @@ def megablocks_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> 
     from megablocks import grouped_gemm_util as gg  # noqa: PLC0415 - optional, CUDA only
 
     if not gg.grouped_gemm_is_available():
-        raise RuntimeError("backend='megablocks' needs the grouped_gemm package (pip install grouped_gemm)")
+        raise RuntimeError("gemm='megablocks' needs the grouped_gemm package (pip install grouped_gemm)")
     return gg.ops.gmm(x_NI.contiguous(), w_EIO.contiguous(), torch.tensor(sizes, dtype=torch.int64), trans_b=False)
 
 
@@ -91,19 +93,19 @@ def auto_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.
     return torch_grouped_mm(x_NI, w_EIO, sizes)
 
 
-BACKENDS: dict[str, GroupedMM] = {"auto": auto_mm, "loop": loop_mm, "grouped_mm": torch_grouped_mm,
-                                  "megablocks": megablocks_mm}
+GEMMS: dict[str, GroupedMM] = {"auto": auto_mm, "loop": loop_mm, "grouped_mm": torch_grouped_mm,
+                               "megablocks": megablocks_mm}
 
 
-def register_backend(name: str, fn: GroupedMM) -> None:
-    """Add (or replace) a grouped-matmul backend selectable as `MoEMLP(..., backend=name)`."""
-    BACKENDS[name] = fn
+def register_gemm(name: str, fn: GroupedMM) -> None:
+    """Add (or replace) a grouped matmul selectable as `MoEMLP(..., gemm=name)`."""
+    GEMMS[name] = fn
 
 
-def check_backend(name: str) -> None:
-    """ValueError for an unknown backend, or for megablocks when it is not installed."""
-    if name not in BACKENDS:
-        raise ValueError(f"backend={name!r} is not one of {sorted(BACKENDS)}")
+def check_gemm(name: str) -> None:
+    """ValueError for an unknown gemm, or for megablocks when it is not installed."""
+    if name not in GEMMS:
+        raise ValueError(f"gemm={name!r} is not one of {sorted(GEMMS)}")
     if name == "megablocks" and not megablocks_available():
-        raise ValueError("backend='megablocks' needs the megablocks package, which is not installed "
-                         "(pip install megablocks); backend='auto' needs nothing extra")
+        raise ValueError("gemm='megablocks' needs the megablocks package, which is not installed "
+                         "(pip install megablocks); gemm='auto' needs nothing extra")

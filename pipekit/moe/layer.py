@@ -1,16 +1,17 @@
-"""MoEMLP: router -> dispatch -> experts -> combine (+ shared experts), a drop-in for a dense MLP."""
+"""MoEMLP: router -> dispatcher -> experts -> combine (+ shared experts), a drop-in for a dense MLP."""
 
 from __future__ import annotations
 
+import einops
 import torch
 from torch import nn
 
 from .. import auxloss
 from ..layers.parallel import _SharedRef, current_ep_group, group_rank, group_size
-from .dispatch import DROP_POLICIES, all_reduce_counts, combine, expert_parallel_apply, permute, plan_dispatch
+from .dispatch import DROP_POLICIES, DispatchState, all_reduce_counts, check_dispatcher, make_dispatcher
 from .experts import ACTIVATIONS, Experts, SharedExpert
-from .grouped import check_backend
-from .router import Router, route_dtype
+from .grouped import check_gemm
+from .router import Router, Routing
 
 BIAS_UPDATES = ("forward", "step")
 
@@ -23,8 +24,11 @@ class MoEMLP(nn.Module):
     router's weights; `n_shared_experts > 0` adds one always-on dense MLP of
     width `shared_hidden` (default n_shared_experts * hidden). Routing
     options (score, renormalize, jitter, the losses and aux-free balancing)
-    are the `Router`'s; `capacity_factor` / `drop_policy` are dispatch.py's
-    (None: dropless); `backend` names the grouped matmul (grouped.py).
+    are the `Router`'s; `capacity_factor` / `drop_policy` are the dispatch
+    plan's (None: dropless); `dispatcher` names how rows reach the experts and
+    come back (dispatch.py: "auto", "local", "alltoall" or a registered one),
+    chosen once here; `gemm` names the experts' grouped matmul (grouped.py).
+    Only the dispatcher's dispatch and combine communicate in a forward.
 
     Expert parallelism: experts are sharded over `ep_group` (None: the group
     of the innermost `pipekit.layers.parallel.expert_parallel(...)` block at
@@ -65,29 +69,31 @@ class MoEMLP(nn.Module):
     tokens of the call.
     """
 
+    pending_load: torch.Tensor | None  # (E,) int64 buffer, with the aux-free bias only
+
     def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int = 2, *, activation: str = "swiglu",
                  bias: bool = False, score: str = "softmax", renormalize: bool | None = None, jitter: float = 0.0,
                  aux_loss_coef: float = 0.01, z_loss_coef: float = 0.0, bias_update_rate: float = 0.0,
                  bias_update: str = "forward", capacity_factor: float | None = None,
                  drop_policy: str = "position", n_shared_experts: int = 0,
-                 shared_hidden: int | None = None, backend: str = "auto", ep_group=None, balance_group=None,
-                 name: str | None = None, layer_index: int | None = None, init_std: float = 0.02,
-                 out_init_std: float | None = None, seed: int | None = None):
+                 shared_hidden: int | None = None, dispatcher: str = "auto", gemm: str = "auto", ep_group=None,
+                 balance_group=None, name: str | None = None, layer_index: int | None = None,
+                 init_std: float = 0.02, out_init_std: float | None = None, seed: int | None = None):
         super().__init__()
         ep_group = current_ep_group() if ep_group is None else ep_group
         ep = group_size(ep_group)
-        _check_layer(n_experts, ep, activation, capacity_factor, drop_policy, n_shared_experts, backend,
-                     bias_update)
+        _check_layer(n_experts, ep_group, activation, capacity_factor, drop_policy, n_shared_experts, dispatcher,
+                     gemm, bias_update)
         self.name = name or ("moe" if layer_index is None else f"moe/{layer_index}")
         self.layer_index = layer_index
-        self.capacity_factor, self.drop_policy, self.bias_update = capacity_factor, drop_policy, bias_update
-        self._ep_group = _SharedRef(ep_group)
+        self.bias_update = bias_update
+        self.dispatcher = make_dispatcher(dispatcher, n_experts, ep_group, capacity_factor, drop_policy)
         self._balance_group = _SharedRef(ep_group if balance_group is None else balance_group)
         seed = torch.initial_seed() if seed is None else seed  # before any draw below
         self.router = Router(dim, n_experts, top_k, score, renormalize, jitter, aux_loss_coef, z_loss_coef,
                              bias_update_rate, init_std)
         self.experts = Experts(dim, hidden, n_experts, activation, bias, ep, group_rank(ep_group), init_std,
-                               out_init_std, seed, backend)
+                               out_init_std, seed, gemm)
         self.shared = (SharedExpert(dim, shared_hidden or n_shared_experts * hidden, activation, bias, init_std,
                                     out_init_std) if n_shared_experts else None)
         pending = torch.zeros(n_experts, dtype=torch.long) if bias_update_rate > 0 else None
@@ -95,7 +101,7 @@ class MoEMLP(nn.Module):
 
     @property
     def ep_group(self):
-        return self._ep_group.value
+        return self.dispatcher.group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_meta:
@@ -106,15 +112,13 @@ class MoEMLP(nn.Module):
                 f"{self.name}: bias_update='forward' moved the aux-free bias after the original forward, so "
                 "this recomputation (activation checkpointing) would route differently; use "
                 "bias_update='step' and call pipekit.moe.apply_bias_updates(model) after each optimizer step")
-        x_TD = x.reshape(-1, x.shape[-1])  # (B*T, dim)
+        x_TD = einops.rearrange(x, "... d -> (...) d")  # (B*T, dim)
         routing = self.router(x_TD)
-        plan = plan_dispatch(routing.experts_TK, routing.weights_TK, self.router.n_experts,
-                             self.capacity_factor, self.drop_policy)
-        y_ND = expert_parallel_apply(permute(x_TD, plan), plan.counts_E, self.experts, self.ep_group)
-        out_TD = combine(y_ND, plan, x_TD.shape[0], route_dtype(x.dtype))
+        x_MD, sizes, state = self.dispatcher.dispatch(x_TD, routing)  # rows for this rank's experts
+        out_TD = self.dispatcher.combine(self.experts(x_MD, sizes), state)
         if self.shared is not None:
             out_TD = out_TD + self.shared(x_TD)
-        self._record(routing, plan)
+        self._record(routing, state)
         if counting and not auxloss.in_backward():  # a recomputed forward was counted already
             self.pending_load += routing.counts_E
             if self.bias_update == "forward":
@@ -130,16 +134,15 @@ class MoEMLP(nn.Module):
         self.router.update_bias(all_reduce_counts(self.pending_load, self._balance_group.value))
         self.pending_load.zero_()
 
-    def _record(self, routing, plan) -> None:
+    def _record(self, routing: Routing, state: DispatchState) -> None:
         counts = routing.counts_E.float()
         for key, value in (("tokens_per_expert", counts), ("max_load", counts.max()), ("mean_load", counts.mean()),
-                           ("dropped", plan.dropped), ("aux_loss", routing.aux_loss), ("z_loss", routing.z_loss)):
+                           ("dropped", state.plan.dropped), ("aux_loss", routing.aux_loss),
+                           ("z_loss", routing.z_loss)):
             auxloss.metrics.record(f"{self.name}/{key}", value)
 
     def extra_repr(self) -> str:
-        cap = ("dropless" if self.capacity_factor is None
-               else f"capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}")
-        return f"name={self.name!r}, ep={group_size(self.ep_group)}, {cap}"
+        return f"name={self.name!r}, dispatcher={self.dispatcher!r}"
 
 
 def apply_bias_updates(model: nn.Module) -> None:
@@ -150,9 +153,10 @@ def apply_bias_updates(model: nn.Module) -> None:
             module.apply_bias_update()
 
 
-def _check_layer(n_experts, ep, activation, capacity_factor, drop_policy, n_shared_experts, backend,
-                 bias_update) -> None:
+def _check_layer(n_experts, ep_group, activation, capacity_factor, drop_policy, n_shared_experts, dispatcher,
+                 gemm, bias_update) -> None:
     """ValueError naming the first bad layer argument (routing ones are checked by the Router)."""
+    ep = group_size(ep_group)
     if isinstance(n_experts, int) and n_experts >= 1 and n_experts % ep:
         raise ValueError(f"n_experts={n_experts} is not divisible by the expert-parallel size ep={ep}; "
                          f"choose n_experts a multiple of {ep} or an ep that divides {n_experts}")
@@ -166,4 +170,5 @@ def _check_layer(n_experts, ep, activation, capacity_factor, drop_policy, n_shar
         raise ValueError(f"n_shared_experts={n_shared_experts!r} must be an int >= 0")
     if bias_update not in BIAS_UPDATES:
         raise ValueError(f"bias_update={bias_update!r} is not one of {BIAS_UPDATES}")
-    check_backend(backend)
+    check_dispatcher(dispatcher, ep_group)
+    check_gemm(gemm)

@@ -68,6 +68,8 @@ class Router(nn.Module):
     input by uniform noise in [1 - jitter, 1 + jitter] in training (Switch).
     """
 
+    expert_bias: torch.Tensor | None  # (E,) float32 buffer, with the aux-free bias only
+
     def __init__(self, dim: int, n_experts: int, top_k: int, score: str = "softmax",
                  renormalize: bool | None = None, jitter: float = 0.0, aux_loss_coef: float = 0.01,
                  z_loss_coef: float = 0.0, bias_update_rate: float = 0.0, init_std: float = 0.02):

@@ -1,0 +1,296 @@
+"""Models as files: Hugging Face model dirs in and out, the models pipekit saves read back,
+and `convert` between the two. The name and layout mapping itself is `pipekit.models.hf`;
+this module only reads and writes.
+
+Hugging Face: `load_hf_checkpoint(dir)` reads config.json with model.safetensors,
+pytorch_model.bin or their sharded `*.index.json` forms; `save_hf_checkpoint` writes
+config.json + model.safetensors, loadable offline by
+`transformers.AutoModelForCausalLM.from_pretrained` (a new dir is built under a
+temporary name and renamed into place; over an existing one, only those files are
+replaced, each atomically). A tied `lm_head.weight` is left out of the files and not
+required on reading.
+
+pipekit: a model pipekit saved is read by `read_saved_model` from either of its forms:
+a *pipekit file* `torch.save({"family", "config": asdict(cfg), "state_dict"})` (train's
+model.pt, convert's output), its state dict padded, or a resumable checkpoint directory
+(`checkpoints/step_N`, or the checkpoints root for its newest), whose full weights
+`pipekit.checkpoint` reads. A file whose config predates `vocab_pad_multiple` (unpadded
+tables) is read with the default multiple and padded with zero rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+from dataclasses import asdict
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .atomic import publish, publish_dir, remove, torch_save_atomic, write_atomic
+from .checkpoint import META, CheckpointError, latest_checkpoint, load_full_weights, read_meta
+from .models import config_from_dict, family_of
+from .models.hf import check_hf_form, config_from_hf, from_hf_state_dict, hf_config_from, pad_vocab, to_hf_state_dict
+
+
+# ---- Hugging Face model dirs ---------------------------------------------------
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF model dir: (sharded) safetensors preferred, else (sharded) pytorch_model.bin."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        files = [single] if os.path.exists(os.path.join(path, single)) else []
+        if not files and os.path.exists(os.path.join(path, index)):
+            files = sorted(set(_read_json(os.path.join(path, index), "weight_map")["weight_map"].values()))
+        if files:
+            out: dict[str, torch.Tensor] = {}
+            for name in files:
+                out.update(_read_file(os.path.join(path, name)))
+            return out
+    raise FileNotFoundError(f"{path} holds no model.safetensors, pytorch_model.bin or their .index.json")
+
+
+def _read_file(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of one weights file; a missing, truncated or foreign file is a one-line error."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"weights file {path} is missing (named by the model dir's .index.json)")
+    try:
+        if path.endswith(".safetensors"):
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise ValueError(f"weights file {path} is not readable: truncated, corrupt or not a weights file "
+                         f"({type(e).__name__} while reading it)") from e
+
+
+def _read_json(path: str, *keys: str) -> dict:
+    """A JSON object file that has `keys`; anything else is a one-line error naming the file."""
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path} is not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a JSON {type(obj).__name__}, not an object")
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise ValueError(f"{path} lacks {missing}")
+    return obj
+
+
+def load_hf_checkpoint(path: str):
+    """Read a HF model dir -> (family, config, pipekit full state dict)."""
+    if not os.path.isdir(path):
+        what = "is a file" if os.path.exists(path) else "does not exist"
+        raise FileNotFoundError(f"{path} {what}; give a Hugging Face model dir (config.json and weights)")
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{path} is not a Hugging Face model dir: it has no config.json")
+    cfg = config_from_hf(_read_json(config_path))
+    family = family_of(cfg)
+    return family, cfg, from_hf_state_dict(family, _read_weights(path), cfg)
+
+
+def _unshared(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors that share no storage (what safetensors requires)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in sd.items():
+        t = t.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+_SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")  # transformers' names for a sharded export
+_INDEX = "model.safetensors.index.json"
+
+
+def save_hf_checkpoint(family: str, full_sd: dict, cfg, out_dir: str, *, overwrite: bool = False,
+                       dtype: torch.dtype | None = None) -> None:
+    """Write config.json + model.safetensors for `full_sd` into `out_dir`.
+
+    A new `out_dir` is built under a temporary name and renamed into place whole. An
+    existing non-empty one is refused unless `overwrite`; then only the files written
+    here are replaced, each atomically (model.safetensors, then config.json), and the
+    index and shards of an earlier sharded export are removed, so the dir holds one
+    set of weights; every other file (a README, tokenizer files) is left as it is. A
+    crash between two files can leave new weights beside the old config.json: a rerun
+    completes it. `dtype` casts floating tensors (None: keep)."""
+    hf_sd = to_hf_state_dict(family, full_sd, cfg)
+    if cfg.tie_embeddings:
+        hf_sd.pop("lm_head.weight")  # tied to the token table; transformers re-ties it on loading
+    if dtype is not None:
+        hf_sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf_sd.items()}
+    out_dir = os.path.abspath(out_dir)
+    check_hf_out_dir(out_dir, overwrite)
+    hf_config = hf_config_from(cfg)
+    floats = [v.dtype for v in hf_sd.values() if v.is_floating_point()]
+    if floats:
+        hf_config.dtype = str(floats[0]).removeprefix("torch.")
+    if os.path.isdir(out_dir):
+        _write_hf_files(out_dir, hf_config, hf_sd)
+        return
+    parent, name = os.path.split(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed process of the same id
+    os.mkdir(tmp)
+    try:
+        _write_hf_files(tmp, hf_config, hf_sd)
+        publish_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_hf_out_dir(out_dir: str, overwrite: bool) -> None:
+    """Refuse an `out_dir` that is a file, or a non-empty dir without `overwrite`."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"{out_dir} is a file; give a directory for the Hugging Face model")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace "
+                              f"the model files in it (config.json, model.safetensors; other files are kept)")
+
+
+def _write_hf_files(out_dir: str, hf_config, hf_sd: dict) -> None:
+    _save_safetensors(_unshared(hf_sd), os.path.join(out_dir, "model.safetensors"))
+    _remove_sharded_weights(out_dir)
+    write_atomic(os.path.join(out_dir, "config.json"), hf_config.to_json_string())
+
+
+def _save_safetensors(sd: dict[str, torch.Tensor], path: str) -> None:
+    """safetensors' save_file, atomically. It writes only to a file name (its in-memory `save`
+    would hold a second copy of the weights), so it writes a temporary name beside `path`,
+    which `pipekit.atomic.publish` renames into place."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        save_file(sd, tmp, metadata={"format": "pt"})
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        publish(tmp, path)
+    finally:
+        remove(tmp)
+
+
+def _remove_sharded_weights(out_dir: str) -> None:
+    """Remove an earlier sharded export from `out_dir`: model.safetensors.index.json (first, so
+    no reader follows it to a missing shard), then the shards it names and any
+    model-NNNNN-of-NNNNN.safetensors. Only safetensors files directly in `out_dir` go."""
+    index = os.path.join(out_dir, _INDEX)
+    shards = {n for n in os.listdir(out_dir) if _SHARD.match(n)}
+    if os.path.isfile(index):
+        try:
+            named = _read_json(index, "weight_map")["weight_map"].values()
+        except (OSError, ValueError):
+            named = []
+        shards |= {n for n in named if isinstance(n, str) and n == os.path.basename(n) and n.endswith(".safetensors")}
+        remove(index)
+    for n in sorted(shards - {"model.safetensors"}):
+        remove(os.path.join(out_dir, n))
+
+
+# ---- a model pipekit saved: model.pt, or a resumable checkpoint --------------------------
+def save_pipekit_file(family: str, cfg, full_sd: dict, path: str) -> None:
+    """torch.save({"family", "config", "state_dict"}) to `path`, atomically."""
+    torch_save_atomic({"family": family, "config": asdict(cfg), "state_dict": full_sd}, path)
+
+
+def read_saved_model(path: str) -> dict:
+    """A model pipekit saved, as the dict of a model.pt ("family", "config", "state_dict",
+    "tokenizer" where train wrote it), read from any of its forms:
+
+    a file           a pipekit file (train's model.pt, `convert --from-hf`'s output);
+    a checkpoint     a resumable checkpoint dir (`checkpoints/step_N`): its full weights,
+                     its pipekit.json under "checkpoint" and its path under "path";
+    a root           a dir of checkpoints: its newest complete one, as above.
+
+    Anything else is a one-line error (ValueError or OSError). Checkpoints are read by
+    `pipekit.checkpoint`."""
+    if not os.path.isdir(path):
+        return read_model_file(path)
+    ckpt = checkpoint_dir(path)
+    meta, sd = load_full_weights(ckpt)
+    if not isinstance(meta.get("family"), str) or not isinstance(meta.get("model_config"), dict):
+        raise CheckpointError(f"{ckpt}/pipekit.json lacks the model's family and model_config (it was not "
+                              f"written by pipekit train)")
+    return {"family": meta["family"], "config": meta["model_config"], "state_dict": sd, "checkpoint": meta,
+            "path": ckpt}
+
+
+def checkpoint_dir(path: str) -> str:
+    """The checkpoint the directory `path` names: itself, when it is one (an incomplete one
+    is a CheckpointError saying what it lacks), or the newest complete checkpoint in it,
+    when it is a checkpoints root. Any other directory is an IsADirectoryError."""
+    names = os.listdir(path)
+    if META in names or ".metadata" in names or re.match(r"step_\d+", os.path.basename(os.path.normpath(path))):
+        read_meta(path)  # raises for an incomplete or unreadable one
+        return path
+    steps = [n for n in names if n.startswith("step_")]
+    if steps:
+        newest = latest_checkpoint(path)
+        if newest is None:
+            raise CheckpointError(f"{path} holds no complete checkpoint ({len(steps)} incomplete: "
+                                  f"{', '.join(sorted(steps)[:3])}); an interrupted save leaves such a directory")
+        return newest
+    run = [os.path.join(path, n) for n in ("model.pt", "checkpoints") if n in names]
+    if run:
+        raise IsADirectoryError(f"{path} is a directory, but not a checkpoint: it holds a run; give {' or '.join(run)}")
+    raise IsADirectoryError(f"{path} is a directory, but neither a pipekit checkpoint (a directory holding {META}, "
+                            f"such as checkpoints/step_00000100) nor a checkpoints root; give one, or a model.pt")
+
+
+def read_model_file(path: str) -> dict:
+    """The dict of a pipekit model file (`model.pt`: family, config, state_dict, ...), read
+    safely (weights only); a missing, truncated or foreign file is a one-line error."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no such pipekit file or checkpoint: {path}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory; give a model.pt written by pipekit train or convert")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable pipekit model file: truncated, corrupt or not written by "
+                         f"pipekit ({type(e).__name__} while reading it)") from e
+    if not isinstance(obj, dict) or not {"family", "config", "state_dict"} <= set(obj):
+        raise ValueError(f"{path} is not a pipekit model file (a dict with 'family', 'config', 'state_dict')")
+    return obj
+
+
+def load_pipekit_file(path: str):
+    """Read a model pipekit saved (`read_saved_model`: a model.pt or a checkpoint) ->
+    (family, config, full state dict)."""
+    obj = read_saved_model(path)
+    check_hf_form(obj["family"], f"{obj.get('path', path)} holds a")
+    cfg = config_from_dict(obj["family"], obj["config"])
+    sd = obj["state_dict"]
+    if "vocab_pad_multiple" not in obj["config"]:  # written before vocab padding: tables of vocab_size rows
+        sd = pad_vocab(sd, cfg)
+    return obj["family"], cfg, sd
+
+
+# ---- both ways -----------------------------------------------------------------
+def convert(src: str, dst: str, direction: str, *, overwrite: bool = False, dtype: torch.dtype | None = None) -> None:
+    """`direction="from_hf"`: HF model dir `src` -> pipekit file `dst`;
+    `"to_hf"`: a model pipekit saved (`read_saved_model`: a model.pt, a checkpoint dir or a
+    checkpoints root) `src` -> HF model dir `dst` (`save_hf_checkpoint`)."""
+    if direction == "from_hf":
+        if os.path.isdir(dst):
+            raise IsADirectoryError(f"{dst} is a directory; give the pipekit file to write, e.g. {dst}/model.pt")
+        if os.path.exists(dst) and not overwrite:
+            raise FileExistsError(f"{dst} exists; pass overwrite=True (--overwrite) to replace it")
+        family, cfg, sd = load_hf_checkpoint(src)
+        if dtype is not None:
+            sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        save_pipekit_file(family, cfg, sd, dst)
+    elif direction == "to_hf":
+        check_hf_out_dir(dst, overwrite)  # before reading what may be a large checkpoint
+        family, cfg, sd = load_pipekit_file(src)
+        save_hf_checkpoint(family, sd, cfg, dst, overwrite=overwrite, dtype=dtype)
+    else:
+        raise ValueError(f"unknown conversion direction {direction!r}; valid: 'from_hf', 'to_hf'")
