@@ -37,8 +37,7 @@ from .data import prepare_data
 from .env import format_report, report
 from .generate import generate_text
 from .preflight import check_before_launch
-from .schedules import (ScheduleError, TimelineEvent, plan_report, render_png, render_text,
-                        to_chrome_trace)
+from .schedules import ScheduleError, TimelineEvent, plan_report, render_png, render_text, to_chrome_trace
 from .topology import fell_back, local_workers, resolve_device
 from .train import partition_of, train
 

@@ -257,8 +257,9 @@ def check_config(cfg: Config) -> None:
     p, s, t = cfg.parallel, cfg.schedule, cfg.train
     _check_positive(cfg)
     if p.dp % p.ep:
+        divisors = [d for d in range(1, p.dp + 1) if p.dp % d == 0]
         raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (experts are sharded over "
-                          f"groups of ep data-parallel ranks); use an ep among {[d for d in range(1, p.dp + 1) if p.dp % d == 0]}")
+                          f"groups of ep data-parallel ranks); use an ep among {divisors}")
     _check_model_family(cfg.model)
     _check_choice("train.dtype", t.dtype, ("float32", "float64"))
     _check_choice("optimizer.decay", cfg.optimizer.decay, ("cosine", "constant"))
@@ -425,7 +426,8 @@ def _check_model_fits(cfg: Config, model, specs: list, chunks: int) -> None:
     experts = getattr(model, "n_experts", None)
     if experts is not None and experts % p.ep:
         divisors = [d for d in range(1, p.dp + 1) if p.dp % d == 0 and experts % d == 0]
-        raise ConfigError(f"model.n_experts={experts} is not divisible by parallel.ep={p.ep}; use an ep among {divisors}")
+        raise ConfigError(f"model.n_experts={experts} is not divisible by parallel.ep={p.ep}; "
+                          f"use an ep among {divisors}")
     if experts is None and p.ep > 1:
         raise ConfigError(f"parallel.ep={p.ep} shards experts, but model.family={cfg.model.family} has none; "
                           f"use parallel.ep=1 or an MoE family (mixtral)")

@@ -392,7 +392,8 @@ def _prepare_stdlib(source_dir: str, cache_dir: str, source: str) -> None:
     start = time.perf_counter()
     meta = prepare_data(stdlib_files(source_dir), cache_dir, source=source)
     n = sum(meta["n_tokens"].values())
-    print(f"pipekit: {meta['n_files']} files, {n:,} tokens in {time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+    print(f"pipekit: {meta['n_files']} files, {n:,} tokens in {time.perf_counter() - start:.1f}s", file=sys.stderr,
+          flush=True)
 
 
 # ---- reading and sampling -----------------------------------------------------------
@@ -407,7 +408,8 @@ class TokenDataset:
         meta = read_meta(data_dir)
         if meta is None:
             raise FileNotFoundError(
-                f"no complete prepared dataset in {data_dir!r} (meta.json missing, stale or not matching the .bin sizes); "
+                f"no complete prepared dataset in {data_dir!r} (meta.json missing, stale or not matching the "
+                f".bin sizes); "
                 "run `pipekit prepare-data`"
             )
         self.data_dir, self.split, self.meta = data_dir, split, meta
@@ -422,7 +424,8 @@ class TokenDataset:
         return self.n_tokens
 
     def __repr__(self) -> str:
-        return f"TokenDataset({self.data_dir!r}, split={self.split!r}, n_tokens={self.n_tokens}, vocab_size={self.vocab_size})"
+        return (f"TokenDataset({self.data_dir!r}, split={self.split!r}, n_tokens={self.n_tokens}, "
+                f"vocab_size={self.vocab_size})")
 
 
 class BatchSampler:

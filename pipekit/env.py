@@ -47,8 +47,10 @@ def report() -> list[tuple[str, str]]:
         ("pipekit", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})"),
         ("python", f"{sys.version.split()[0]} ({platform.platform()})"),
         ("torch", f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})"),
-        ("CUDA devices", ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())) if cuda else "none"),
-        ("NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda and dist.is_nccl_available() else "not available"),
+        ("CUDA devices", ", ".join(map(torch.cuda.get_device_name, range(torch.cuda.device_count())))
+         if cuda else "none"),
+        ("NCCL", ".".join(map(str, torch.cuda.nccl.version())) if cuda and dist.is_nccl_available()
+         else "not available"),
         ("gloo", "available" if dist.is_gloo_available() else "not available"),
         ("train.device=auto picks", auto_device_text(count_visible_gpus())),
         ("CPU cores", str(os.cpu_count())),

@@ -16,13 +16,13 @@ import torch
 
 from .checkpoint import load_full_state_dict
 from .data import default_cache_dir, load_tokenizer, read_meta, separator
+from .interchange import read_saved_model
 from .models import config_from_dict, model_specs, model_vocab
-from .models.hf import read_saved_model
 from .pipeline import PipelineModule
 
 
 def load_model(path: str) -> tuple[PipelineModule, object, dict]:
-    """(module, model config, the saved dict: `pipekit.models.hf.read_saved_model`) of a
+    """(module, model config, the saved dict: `pipekit.interchange.read_saved_model`) of a
     model.pt or checkpoint, on the CPU."""
     ckpt = read_saved_model(path)
     mcfg = config_from_dict(ckpt["family"], ckpt["config"])  # every family, the toy's too, through the registry

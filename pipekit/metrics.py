@@ -30,8 +30,6 @@ from .models import flops_per_token as zoo_flops_per_token
 from .spec import TiedLayerSpec, count_parameters
 from .topology import Topology
 
-
-
 # ---- throughput figures ----------------------------------------------------
 # Dense (not 2:4-sparse) tensor-core peaks of one GPU in TFLOP/s, from NVIDIA's data sheets:
 # (bf16/fp16, tf32). Matched in order as whole words of torch.cuda.get_device_name, so

@@ -40,7 +40,6 @@ from .schedules.generators import get_generator
 from .schedules.ir import WEIGHT_GRAD_KINDS
 
 
-
 @dataclass
 class Candidate:
     """One (schedule, microbatches, partition) and what the model predicts for it."""

@@ -50,7 +50,6 @@ from .spec import TiedLayerSpec, spec_name, tied_first_index
 from .split_backward import backward_input, backward_weight
 from .topology import Topology
 
-
 KINDS = ("F", "B", "I", "W")
 # Engine time per action beyond the layers' own work (dispatch, stashing, autograd set-up;
 # the timelines of benchmarks/plan_accuracy.py put it at 10-30 us on this CPU); overridable.
@@ -200,12 +199,18 @@ class _SavedBytes:
         self.hooks.__exit__(*exc)
 
 
-def _time(fn, sync) -> float:
+def _time(sync, fn, *args) -> tuple[float, object]:
+    """(seconds, result) of `fn(*args)`, the device synchronised before and after."""
     sync()
     t0 = time.perf_counter()
-    out = fn()
+    out = fn(*args)
     sync()
     return time.perf_counter() - t0, out
+
+
+def _backward(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    if outs:
+        torch.autograd.backward(outs, grads)
 
 
 def _layer_params(module, i: int) -> list[torch.Tensor]:
@@ -234,17 +239,17 @@ def _profile_one(module, i: int, x, reps: int, sync):
     for rep in range(reps + 1):
         for split in (False, True):
             xin = _leaf(x)
-            t_f, out = _time(lambda: module.run_layer(i, xin), sync)
+            t_f, out = _time(sync, module.run_layer, i, xin)
             outs = [o for o in _floats(out) if o.requires_grad]
             grads = [torch.randn_like(o) for o in outs]
             if not split:
-                t_b, _ = _time(lambda: torch.autograd.backward(outs, grads) if outs else None, sync)
+                t_b, _ = _time(sync, _backward, outs, grads)
                 if rep:
                     times["F"].append(t_f)
                     times["B"].append(t_b)
                 continue
-            t_i, (_, work) = _time(lambda: backward_input(outs, grads, _floats(xin), params), sync)
-            t_w, _ = _time(lambda: backward_weight(work), sync)
+            t_i, (_, work) = _time(sync, backward_input, outs, grads, _floats(xin), params)
+            t_w, _ = _time(sync, backward_weight, work)
             if rep:
                 times["I"].append(t_i)
                 times["W"].append(t_w)
@@ -262,8 +267,8 @@ def _profile_loss(module, out, labels, reps: int, sync) -> LayerCost:
     saved = counter.total
     for rep in range(reps + 1):
         x = _leaf(out)
-        t_f, loss = _time(lambda: module.loss_fn(x, labels), sync)
-        t_b, _ = _time(lambda: loss.backward(), sync)
+        t_f, loss = _time(sync, module.loss_fn, x, labels)
+        t_b, _ = _time(sync, loss.backward)
         if rep:
             fwd.append(t_f)
             bwd.append(t_b)
@@ -284,7 +289,8 @@ def profile_layers(run: Run, *, rows: int | None = None, reps: int = 5, threads:
         torch.set_num_threads(threads)
     try:
         module, batch = _model(run, device)
-        _ = make_optimizer(module, run.config.optimizer, run.precision)  # its gradient hooks run in every backward timed below, as in a run
+        # the run's optimizer: its gradient hooks run in every backward timed below, as in a run
+        _ = make_optimizer(module, run.config.optimizer, run.precision)
         sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         _profile_rows(module, batch, rows, 0, sync)  # a whole untimed pass: the allocator's first big blocks
         layers, loss = _profile_rows(module, batch, rows, reps, sync)
@@ -357,16 +363,16 @@ def _chained(module, x, labels, reps: int, sync) -> dict[str, float]:
         return module.loss_fn(out, labels)
 
     for rep in range(reps + 1):
-        t_f, loss = _time(lambda: forward(0, x), sync)
-        t_b, _ = _time(loss.backward, sync)
+        t_f, loss = _time(sync, forward, 0, x)
+        t_b, _ = _time(sync, loss.backward)
         got = {"F": t_f, "B": t_b}
         if n > 1:
             with torch.no_grad():
                 first = module.run_layer(0, x)
             inp = _leaf(first)
             loss = forward(1, inp)
-            t_i, (_, work) = _time(lambda: backward_input([loss], [None], _floats(inp), params), sync)
-            t_w, _ = _time(lambda: backward_weight(work), sync)
+            t_i, (_, work) = _time(sync, backward_input, [loss], [None], _floats(inp), params)
+            t_w, _ = _time(sync, backward_weight, work)
             got.update(I=t_i, W=t_w)
         for p in module.parameters():
             p.grad = None
@@ -419,7 +425,7 @@ def _optimizer_seconds_per_param(run: Run, module, sync) -> float:
     opt.step()  # the first step allocates the state
     runs = []
     for _ in range(3):
-        t, _ = _time(opt.step, sync)
+        t, _ = _time(sync, opt.step)
         runs.append(t)
     return statistics.median(runs) / sum(p.numel() for p in params)
 
@@ -465,21 +471,21 @@ def _ping(sizes: list[int], reps: int) -> dict:
     and of a one-element all-reduce."""
     rank, out = dist.get_rank(), {}
 
-    def lap(fn) -> float:
+    def lap(fn, *args) -> float:
         laps = []
         for _ in range(reps + 2):
             dist.barrier()
             t0 = time.perf_counter()
-            fn()
+            fn(*args)
             laps.append(time.perf_counter() - t0)
         return statistics.median(laps[2:])
 
     for n in sizes:
         buf = torch.zeros(max(1, n // 4))
         if rank == 0:
-            out[n] = lap(lambda: (dist.send(buf, 1), dist.recv(buf, 1))) / 2
+            out[n] = lap(_send_then_recv, buf, 1) / 2
         else:
-            out[n] = lap(lambda: (dist.recv(buf, 0), dist.send(buf, 0))) / 2
+            out[n] = lap(_recv_then_send, buf, 0) / 2
     for n in sizes:  # what posting an isend costs the sender (the engine's SEND), its receive posted ahead
         buf, posts = torch.zeros(max(1, n // 4)), []
         for _ in range(reps + 2):
@@ -492,8 +498,18 @@ def _ping(sizes: list[int], reps: int) -> dict:
             work.wait()
         out[f"post {n}"] = statistics.median(posts[2:]) if posts else 0.0
     flag = torch.zeros(1)
-    out["collective"] = lap(lambda: dist.all_reduce(flag))
+    out["collective"] = lap(dist.all_reduce, flag)
     return out
+
+
+def _send_then_recv(buf: torch.Tensor, peer: int) -> None:
+    dist.send(buf, peer)
+    dist.recv(buf, peer)
+
+
+def _recv_then_send(buf: torch.Tensor, peer: int) -> None:
+    dist.recv(buf, peer)
+    dist.send(buf, peer)
 
 
 def measure_comm(reps: int = 30, timeout: float = 60.0) -> CommModel:

@@ -18,8 +18,15 @@ from dataclasses import asdict
 
 import torch.distributed as dist
 
-from .checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint, read_meta,
-                         save_checkpoint, step_dir)
+from .checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_meta,
+    save_checkpoint,
+    step_dir,
+)
 from .config import Config, Run
 from .engine import PipelineEngine
 from .topology import Topology
@@ -93,11 +100,11 @@ def check_same_model(meta: dict, run: Run, path: str) -> None:
     mine = {"family": run.family, "config": _model_record(run)}
     theirs = {"family": meta.get("family"), "config": meta.get("model_config")}
     if theirs != mine:
-        diff = sorted(k for k in set(mine["config"]) | set(theirs["config"] or {})
-                      if (theirs["config"] or {}).get(k) != mine["config"].get(k))
-        shown = ", ".join(f"{k}={(theirs['config'] or {}).get(k)} (this config: {mine['config'].get(k)})" for k in diff[:3])
-        raise CheckpointError(f"checkpoint {path} was saved from another model ({theirs['family']}: {shown or 'family'}); "
-                              f"resume it with the config it was saved with")
+        saved = theirs["config"] or {}
+        diff = sorted(k for k in set(mine["config"]) | set(saved) if saved.get(k) != mine["config"].get(k))
+        shown = ", ".join(f"{k}={saved.get(k)} (this config: {mine['config'].get(k)})" for k in diff[:3])
+        raise CheckpointError(f"checkpoint {path} was saved from another model ({theirs['family']}: "
+                              f"{shown or 'family'}); resume it with the config it was saved with")
 
 
 def _model_record(run: Run) -> dict:

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
 INITS = ("file", "env", "none")
 
 
@@ -107,10 +106,11 @@ def _collect(procs, results, world_size: int, timeout: float) -> list:
         except queue.Empty:
             dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out and p.exitcode != 0]
             if dead:
-                raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before reporting")
+                raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} before reporting") \
+                    from None
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(out))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
             continue
         if not ok:
             raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")

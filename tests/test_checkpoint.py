@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipekit.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_full_weights,
-                                read_meta)
+from pipekit.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_full_weights, read_meta
 from pipekit.config import load_run
 from pipekit.testing import run_distributed
 from pipekit.train import train
@@ -36,8 +35,8 @@ LAYOUTS = {
                       "schedule.microbatches=2"],
     "tp2_dp2_zero2_gpipe": ["parallel.pp=1", "parallel.tp=2", "parallel.dp=2", "optimizer.zero_stage=2",
                             "schedule.name=gpipe", "train.micro_batch=1", "schedule.microbatches=4"],
-    "pp2_tp2_interleaved": ["parallel.pp=2", "parallel.tp=2", "schedule.name=interleaved_1f1b", "schedule.chunks_per_rank=2",
-                        "train.micro_batch=2", "schedule.microbatches=4"],
+    "pp2_tp2_interleaved": ["parallel.pp=2", "parallel.tp=2", "schedule.name=interleaved_1f1b",
+                            "schedule.chunks_per_rank=2", "train.micro_batch=2", "schedule.microbatches=4"],
     "one_process": ["parallel.pp=1", "train.micro_batch=4", "schedule.microbatches=2"],
 }
 

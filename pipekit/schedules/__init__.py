@@ -24,8 +24,8 @@ from .generators import (
 from .ir import Action, Kind, ScheduleError
 from .lowering import lower
 from .placement import PLACEMENTS, looping_placement, resolve_placement, v_placement
-from .program import Schedule
 from .plan import build_schedule, load_schedule, parse_table, plan_report, schedule_from_table
+from .program import Schedule
 from .render import render_png, render_text, to_chrome_trace
 from .simulate import SimResult, TimelineEvent, mean_costs, simulate
 from .validate import validate

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from .ir import INPUT_GRAD_KINDS, Action, Kind, ScheduleError, matching_recv, matching_send, message_stages
 from .execute import execute
+from .ir import INPUT_GRAD_KINDS, Action, Kind, ScheduleError, matching_recv, matching_send, message_stages
 
 
 def validate(ranks: list[list[Action]], placement, microbatches: int, *, backward: bool = True) -> None:
