@@ -473,7 +473,7 @@ class Run:
     the rest is what they resolve to. Built by `resolve` (or `load_run`)."""
 
     config: Config
-    model: Any  # the family's typed config (GPT2Config, LlamaConfig, MixtralConfig, ToyConfig)
+    model: Any  # the family's typed config (`pipekit.models.get_model`: GPT2Config, LlamaConfig, ...)
     schedule: Schedule  # the validated program every rank runs; the module is built for it
     precision: Precision
     partition: str | tuple[int, ...]  # a method name ("parameters", "profile", "type:Block") or boundaries
