@@ -66,7 +66,7 @@ import pipekit
 from pipekit.partition import partition
 from pipekit.schedules import Action, Kind, build_schedule, simulate
 from pipekit.schedules.ir import matching_send
-from pipekit.schedules.simulate import execute
+from pipekit.schedules.execute import execute
 from pipekit.spec import LayerSpec
 from pipekit.testing import run_distributed
 

@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipekit import planner
-from pipekit.config import load_config
+from pipekit import planner, profiler
+from pipekit.config import load_run
 from pipekit.schedules import Action
 from pipekit.testing import run_distributed
 
@@ -76,10 +76,10 @@ def _measure(overrides: list[str], steps: int, warmup: int = 2) -> dict:
     from pipekit.topology import Topology
     from pipekit.train import batches, build
 
-    cfg = load_config(str(CONFIG), overrides)
-    topo = Topology(pp=cfg.parallel.pp, dp=cfg.parallel.dp, tp=cfg.parallel.tp, device="cpu")
-    engine = build(cfg, topo)
-    data = batches(cfg, topo)
+    run = load_run(str(CONFIG), overrides)
+    topo = Topology(pp=run.pp, dp=run.dp, tp=run.tp, device="cpu")
+    engine = build(run, topo)
+    data = batches(run, topo)
     laps, busy = [], {}
     for i in range(warmup + steps):
         engine.record_timeline = i >= warmup
@@ -109,11 +109,11 @@ def _measure(overrides: list[str], steps: int, warmup: int = 2) -> dict:
             "busy": {k: statistics.median(v) for k, v in busy.items()}}
 
 
-def _predict(cfg, profile, comm, schedule: str, method: str) -> planner.Candidate:
-    found = planner.plan(cfg, profile, comm, schedules=[schedule], partitions=[method],
-                         microbatches=[cfg.schedule.microbatches])
-    mine = [c for c in found if c.micro_batch == cfg.train.micro_batch
-            and (schedule != "interleaved_1f1b" or c.chunks_per_rank == cfg.schedule.chunks_per_rank)]
+def _predict(run, profile, comm, schedule: str, method: str) -> planner.Candidate:
+    found = planner.plan(run, profile, comm, schedules=[schedule], partitions=[method],
+                         microbatches=[run.schedule.microbatches])
+    mine = [c for c in found if c.micro_batch == run.config.train.micro_batch
+            and (schedule != "interleaved_1f1b" or c.chunks_per_rank == run.schedule.chunks_per_rank)]
     return mine[0]
 
 
@@ -130,23 +130,23 @@ def main() -> int:
     args = ap.parse_args()
     names = [(n, p) for n in args.schedules.split(",") for p in args.partitions.split(",")]
     load = [os.getloadavg()[0]]
-    base = load_config(str(CONFIG), _overrides(args.shape, "1f1b"))
+    base = load_run(str(CONFIG), _overrides(args.shape, "1f1b"))
     if args.alone:
-        profile, comm = planner.profile_layers(base), planner.measure_comm()
+        profile, comm = profiler.profile_layers(base), profiler.measure_comm()
     else:
-        profile, comm = planner.profile_on_two_ranks(base)
+        profile, comm = profiler.profile_on_two_ranks(base)
     print(f"profile: {profile.source}; comm: latency {comm.latency * 1e6:.0f} us, collective "
           f"{comm.collective * 1e6:.0f} us, bandwidth {comm.bandwidth / 1e9:.2f} GB/s")
     rows = []
     for name, method in names:
-        cfg = load_config(str(CONFIG), _overrides(args.shape, name))
-        c = _predict(cfg, profile, comm, name, method)
+        planned = load_run(str(CONFIG), _overrides(args.shape, name))
+        c = _predict(planned, profile, comm, name, method)
         cut = f"schedule.partition={','.join(map(str, c.boundaries))}"  # where the plan cut, profiled or not
         got_all = run_distributed(_measure, 2, [*_overrides(args.shape, name), cut], args.steps, timeout=900)
         got = got_all[0]
         measured = statistics.median(got["steps"])
         busy = {k: v for r in run for k, v in r["busy"].items()} if (run := got_all) else {}
-        stages = planner.stage_costs([replace(c, **{k: getattr(c, k) / cfg.parallel.tp for k in planner.KINDS})
+        stages = planner.stage_costs([replace(c, **{k: getattr(c, k) / planned.tp for k in profiler.KINDS})
                                       for c in profile.at(c.micro_batch)], c.boundaries)
         print(f"    per action, rank 0/1: posting a send {got_all[0]['busy'].pop('send') * 1e6:.0f}/"
               f"{got_all[1]['busy'].pop('send') * 1e6:.0f} us (modelled {comm.send_overhead * 1e6:.0f}), between "

@@ -48,13 +48,13 @@ def pipekit_rate(config: str, pp: int, tp: int, dp: int, steps: int) -> float:
 
 def baseline_rate(config: str, steps: int) -> float:
     """The same model and batch shape in a plain single-process PyTorch training loop."""
-    from pipekit.config import load_config, model_config
+    from pipekit.config import load_run
     from pipekit.data import BatchSampler, TokenDataset, default_corpus_dir
     from pipekit.models import model_loss, model_specs
     from pipekit.testing import reference_model
 
-    cfg = load_config(config, ["parallel.pp=1", "schedule.microbatches=4", "train.micro_batch=8"])
-    mcfg = model_config(cfg.model)
+    run = load_run(config, ["parallel.pp=1", "schedule.microbatches=4", "train.micro_batch=8"])
+    cfg, mcfg = run.config, run.model
     model = reference_model(model_specs(mcfg), seed=0)
     loss_fn = model_loss(mcfg).build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -12,32 +12,53 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pickle
+import signal
 import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict
+
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args
+from torch.distributed.run import run as torchrun
+
+from . import __version__, planner, profiler
+from .atomic import write_atomic
+from .comm import PeerClosed
+from .config import ConfigError, Run, load_run
+from .data import prepare_data
+from .env import format_report, report
+from .generate import generate_text
+from .preflight import check_before_launch
+from .schedules import ScheduleError, TimelineEvent, plan_report, render_png, render_text, to_chrome_trace
+from .topology import fell_back, local_workers, resolve_device
+from .train import partition_of, train
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_config
-
+    """Resolve the run (its errors before any worker starts), check the paths it names,
+    then launch the workers (each resolves the same run again from the same argv) or,
+    as one of them, train."""
     if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides, args.config = [args.config, *args.overrides], None
     try:
-        cfg = load_config(args.config, args.overrides)
+        run = load_run(args.config, args.overrides)
     except ConfigError as e:
         print(f"pipekit train: {e}", file=sys.stderr)
         return 2
+    cfg = run.config
     if args.show:
-        from dataclasses import asdict
-
-        from omegaconf import OmegaConf
-
         print(OmegaConf.to_yaml(OmegaConf.create(asdict(cfg))), end="")
         return 0
-    from .preflight import check_before_launch
-
     try:
-        check_before_launch(cfg)  # the data, out_dir, checkpoint dir and the checkpoint to resume from
+        check_before_launch(run)  # the data, out_dir, checkpoint dir and the checkpoint to resume from
     except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":  # under a user's torchrun, said once
             print(f"pipekit train: {e}", file=sys.stderr)
@@ -60,45 +81,33 @@ def _train(args: argparse.Namespace) -> int:
         # The workers take this process's answer: after auto -> cpu with a GPU visible they must
         # not resolve again (each would call set_device on an ordinal that is not there).
         argv = ["train", *([args.config] if args.config else []), *args.overrides, f"train.device={device}"]
-        if cfg.schedule.partition == "profile":  # once, here, before the workers share the cores
-            argv += _profiled_partition(cfg, device)
+        if run.partition == "profile":  # once, here, before the workers share the cores
+            argv += _profiled_partition(run, device)
         return _launch(cfg.world_size, argv, max_restarts=args.max_restarts)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
         print(f"pipekit train: torchrun started {os.environ['WORLD_SIZE']} workers but the config asks for "
               f"pp*dp*tp = {cfg.world_size}", file=sys.stderr)
         return 2
-    return _run_worker(cfg)
+    return _run_worker(run)
 
 
-def _profiled_partition(cfg, device: str) -> list[str]:
+def _profiled_partition(run: Run, device: str) -> list[str]:
     """schedule.partition=profile resolved to boundaries in the launcher, as overrides for the workers."""
-    from .config import schedule_chunks
-    from .schedules import build_schedule
-    from .train import partition_of
-
-    s = cfg.schedule
-    schedule = build_schedule(s.name, cfg.parallel.pp, s.microbatches, schedule_chunks(s))
-    bounds = partition_of(cfg, schedule, "cuda" if device == "cuda" else "cpu")
+    bounds = partition_of(run, "cuda" if device == "cuda" else "cpu")
     print(f"pipekit: schedule.partition=profile -> boundaries {bounds} (layer times measured on this machine)",
           flush=True)
     return [f"schedule.partition={','.join(map(str, bounds))}", "schedule.memory_budget_gb=null"]
 
 
-def _run_worker(cfg) -> int:
+def _run_worker(run: Run) -> int:
     """Train on this process (one of the workers, or the only one). An error is reported once,
     from the rank where it started: a rank that failed only because a peer stopped stays
     quiet (exit status PEER_STOPPED); the launcher collects the rest (see `_report_failures`)."""
-    import signal
-
-    from .train import train
-
     try:
-        summary = train(cfg)
+        summary = train(run)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - reported once, below
         return _worker_failed(e)
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
     stopped = summary.get("stopped_by") if isinstance(summary, dict) else None
@@ -112,8 +121,6 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 def _caused_by_peer(e: BaseException) -> bool:
-    from .comm import PeerClosed
-
     while e is not None:
         if isinstance(e, PeerClosed) or any(mark in str(e) for mark in _PEER_GONE):
             return True
@@ -126,9 +133,6 @@ def _worker_failed(e: BaseException) -> int:
     line), 1 for anything else (the traceback), PEER_STOPPED (nothing printed) when the rank
     only lost a peer. Under `pipekit train`'s launcher the report goes to a file the launcher
     prints from; under a user's own torchrun it is printed here."""
-    import time
-    import traceback
-
     rank = int(os.environ.get("RANK", "0"))
     if isinstance(e, KeyboardInterrupt):
         return 130
@@ -140,8 +144,6 @@ def _worker_failed(e: BaseException) -> int:
     status = PEER_STOPPED if peer else (2 if user else 1)
     report_dir = os.environ.get("PIPEKIT_ERROR_DIR")
     if report_dir:
-        from .atomic import write_atomic
-
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         write_atomic(os.path.join(report_dir, f"attempt{attempt}-rank{rank}.json"),
                      json.dumps({"rank": rank, "peer": peer, "user": user, "text": text, "time": time.time()}))
@@ -196,8 +198,6 @@ def _device(cfg) -> str | None:
     """"cuda" or "cpu" for this node's workers, or None after printing why the requested device
     cannot be had. Prints the notice when auto fell back to the CPU although a GPU is visible
     (here, once, for workers this command launches; `train()` prints it otherwise)."""
-    from .topology import fell_back, local_workers, resolve_device
-
     try:
         device, reason = resolve_device(cfg.train.device, local_workers(cfg.world_size))
     except ValueError as e:
@@ -212,19 +212,12 @@ def _launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
     """Start `nproc` workers on this machine through torch.distributed.run, each running
     `pipekit argv`; with `max_restarts`, a failed group is restarted (and resumes from its
     newest checkpoint) up to that many times. Errors are reported once (`_report_failures`)."""
-    import signal
-    import tempfile
-
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
     print(f"pipekit: launching {nproc} workers with torch.distributed.run"
           + (f" (up to {max_restarts} restarts)" if max_restarts else ""), flush=True)
     with tempfile.TemporaryDirectory(prefix="pipekit-errors-") as reports:
         os.environ["PIPEKIT_ERROR_DIR"] = reports
         try:
-            run(parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+            torchrun(parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
                             "-m", "pipekit.cli", *argv]))
         except ChildFailedError as e:
             return _report_failures(e, reports)
@@ -270,16 +263,11 @@ def _report_failures(e, reports: str) -> int:
 def _plan(args: argparse.Namespace) -> int:
     """Every input, including where --trace and --png go (and matplotlib for --png), is
     checked before either file is written: a mistake writes nothing."""
-    import math
-
     if args.config is not None:
         return _plan_config(args)
     if args.pp is None or args.microbatches is None:
         raise ValueError("give a training config (pipekit plan CONFIG [key=value ...]), or --pp and "
                          "--microbatches to simulate one schedule under unit costs")
-
-    from .schedules import ScheduleError, TimelineEvent, plan_report, render_png, render_text, to_chrome_trace
-
     for flag, cost in (("--f-cost", args.f_cost), ("--b-cost", args.b_cost)):
         if not math.isfinite(cost):
             raise ValueError(f"{flag} {cost} must be a finite number >= 0")
@@ -300,8 +288,6 @@ def _plan(args: argparse.Namespace) -> int:
             return 2
     events = [TimelineEvent(**e) for e in report["timeline"]]
     if args.trace:
-        from .atomic import write_atomic
-
         write_atomic(args.trace, json.dumps(to_chrome_trace(events)))
     if args.png:
         render_png(events, args.png, f"{args.schedule}, pp={args.pp}, microbatches={args.microbatches}, "
@@ -316,20 +302,47 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _plan_config(args: argparse.Namespace) -> int:
-    """`pipekit plan CONFIG`: profile the config's layers, predict every schedule, partition
-    and microbatch count, recommend the fastest that fits."""
-    from . import planner
-    from .config import ConfigError, load_config
-    from .schedules import build_schedule, render_png, render_text, to_chrome_trace
-
+    """`pipekit plan CONFIG`: profile the run's layers, predict every schedule, partition
+    and microbatch count, recommend the fastest that fits. Every flag and output path is
+    checked (and the run resolved) before anything is measured or written."""
     overrides = list(args.overrides)
     if "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         overrides, args.config = [args.config, *overrides], None
     try:
-        cfg = load_config(args.config, overrides)
+        run = load_run(args.config, overrides)
     except ConfigError as e:
         print(f"pipekit plan: {e}", file=sys.stderr)
         return 2
+    if not _plan_flags_ok(args):
+        return 2
+    profile, comm = _plan_costs(run, args)
+    budget = args.memory_gb * 2**30 if args.memory_gb else None
+    candidates = planner.plan(run, profile, comm, budget=budget)
+    if not candidates:
+        raise ValueError(f"no schedule runs pp={run.pp} with this model's {len(profile.layers)} layers")
+    best, tokens = candidates[0], run.config.train.seq_len * run.dp
+    command = _recommended_command(args.config, overrides, best)
+    if args.json:
+        print(json.dumps({"profile": profile.source, "comm": {k: getattr(comm, k) for k in
+                                                               ("latency", "bandwidth", "collective",
+                                                                "action_overhead", "send_overhead", "source")},
+                          "layers": [vars(c) for c in profile.at(profile.rows)],
+                          "candidates": [planner.candidate_record(c, tokens) for c in candidates],
+                          "recommended": planner.candidate_record(best, tokens), "command": command}))
+    else:
+        _print_plan(run, profile, comm, candidates, args, command)
+    title = (f"{best.schedule}, pp={run.pp}, {best.microbatches} x {best.micro_batch} rows, "
+             f"predicted {best.step_seconds * 1e3:.1f} ms, bubble {best.bubble_fraction:.3f}")
+    if args.trace:
+        write_atomic(args.trace, json.dumps(to_chrome_trace(best.timeline)))
+    if args.png:
+        render_png(best.timeline, args.png, title)
+    return 0
+
+
+def _plan_flags_ok(args: argparse.Namespace) -> bool:
+    """`pipekit plan CONFIG`'s flags: ValueError for a bad number; False (said on stderr)
+    when --png cannot be drawn here; --trace and --png must be writable files."""
     for flag, value in (("--memory-gb", args.memory_gb), ("--latency", args.latency)):
         if value is not None and not (value > 0 and value != float("inf")):
             raise ValueError(f"{flag} {value} must be a finite number > 0")
@@ -340,64 +353,50 @@ def _plan_config(args: argparse.Namespace) -> int:
             _check_output_file(flag, path)
     if args.png:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib  # noqa: F401 - optional: only --png needs it
         except ImportError:
             print("pipekit plan: --png needs matplotlib: pip install matplotlib", file=sys.stderr)
-            return 2
-    from .topology import local_workers, resolve_device
+            return False
+    return True
 
+
+def _plan_costs(run: Run, args: argparse.Namespace):
+    """(layer profile, message costs) for the plan: FLOP counts (--no-profile), two CPU ranks
+    side by side (pp > 1 on the CPU, as two workers sharing this host see it), or this
+    process on the run's device; --latency replaces the measured message costs."""
     try:
-        device = resolve_device(cfg.train.device, local_workers(cfg.world_size))[0]
+        device = resolve_device(run.config.train.device, local_workers(run.world_size))[0]
     except ValueError:  # train.device=cuda without enough GPUs here: plan on what there is
         device = "cpu"
     if args.no_profile:
-        profile, comm = planner.flop_layers(cfg), planner.CommModel()
-    elif cfg.parallel.pp > 1 and device == "cpu" and args.latency is None:
-        profile, comm = planner.profile_on_two_ranks(cfg)  # as two workers sharing this host see it
+        profile, comm = profiler.flop_layers(run), profiler.CommModel()
+    elif run.pp > 1 and device == "cpu" and args.latency is None:
+        profile, comm = profiler.profile_on_two_ranks(run)
     else:
-        profile = planner.profile_layers(cfg, device=device, threads=1 if device == "cpu" else None)
-        comm = planner.CommModel()
+        profile = profiler.profile_layers(run, device=device, threads=1 if device == "cpu" else None)
+        comm = profiler.CommModel()
     if args.latency is not None:
-        comm = planner.CommModel(latency=args.latency, collective=2 * args.latency, source="--latency")
-    budget = args.memory_gb * 2**30 if args.memory_gb else None
-    candidates = planner.plan(cfg, profile, comm, budget=budget)
-    if not candidates:
-        raise ValueError(f"no schedule runs pp={cfg.parallel.pp} with this model's {len(profile.layers)} layers")
-    best = candidates[0]
-    tokens = cfg.train.seq_len * cfg.parallel.dp
-    if args.json:
-        print(json.dumps({"profile": profile.source, "comm": {k: getattr(comm, k) for k in
-                                                               ("latency", "bandwidth", "collective",
-                                                                "action_overhead", "send_overhead", "source")},
-                          "layers": [vars(c) for c in profile.at(profile.rows)],
-                          "candidates": [planner.candidate_record(c, tokens) for c in candidates],
-                          "recommended": planner.candidate_record(best, tokens),
-                          "command": _recommended_command(args.config, overrides, best)}))
-    else:
-        print(f"layers ({profile.source}; {profile.rows} rows x {cfg.train.seq_len} tokens per microbatch):")
-        print(planner.layer_table(profile))
-        print(f"\nmessages: {comm.latency * 1e6:.0f} us + bytes / {comm.bandwidth / 1e9:.2f} GB/s; "
-              f"posting a send {comm.send_overhead * 1e6:.0f} us; engine overhead {comm.action_overhead * 1e6:.0f} us "
-              f"per action ({comm.source})")
-        print(f"\npredicted steps, pp={cfg.parallel.pp} dp={cfg.parallel.dp} tp={cfg.parallel.tp}, "
-              f"{cfg.train.micro_batch * cfg.schedule.microbatches} rows per dp replica (fastest first):")
-        print(planner.candidate_table(candidates, tokens, args.top))
-        if not best.fits:
-            print(f"\nnothing fits {args.memory_gb} GiB per rank; the fastest is shown")
-        print(f"\nrecommended: {best.schedule}, {best.microbatches} microbatches of {best.micro_batch}, partition "
-              f"{best.partition} {best.boundaries}: {best.step_seconds * 1e3:.1f} ms per step")
-        print(f"  {_recommended_command(args.config, overrides, best)}\n")
-        print(render_text(best.timeline))
-    schedule = build_schedule(best.schedule, cfg.parallel.pp, best.microbatches, best.chunks_per_rank)
-    title = (f"{best.schedule}, pp={schedule.pp}, {best.microbatches} x {best.micro_batch} rows, "
-             f"predicted {best.step_seconds * 1e3:.1f} ms, bubble {best.bubble_fraction:.3f}")
-    if args.trace:
-        from .atomic import write_atomic
+        comm = profiler.CommModel(latency=args.latency, collective=2 * args.latency, source="--latency")
+    return profile, comm
 
-        write_atomic(args.trace, json.dumps(to_chrome_trace(best.timeline)))
-    if args.png:
-        render_png(best.timeline, args.png, title)
-    return 0
+
+def _print_plan(run: Run, profile, comm, candidates, args: argparse.Namespace, command: str) -> None:
+    """The plan as text: the layer table, the message costs, the candidates, the recommendation."""
+    best, cfg = candidates[0], run.config
+    print(f"layers ({profile.source}; {profile.rows} rows x {cfg.train.seq_len} tokens per microbatch):")
+    print(planner.layer_table(profile))
+    print(f"\nmessages: {comm.latency * 1e6:.0f} us + bytes / {comm.bandwidth / 1e9:.2f} GB/s; "
+          f"posting a send {comm.send_overhead * 1e6:.0f} us; engine overhead {comm.action_overhead * 1e6:.0f} us "
+          f"per action ({comm.source})")
+    print(f"\npredicted steps, pp={run.pp} dp={run.dp} tp={run.tp}, "
+          f"{cfg.train.micro_batch * cfg.schedule.microbatches} rows per dp replica (fastest first):")
+    print(planner.candidate_table(candidates, cfg.train.seq_len * run.dp, args.top))
+    if not best.fits:
+        print(f"\nnothing fits {args.memory_gb} GiB per rank; the fastest is shown")
+    print(f"\nrecommended: {best.schedule}, {best.microbatches} microbatches of {best.micro_batch}, partition "
+          f"{best.partition} {best.boundaries}: {best.step_seconds * 1e3:.1f} ms per step")
+    print(f"  {command}\n")
+    print(render_text(best.timeline))
 
 
 def _recommended_command(config, overrides, best) -> str:
@@ -419,8 +418,6 @@ def _check_output_file(flag: str, path: str) -> None:
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
-    from .data import prepare_data
-
     try:
         meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                             seed=args.seed)
@@ -434,8 +431,6 @@ def _prepare_data(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .generate import generate_text
-
     try:
         text = generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
                              args.seed)
@@ -449,8 +444,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
-    from .env import format_report, report
-
     print(format_report(report()))
     return 0
 
@@ -503,8 +496,6 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pipekit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from . import __version__
-
     p.add_argument("--version", action="version", version=f"pipekit {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 

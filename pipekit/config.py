@@ -1,23 +1,45 @@
-"""Experiment configs: typed dataclasses, merged with YAML and `key=value` overrides.
+"""Experiment configs: typed dataclasses, merged with YAML and `key=value` overrides,
+and resolved once into the `Run` that every part of pipekit takes.
 
-`load_config(path, overrides)` builds `OmegaConf.structured(Config)`, merges
-the YAML file and the dot-list overrides (an unknown key or a value of the
-wrong type fails with OmegaConf's message naming the key), converts the
-result to real dataclasses, and runs the cross-field checks of
-`check_config` — all before any worker is launched.
+`load_run(path, overrides)` builds `OmegaConf.structured(Config)`, merges the
+YAML file and the dot-list overrides (an unknown key or a value of the wrong
+type fails with OmegaConf's message naming the key), converts the result to
+real dataclasses, checks the values (`check_config`), and `resolve`s the run:
+imports `schedule.module`, makes the family's model config, the `Schedule`,
+the precision policy and the partition, and checks them against each other —
+all before any worker is launched (and again, identically, in each worker,
+from the same arguments). `load_config` is the same, returning the keys alone.
+
+    run = load_run("configs/gpt2_tiny.yaml", ["parallel.pp=2"])
+    run.model, run.schedule, run.precision, (run.pp, run.dp, run.tp, run.ep)
+    train(run); planner.plan(run, ...); check_before_launch(run)
+
+Limits: a `Run` is frozen (its fields cannot be reassigned; it keeps its own
+copy of the keys), but the model config and the keys inside it are plain
+dataclasses: treat them as read-only.
 """
 
 from __future__ import annotations
 
+import copy
+import importlib
+import importlib.util
 import math
+import os
 import re
+import sys
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .schedules import SCHEDULES, ScheduleError, build_schedule
+from .models import FAMILIES, get_model, model_keys, model_specs, model_vocab
+from .partition import check_boundaries, layer_weights
+from .precision import PRECISION_NAMES, Precision, precision_policy
+from .schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, load_schedule
+from .spec import spec_name
+from .topology import local_workers, resolve_device
 
 # The ModelConfig keys that are sizes: when set, each must be >= 1 (checked with the key named as given).
 _MODEL_SIZES = ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden",
@@ -59,7 +81,10 @@ class ParallelConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | dualpipe_v (or a registered one)
+    name: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | dualpipe_v, one registered by
+    #                     schedule.module, or the path of an action-table file (pipekit.schedules.load_schedule)
+    module: Optional[str] = None  # a Python module (dotted name, or a .py file) imported before the schedule is
+    #                               built, in the launcher and in every worker: it calls register_schedule
     microbatches: int = 4  # per optimizer step and dp replica
     chunks_per_rank: Optional[int] = None  # virtual stages per rank; None: the schedule's own (2 for
     #                                       interleaved_1f1b, zbv and dualpipe_v, else 1)
@@ -161,7 +186,20 @@ class ConfigError(ValueError):
     """A config value is wrong; the message names the key."""
 
 
+def load_run(path: str | None = None, overrides: list[str] | None = None) -> Run:
+    """Read the YAML file and the `key=value` overrides, check them and resolve the run:
+    what `pipekit train` and `pipekit plan` call, in the launcher and in each worker."""
+    return resolve(_merged(path, overrides))
+
+
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """The checked config alone (`load_run(...).config`): every check `load_run` makes is
+    made, the model's and the schedule's too."""
+    return load_run(path, overrides).config
+
+
+def _merged(path: str | None, overrides: list[str] | None) -> Config:
+    """The schema merged with the file and the overrides, as real dataclasses, values checked."""
     schema = OmegaConf.structured(Config)
     try:
         parts = [schema]
@@ -214,20 +252,21 @@ def _check_positive(cfg: Config) -> None:
 
 
 def check_config(cfg: Config) -> None:
-    """Cross-field checks; each error names the key and what would be valid."""
+    """Cross-field checks of values alone; each error names the key and what would be valid.
+    (What needs the model or the schedule is checked by `resolve`.)"""
     p, s, t = cfg.parallel, cfg.schedule, cfg.train
     _check_positive(cfg)
     if p.dp % p.ep:
+        divisors = [d for d in range(1, p.dp + 1) if p.dp % d == 0]
         raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (experts are sharded over "
-                          f"groups of ep data-parallel ranks); use an ep among {[d for d in range(1, p.dp + 1) if p.dp % d == 0]}")
-    _check_choice("schedule.name", s.name, SCHEDULES)
+                          f"groups of ep data-parallel ranks); use an ep among {divisors}")
     _check_model_family(cfg.model)
     _check_choice("train.dtype", t.dtype, ("float32", "float64"))
     _check_choice("optimizer.decay", cfg.optimizer.decay, ("cosine", "constant"))
     _check_choice("optimizer.name", cfg.optimizer.name, ("adamw", "sgd"))
     _check_choice("optimizer.zero_stage", cfg.optimizer.zero_stage, (0, 1, 2))
     _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
-    _check_choice("train.precision", t.precision, ("fp32", "bf16", "fp16"))
+    _check_choice("train.precision", t.precision, PRECISION_NAMES)
     _check_optimizer(cfg)
     _check_precision(cfg)
     _check_runtime(cfg)
@@ -238,19 +277,6 @@ def check_config(cfg: Config) -> None:
             f"train.global_batch={t.global_batch} must equal train.micro_batch * schedule.microbatches * parallel.dp = "
             f"{t.micro_batch} * {s.microbatches} * {p.dp} = {want}"
         )
-    try:
-        schedule = build_schedule(s.name, p.pp, s.microbatches, schedule_chunks(s))
-    except ScheduleError as e:
-        raise ConfigError(f"schedule: {e}") from e
-    model = model_config(cfg.model)
-    specs = model_specs(model)
-    _check_model_fits(cfg, model, specs, schedule.chunks_per_rank)
-    _check_layer_choices(cfg, specs, schedule.num_stages)
-
-
-def schedule_chunks(s: ScheduleConfig) -> int | None:
-    """The chunks per rank to build `s` with: as set, or None: the schedule's own."""
-    return s.chunks_per_rank
 
 
 def _check_optimizer(cfg: Config) -> None:
@@ -324,9 +350,6 @@ def partition_boundaries(text: str) -> list[int] | None:
 def _check_layer_choices(cfg: Config, specs: list, num_stages: int) -> None:
     """schedule.partition, memory_budget_gb, activation_checkpoint_interval and checkpoint_layers,
     against the model's layers and the schedule's stages."""
-    from .partition import check_boundaries, layer_weights
-    from .spec import spec_name
-
     s = cfg.schedule
     bounds = partition_boundaries(s.partition)
     if bounds is not None:
@@ -372,12 +395,10 @@ def _check_device(cfg: Config) -> None:
 
     Workers on this node: torchrun's LOCAL_WORLD_SIZE when set (inside a worker, or
     a multi-node launch), else pp*dp*tp (`pipekit train` starts them all here).
-    "auto" never fails: it falls back to the CPU. Imports torch only for "cuda".
+    "auto" never fails: it falls back to the CPU.
     """
     if cfg.train.device != "cuda":
         return
-    from .topology import local_workers, resolve_device
-
     try:
         resolve_device("cuda", local_workers(cfg.world_size))
     except ValueError as e:
@@ -405,7 +426,8 @@ def _check_model_fits(cfg: Config, model, specs: list, chunks: int) -> None:
     experts = getattr(model, "n_experts", None)
     if experts is not None and experts % p.ep:
         divisors = [d for d in range(1, p.dp + 1) if p.dp % d == 0 and experts % d == 0]
-        raise ConfigError(f"model.n_experts={experts} is not divisible by parallel.ep={p.ep}; use an ep among {divisors}")
+        raise ConfigError(f"model.n_experts={experts} is not divisible by parallel.ep={p.ep}; "
+                          f"use an ep among {divisors}")
     if experts is None and p.ep > 1:
         raise ConfigError(f"parallel.ep={p.ep} shards experts, but model.family={cfg.model.family} has none; "
                           f"use parallel.ep=1 or an MoE family (mixtral)")
@@ -417,8 +439,6 @@ def _check_model_fits(cfg: Config, model, specs: list, chunks: int) -> None:
 def _check_model_family(m: ModelConfig) -> None:
     """model.family is in the zoo's registry, and the sizes it takes that are set are >= 1
     (the keys it does not take are refused by name in `model_config`)."""
-    from .models import FAMILIES, model_keys
-
     _check_choice("model.family", m.family, FAMILIES)
     takes = set(model_keys(m.family))
     _check_rules([(f"model.{key}", getattr(m, key), getattr(m, key) >= 1, ">= 1") for key in _MODEL_SIZES
@@ -428,8 +448,6 @@ def _check_model_family(m: ModelConfig) -> None:
 def model_config(model: ModelConfig):
     """The family's typed model config: the flavour, with the set fields overriding it
     (the registry maps them onto the family's own field names)."""
-    from .models import get_model, model_keys
-
     overrides = {f.name: getattr(model, f.name) for f in fields(model) if f.name not in ("family", "flavour")}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
@@ -445,22 +463,113 @@ def model_config(model: ModelConfig):
         raise ConfigError(f"model: {e}") from e
 
 
-def model_vocab(model) -> int:
-    """The vocabulary size of a typed model config (`pipekit.models.model_vocab`)."""
-    from .models import model_vocab as vocab
+# ---- the run, resolved once ----------------------------------------------------
+@dataclass(frozen=True)
+class Run:
+    """A run resolved from its config, once: what `train`, `plan`, the pre-launch checks
+    and every worker take, so none of them derives the model or the schedule again.
 
-    return vocab(model)
+    `config` holds the checked keys as given (optimizer, data, logging, checkpoint...);
+    the rest is what they resolve to. Built by `resolve` (or `load_run`)."""
+
+    config: Config
+    model: Any  # the family's typed config (`pipekit.models.get_model`: GPT2Config, LlamaConfig, ...)
+    schedule: Schedule  # the validated program every rank runs; the module is built for it
+    precision: Precision
+    partition: str | tuple[int, ...]  # a method name ("parameters", "profile", "type:Block") or boundaries
+    pp: int
+    dp: int
+    tp: int
+    ep: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    @property
+    def family(self) -> str:
+        return self.config.model.family
 
 
-def model_specs(model) -> list:
-    """The spec list of a typed model config (nothing is built)."""
-    from .models import model_specs as specs
+def resolve(cfg: Config | Run) -> Run:
+    """The run of a value-checked config: the schedule module imported (`schedule.module`),
+    the model config, the schedule, the precision policy and the partition made once,
+    and checked against each other (layers per stage, heads and vocabulary per tp rank,
+    experts per ep rank). ConfigError names the key. A Run is returned as it is."""
+    if isinstance(cfg, Run):
+        return cfg
+    cfg = copy.deepcopy(cfg)  # the run keeps its own keys: a caller's later edits do not reach it
+    p = cfg.parallel
+    import_schedule_module(cfg.schedule.module)
+    schedule = _schedule(cfg)
+    model = model_config(cfg.model)
+    specs = model_specs(model)
+    _check_model_fits(cfg, model, specs, schedule.chunks_per_rank)
+    _check_layer_choices(cfg, specs, schedule.num_stages)
+    bounds = partition_boundaries(cfg.schedule.partition)
+    return Run(cfg, model, schedule, precision_policy(cfg.train.precision, cfg.train.dtype, cfg.fp16),
+               tuple(bounds) if bounds is not None else cfg.schedule.partition, p.pp, p.dp, p.tp, p.ep)
 
-    return specs(model)
+
+def _schedule(cfg: Config) -> Schedule:
+    """schedule.name built for the config: a registered generator, or an action-table file
+    (whose lines are the pp ranks; schedule.microbatches counts its microbatches)."""
+    s, pp = cfg.schedule, cfg.parallel.pp
+    try:
+        if s.name in SCHEDULES:
+            return build_schedule(s.name, pp, s.microbatches, s.chunks_per_rank)
+        if not os.path.isfile(s.name):
+            raise ConfigError(f"schedule.name={s.name!r} is not one of {list(SCHEDULES)}, nor an action-table file"
+                              f"{_registered_hint(s)}")
+        schedule = load_schedule(s.name, microbatches=s.microbatches)
+    except ScheduleError as e:
+        raise ConfigError(f"schedule: {e}") from e
+    if schedule.pp != pp:
+        raise ConfigError(f"schedule.name={s.name} is a table of {schedule.pp} ranks (lines), but parallel.pp={pp}")
+    if s.chunks_per_rank is not None and s.chunks_per_rank != schedule.chunks_per_rank:
+        raise ConfigError(f"schedule.chunks_per_rank={s.chunks_per_rank}, but the table {s.name} places "
+                          f"{schedule.chunks_per_rank} stages per rank; leave schedule.chunks_per_rank out")
+    return schedule
 
 
-def model_loss(model):
-    """The loss of a typed model config: the zoo's vocab-parallel loss spec, or the toy's plain function."""
-    from .models import model_loss as loss
+def _registered_hint(s: ScheduleConfig) -> str:
+    if s.module:
+        return f" (schedule.module={s.module} was imported and registered no schedule of that name)"
+    return " (a schedule registered in your code needs schedule.module=YOUR_MODULE, which calls register_schedule)"
 
-    return loss(model)
+
+def import_schedule_module(name: str | None) -> None:
+    """Import `schedule.module` (once per process): a dotted module name, found on sys.path
+    and in the working directory, or the path of a .py file. It is expected to call
+    `pipekit.schedules.register_schedule`. ConfigError when it cannot be imported."""
+    if not name:
+        return
+    try:
+        if name.endswith(".py"):
+            _import_file(name)
+            return
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.append(os.getcwd())  # `pipekit` (a console script) does not search it by itself
+        importlib.import_module(name)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's module: any failure is theirs to see, in one line
+        raise ConfigError(f"schedule.module={name} could not be imported: {type(e).__name__}: {e}") from e
+
+
+def _import_file(path: str) -> None:
+    """Run the .py file at `path` as a module named after its absolute path (so once per process)."""
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise ConfigError(f"schedule.module={path} is not a file; give a .py file or a dotted module name")
+    key = "pipekit_user_" + re.sub(r"\W", "_", full)
+    if key in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(key, full)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[key]
+        raise

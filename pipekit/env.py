@@ -7,6 +7,12 @@ import os
 import platform
 import sys
 
+import torch
+import torch.distributed as dist
+
+from . import __version__
+from .topology import count_visible_gpus, resolve_device
+
 
 def _version(name: str) -> str | None:
     try:
@@ -28,8 +34,6 @@ def _triton_usable(cuda: bool) -> str:
 
 def auto_device_text(gpus: int) -> str:
     """What `train.device=auto` gives on a node with `gpus` visible GPUs (see resolve_device)."""
-    from pipekit.topology import resolve_device
-
     device, _ = resolve_device("auto", 1, gpus)
     if device == "cpu":
         return "cpu with gloo (no CUDA device visible)"
@@ -37,15 +41,10 @@ def auto_device_text(gpus: int) -> str:
 
 
 def report() -> list[tuple[str, str]]:
-    import torch
-    import torch.distributed as dist
-
-    import pipekit
-    from pipekit.topology import count_visible_gpus
-
+    """(what, finding) rows: versions, devices, backends and the optional packages."""
     cuda = torch.cuda.is_available()
     rows = [
-        ("pipekit", f"{pipekit.__version__} ({os.path.dirname(pipekit.__file__)})"),
+        ("pipekit", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})"),
         ("python", f"{sys.version.split()[0]} ({platform.platform()})"),
         ("torch", f"{torch.__version__} (CUDA build {torch.version.cuda or 'none'})"),
         ("CUDA devices",

@@ -15,24 +15,17 @@ import sys
 import torch
 
 from .checkpoint import load_full_state_dict
-from .config import model_specs, model_vocab
+from .data import default_cache_dir, load_tokenizer, read_meta, separator
+from .interchange import read_saved_model
+from .models import config_from_dict, model_specs, model_vocab
 from .pipeline import PipelineModule
 
 
-def model_config_from(family: str, config: dict):
-    """Rebuild the typed model config saved beside the weights."""
-    from .models import config_from_dict
-
-    return config_from_dict(family, config)
-
-
 def load_model(path: str) -> tuple[PipelineModule, object, dict]:
-    """(module, model config, the saved dict: `pipekit.models.hf.read_saved_model`) of a
+    """(module, model config, the saved dict: `pipekit.interchange.read_saved_model`) of a
     model.pt or checkpoint, on the CPU."""
-    from .models.hf import read_saved_model
-
     ckpt = read_saved_model(path)
-    mcfg = model_config_from(ckpt["family"], ckpt["config"])
+    mcfg = config_from_dict(ckpt["family"], ckpt["config"])  # every family, the toy's too, through the registry
     dtype = next(iter(ckpt["state_dict"].values())).dtype
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -82,8 +75,6 @@ def generate_text(path: str, prompt: str, max_new_tokens: int = 200, temperature
                   top_k: int | None = 50, seed: int = 0) -> str:
     """The prompt and its continuation. An empty prompt starts a new document: the model is
     given the tokenizer's end-of-document separator, which the returned text leaves out."""
-    from .data import load_tokenizer, separator
-
     check_sampling(max_new_tokens, temperature, top_k)
     module, mcfg, ckpt = load_model(path)
     name = tokenizer_name(ckpt)
@@ -101,8 +92,6 @@ def tokenizer_name(saved: dict) -> str | None:
     checkpoint it is found as `train.save_weights` finds it for model.pt: the tokenizer in the
     meta.json of the dataset its config's data.source names ("stdlib": the default corpus's
     cache; "synthetic": none). A dataset no longer there gives None, with a note on stderr."""
-    from .data import default_cache_dir, read_meta
-
     if "checkpoint" not in saved:
         return saved.get("tokenizer")
     config = saved["checkpoint"].get("config") or {}

@@ -1,6 +1,7 @@
 """Checks of a config against the filesystem, made by the launcher before any worker starts.
 
-`pipekit.config.check_config` judges values alone; `check_before_launch(cfg)`
+`pipekit.config.load_run` judges values, the model and the schedule;
+`check_before_launch(run)`
 looks at what the paths a config names hold: the prepared dataset of
 `data.source`, the directories a run will write (`logging.out_dir`,
 `checkpoint.dir`) and the checkpoint `train.resume` names. So a mistake a
@@ -18,36 +19,41 @@ from __future__ import annotations
 
 import os
 
-from .config import Config, ConfigError, model_config, model_vocab
+from .checkpoint import CheckpointError, read_meta
+from .config import ConfigError, Run
+from .data import ByteTokenizer
+from .data import read_meta as read_data_meta
+from .models import model_vocab
+from .resume import check_same_model, resume_path
 
 BUILT_IN_SOURCES = ("stdlib", "synthetic")
 
 
-def check_before_launch(cfg: Config) -> None:
+def check_before_launch(run: Run) -> None:
     """Raise a ConfigError naming the key, the bad path and what would be valid."""
-    _check_data(cfg)
+    cfg = run.config
+    _check_data(run)
     _check_output_dir("logging.out_dir", cfg.logging.out_dir)
     _check_output_dir("checkpoint.dir", cfg.checkpoint.dir)
-    _check_resume_path(cfg)
+    _check_resume_path(run)
 
 
-def _check_data(cfg: Config) -> None:
+def _check_data(run: Run) -> None:
     """data.source: stdlib's byte tokens fit the model's vocabulary, or the path is a complete
     prepared dataset with a window of train.seq_len+1 tokens in each split it is sampled from."""
-    from .data import ByteTokenizer, read_meta
-
+    cfg = run.config
     src = cfg.data.source
     if src == "synthetic":
         return
     if src == "stdlib":  # byte tokens, prepared on first use (not here: nothing is written)
-        _check_vocab(cfg, ByteTokenizer.vocab_size, "data.source=stdlib (byte tokens)")
+        _check_vocab(run, ByteTokenizer.vocab_size, "data.source=stdlib (byte tokens)")
         return
     make = f"give {' or '.join(BUILT_IN_SOURCES)}, or a directory made by `pipekit prepare-data FILES --out DIR`"
     if not os.path.exists(src):
         raise ConfigError(f"data.source={src} does not exist; {make}")
     if not os.path.isdir(src):
         raise ConfigError(f"data.source={src} is a file, not a dataset directory; {make}")
-    meta = read_meta(src)
+    meta = read_data_meta(src)
     if meta is None:
         raise ConfigError(f"data.source={src} holds no complete prepared dataset (meta.json missing, stale, or not "
                           f"matching train.bin/val.bin); run `pipekit prepare-data FILES --out {src}`")
@@ -58,11 +64,11 @@ def _check_data(cfg: Config) -> None:
     if cfg.data.val_every > 0 and tokens.get("val", 0) < need:
         raise ConfigError(f"data.source={src} has {tokens.get('val', 0)} validation tokens, fewer than one window of "
                           f"train.seq_len+1 = {need}; prepare it with a larger --val-fraction, or set data.val_every=0")
-    _check_vocab(cfg, int(meta["vocab_size"]), f"data.source={src}")
+    _check_vocab(run, int(meta["vocab_size"]), f"data.source={src}")
 
 
-def _check_vocab(cfg: Config, data_vocab: int, what: str) -> None:
-    vocab = model_vocab(model_config(cfg.model))
+def _check_vocab(run: Run, data_vocab: int, what: str) -> None:
+    vocab = model_vocab(run.model)
     if data_vocab > vocab:
         raise ConfigError(f"{what} has token ids up to {data_vocab - 1} (vocab_size {data_vocab}) but "
                           f"model.vocab_size={vocab}; set model.vocab_size>={data_vocab}")
@@ -93,10 +99,11 @@ def _nearest_existing(path: str) -> str:
     return path
 
 
-def _check_resume_path(cfg: Config) -> None:
+def _check_resume_path(run: Run) -> None:
     """train.resume, when a path, names an existing directory holding a complete checkpoint;
     the checkpoint it resumes from (that path, or the newest one for "auto") was saved from
     this config's model and is not past train.steps."""
+    cfg = run.config
     path = cfg.train.resume
     if path is None:
         return
@@ -106,15 +113,12 @@ def _check_resume_path(cfg: Config) -> None:
             raise ConfigError(f"train.resume={path} does not exist; {valid}")
         if not os.path.isdir(path):
             raise ConfigError(f"train.resume={path} is a file, not a checkpoint directory; {valid}")
-    from .checkpoint import CheckpointError, read_meta
-    from .train import check_same_model, resume_path
-
     chosen = resume_path(cfg)
     if chosen is None:
         return
     try:
         meta = read_meta(chosen)
-        check_same_model(meta, cfg, chosen)
+        check_same_model(meta, run, chosen)
     except CheckpointError as e:
         raise ConfigError(f"train.resume={path}: {e}") from e
     step = meta.get("step")

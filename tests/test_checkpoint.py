@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipekit.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_full_weights,
-                                read_meta)
-from pipekit.config import load_config
+from pipekit.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_full_weights, read_meta
+from pipekit.config import load_run
 from pipekit.testing import run_distributed
 from pipekit.train import train
 
@@ -36,8 +35,8 @@ LAYOUTS = {
                       "schedule.microbatches=2"],
     "tp2_dp2_zero2_gpipe": ["parallel.pp=1", "parallel.tp=2", "parallel.dp=2", "optimizer.zero_stage=2",
                             "schedule.name=gpipe", "train.micro_batch=1", "schedule.microbatches=4"],
-    "pp2_tp2_interleaved": ["parallel.pp=2", "parallel.tp=2", "schedule.name=interleaved_1f1b", "schedule.chunks_per_rank=2",
-                        "train.micro_batch=2", "schedule.microbatches=4"],
+    "pp2_tp2_interleaved": ["parallel.pp=2", "parallel.tp=2", "schedule.name=interleaved_1f1b",
+                            "schedule.chunks_per_rank=2", "train.micro_batch=2", "schedule.microbatches=4"],
     "one_process": ["parallel.pp=1", "train.micro_batch=4", "schedule.microbatches=2"],
 }
 
@@ -48,8 +47,8 @@ def losses(out: str) -> dict[int, float]:
 
 
 def _run(layout: str, out: str, *extra: str) -> dict[int, float]:
-    cfg = load_config(None, [*MODEL, *LAYOUTS[layout], f"logging.out_dir={out}", *extra])
-    train(cfg)
+    run = load_run(None, [*MODEL, *LAYOUTS[layout], f"logging.out_dir={out}", *extra])
+    train(run)
     return losses(out)
 
 
@@ -120,23 +119,23 @@ ONE = [*MODEL, *LAYOUTS["one_process"]]
 
 def _signal_after(monkeypatch, step: int, sig=signal.SIGTERM) -> None:
     """Send this process `sig` (a real signal) right after training step `step`."""
-    import pipekit.train as pt
+    from pipekit.metrics import Logger
 
-    real = pt.Logger.step
+    real = Logger.step
 
     def step_then_signal(self, n, *args):
         real(self, n, *args)
         if n == step:
             os.kill(os.getpid(), sig)
 
-    monkeypatch.setattr(pt.Logger, "step", step_then_signal)
+    monkeypatch.setattr(Logger, "step", step_then_signal)
 
 
 def test_sigterm_saves_and_resume_auto_continues_bitwise(tmp_path, monkeypatch, capsys):
     out = str(tmp_path / "run")
     full = _run("one_process", str(tmp_path / "ref"))
     _signal_after(monkeypatch, 3)
-    summary = train(load_config(None, [*ONE, f"logging.out_dir={out}", "checkpoint.every=0"]))
+    summary = train(load_run(None, [*ONE, f"logging.out_dir={out}", "checkpoint.every=0"]))
     monkeypatch.undo()
     assert summary["stopped_by"] == "SIGTERM"
     said = capsys.readouterr().out
@@ -151,7 +150,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatc
     import torch.distributed.checkpoint as dcp
 
     out = str(tmp_path / "run")
-    train(load_config(None, [*ONE, f"logging.out_dir={out}", "train.steps=2"]))
+    train(load_run(None, [*ONE, f"logging.out_dir={out}", "train.steps=2"]))
     root = os.path.join(out, "checkpoints")
     before = {p: open(os.path.join(root, "step_00000002", p), "rb").read()
               for p in os.listdir(os.path.join(root, "step_00000002"))}
@@ -168,7 +167,7 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatc
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", crash_midway)
     with pytest.raises(CheckpointError, match=r"could not save checkpoint .*step_00000004: OSError: No space left on "
                                               r"device \(simulated\) \(the previous checkpoints are intact\)"):
-        train(load_config(None, [*ONE, f"logging.out_dir={out}", "train.steps=4", "train.resume=auto"]))
+        train(load_run(None, [*ONE, f"logging.out_dir={out}", "train.steps=4", "train.resume=auto"]))
     monkeypatch.undo()
     assert latest_checkpoint(root) == os.path.join(root, "step_00000002")
     assert {p: open(os.path.join(root, "step_00000002", p), "rb").read() for p in before} == before
@@ -178,24 +177,24 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatc
 
 def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
     out = str(tmp_path / "run")
-    train(load_config(None, [*ONE, f"logging.out_dir={out}", "train.steps=2"]))
+    train(load_run(None, [*ONE, f"logging.out_dir={out}", "train.steps=2"]))
     ckpt = os.path.join(out, "checkpoints", "step_00000002")
     with pytest.raises(CheckpointError, match=r"another model \(gpt2: dim=32 \(this config: 64\)"):
-        train(load_config(None, [*ONE, "model.dim=64", f"logging.out_dir={tmp_path / 'b'}", f"train.resume={ckpt}"]))
+        train(load_run(None, [*ONE, "model.dim=64", f"logging.out_dir={tmp_path / 'b'}", f"train.resume={ckpt}"]))
 
 
 def test_a_damaged_checkpoint_is_named(tmp_path):
     out = str(tmp_path / "run")
-    train(load_config(None, [*ONE, f"logging.out_dir={out}", "train.steps=2"]))
+    train(load_run(None, [*ONE, f"logging.out_dir={out}", "train.steps=2"]))
     ckpt = os.path.join(out, "checkpoints", "step_00000002")
     shard = next(p for p in os.listdir(ckpt) if p.endswith(".distcp"))
     with open(os.path.join(ckpt, shard), "r+b") as f:
         f.truncate(100)
     with pytest.raises(CheckpointError, match="could not read checkpoint"):
-        train(load_config(None, [*ONE, f"logging.out_dir={tmp_path / 'b'}", f"train.resume={ckpt}"]))
+        train(load_run(None, [*ONE, f"logging.out_dir={tmp_path / 'b'}", f"train.resume={ckpt}"]))
     os.remove(os.path.join(ckpt, "pipekit.json"))
     with pytest.raises(CheckpointError, match="not a complete pipekit checkpoint"):
-        train(load_config(None, [*ONE, f"logging.out_dir={tmp_path / 'c'}", f"train.resume={ckpt}"]))
+        train(load_run(None, [*ONE, f"logging.out_dir={tmp_path / 'c'}", f"train.resume={ckpt}"]))
     shutil.rmtree(ckpt)
     with pytest.raises(CheckpointError, match="no checkpoint at"):
-        train(load_config(None, [*ONE, f"logging.out_dir={tmp_path / 'd'}", f"train.resume={ckpt}"]))
+        train(load_run(None, [*ONE, f"logging.out_dir={tmp_path / 'd'}", f"train.resume={ckpt}"]))

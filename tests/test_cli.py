@@ -50,7 +50,8 @@ def test_plan_rejects_bad_input(capsys):
     [
         (["parallel.ppp=2"], "ppp"),
         (["parallel.pp=two"], "parallel.pp"),
-        (["train.global_batch=30"], "train.global_batch=30 must equal train.micro_batch * schedule.microbatches * parallel.dp = 8 * 4 * 1 = 32"),
+        (["train.global_batch=30"],
+         "train.global_batch=30 must equal train.micro_batch * schedule.microbatches * parallel.dp = 8 * 4 * 1 = 32"),
         (["schedule.name=zigzag"], "schedule.name='zigzag'"),
         (["parallel.pp=20"], "fewer than parallel.pp * chunks per rank = 20"),
         (["parallel.tp=3"], "model.vocab_size=64 is not divisible by parallel.tp=3"),

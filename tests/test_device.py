@@ -15,8 +15,8 @@ import torch.distributed as dist
 from pipekit.cli import main
 from pipekit.config import ConfigError, load_config
 from pipekit.env import auto_device_text
+from pipekit.metrics import _gpu_peak, _measured_cpu_peak, _peak_text
 from pipekit.topology import Topology, init_distributed, resolve_device
-from pipekit.train import _gpu_peak, _measured_cpu_peak, _peak_text
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2_TINY = str(ROOT / "configs/gpt2_tiny.yaml")  # pp=2: two local workers

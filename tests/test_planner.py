@@ -8,11 +8,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from pipekit import planner
+from pipekit import planner, profiler
 from pipekit.cli import main
-from pipekit.config import ConfigError, load_config
+from pipekit.config import ConfigError, load_config, load_run
 from pipekit.partition import partition_weights
 from pipekit.schedules import build_schedule, simulate
 from pipekit.testing import run_distributed
@@ -27,7 +26,7 @@ UNEVEN = [*SMALL, "model.vocab_size=1024", "model.n_layers=6"]
 
 
 def _layer(name="L", f=1.0, b=2.0, i=1.0, w=1.0, params=10, saved=100, out=8):
-    return planner.LayerCost(name, params, f, b, i, w, saved, out)
+    return profiler.LayerCost(name, params, f, b, i, w, saved, out)
 
 
 # ---- simulation with per-stage costs -------------------------------------------------
@@ -49,7 +48,7 @@ def test_latency_function_delays_each_message():
 def test_predict_counts_overhead_messages_and_tail():
     s = build_schedule("gpipe", 2, 1)
     layers = [_layer(f=1, b=2, out=0), _layer(f=1, b=2, out=0)]
-    comm = planner.CommModel(latency=0.25, bandwidth=1e30, collective=0.5, action_overhead=0.0,
+    comm = profiler.CommModel(latency=0.25, bandwidth=1e30, collective=0.5, action_overhead=0.0,
                              send_overhead=0.0)
     p = planner.predict(s, layers, [0, 1, 2], comm, optimizer_seconds_per_param=0.01)
     # F0 (1), message (0.25), F1 + B1 (3), message (0.25), B0 (2): 6.5; then 3 collectives and 10 params' step
@@ -70,22 +69,22 @@ def test_profile_boundaries_without_budget_balance_time():
 
 
 def test_memory_budget_moves_layers_off_the_stage_that_holds_most_activations():
-    cfg = load_config(GPT, SMALL)
+    run = load_run(GPT, SMALL)
     s = build_schedule("1f1b", 2, 4)  # stage 0 keeps 2 microbatches in flight, stage 1 one
     layers = [_layer(f=1, b=0, params=0, saved=10) for _ in range(6)]
     assert planner.profile_boundaries(layers, 2) == [0, 3, 6]
     # 2 * 30 > 50: stage 0 may hold at most 2 layers (2 * 20 <= 50); stage 1's 4 layers need 40
-    assert planner.profile_boundaries(layers, 2, budget=50, schedule=s, cfg=cfg) == [0, 2, 6]
+    assert planner.profile_boundaries(layers, 2, budget=50, schedule=s, run=run) == [0, 2, 6]
     with pytest.raises(ValueError, match="no partition of the 6 layers into 2 stages fits"):
-        planner.profile_boundaries(layers, 2, budget=15, schedule=s, cfg=cfg)
+        planner.profile_boundaries(layers, 2, budget=15, schedule=s, run=run)
 
 
 def test_profile_beats_parameters_where_cost_per_parameter_differs():
     """FLOP-counted (deterministic): the tied head costs far more time than its parameter twin."""
-    cfg = load_config(GPT, UNEVEN)
-    prof = planner.flop_layers(cfg, flops_per_second=1e9)  # compute-bound: messages are negligible,
+    run = load_run(GPT, UNEVEN)
+    prof = profiler.flop_layers(run, flops_per_second=1e9)  # compute-bound: messages are negligible,
     prof.optimizer_seconds_per_param = 0.0  # and so is the optimizer step
-    found = planner.plan(cfg, prof, planner.CommModel(), schedules=["1f1b"], partitions=["profile", "parameters"],
+    found = planner.plan(run, prof, profiler.CommModel(), schedules=["1f1b"], partitions=["profile", "parameters"],
                          microbatches=[4])
     by = {c.partition: c for c in found}
     assert by["profile"].boundaries != by["parameters"].boundaries
@@ -94,8 +93,8 @@ def test_profile_beats_parameters_where_cost_per_parameter_differs():
 
 # ---- profiles ---------------------------------------------------------------------------
 def test_profile_measures_every_layer_and_scales_with_rows():
-    cfg = load_config(GPT, SMALL)
-    prof = planner.profile_layers(cfg, reps=1)
+    run = load_run(GPT, SMALL)
+    prof = profiler.profile_layers(run, reps=1)
     blocks = [c for c in prof.layers if c.name == "TransformerBlock"]
     assert len(prof.layers) == 4 + 3 and len(blocks) == 4
     assert all(c.F > 0 and c.B > 0 and c.I > 0 and c.W > 0 and c.saved_bytes > 0 for c in blocks)
@@ -109,29 +108,27 @@ def test_profile_measures_every_layer_and_scales_with_rows():
 def test_layer_costs_are_scaled_to_the_model_run_layer_after_layer():
     layers = [_layer("embed", f=1, b=2, i=0, w=2), _layer(f=2, b=4, i=2, w=2), _layer(f=3, b=6, i=4, w=2)]
     loss = _layer("loss", f=1, b=1, i=1, w=0)
-    got, got_loss = planner._calibrated(layers, loss, {"F": 14.0, "B": 26.0, "I": 14.0, "W": 6.0})
+    got, got_loss = profiler._calibrated(layers, loss, {"F": 14.0, "B": 26.0, "I": 14.0, "W": 6.0})
     # F over all layers and the loss: 7 -> 14; B: 13 -> 26; I and W over the layers after the first: 7 -> 14, 4 -> 6
     assert [c.F for c in got] == [2, 4, 6] and got_loss.F == 2
     assert [c.B for c in got] == [4, 8, 12] and got_loss.B == 2
     assert [c.I for c in got] == [0, 4, 8] and got_loss.I == 2
     assert [c.W for c in got] == [3, 3, 3] and got_loss.W == 0
     # a one-layer model has no split pass: I and W take the backward's factor
-    (one,), _ = planner._calibrated(layers[:1], loss, {"F": 4.0, "B": 6.0})
+    (one,), _ = profiler._calibrated(layers[:1], loss, {"F": 4.0, "B": 6.0})
     assert (one.F, one.B, one.I, one.W) == (2, 4, 0, 4)
 
 
 def test_chained_pass_times_every_kind():
-    cfg = load_config(GPT, SMALL)
-    module, batch = planner._model(cfg)
+    module, batch = profiler._model(load_run(GPT, SMALL))
     x, labels = batch(2)
-    got = planner._chained(module, x, labels, 1, lambda: None)
+    got = profiler._chained(module, x, labels, 1, lambda: None)
     assert set(got) == {"F", "B", "I", "W"} and all(v > 0 for v in got.values())
     assert all(p.grad is None for p in module.parameters())  # nothing left behind for the next timing
 
 
 def test_flop_profile_on_meta_counts_matmuls():
-    cfg = load_config(GPT, SMALL)
-    prof = planner.flop_layers(cfg, flops_per_second=1.0)
+    prof = profiler.flop_layers(load_run(GPT, SMALL), flops_per_second=1.0)
     block = prof.layers[1]
     tokens, d = 2 * 16, 32
     # q, k, v, o (4 d^2) and the MLP (2 * 4 d^2) per token, 2 FLOPs per multiply-add, plus attention
@@ -187,11 +184,11 @@ def test_config_partition_forms():
 def test_partition_profile_in_one_process():
     from pipekit.train import partition_of
 
-    cfg = load_config(GPT, [*UNEVEN, "parallel.pp=2", "schedule.partition=profile"])
-    s = build_schedule("1f1b", 2, 4)
-    bounds = partition_of(cfg, s)
+    run = load_run(GPT, [*UNEVEN, "parallel.pp=2", "schedule.partition=profile"])
+    assert run.schedule == build_schedule("1f1b", 2, 4)
+    bounds = partition_of(run)
     assert bounds[0] == 0 and bounds[-1] == 9 and len(bounds) == 3
-    assert partition_of(load_config(GPT, ["schedule.partition=0,2,7"]), s) == [0, 2, 7]
+    assert partition_of(load_run(GPT, ["schedule.partition=0,2,7"])) == [0, 2, 7]
 
 
 # ---- the planned program is the one the engine runs --------------------------------------
@@ -201,18 +198,18 @@ def _run_planned(overrides: list[str]) -> list[str]:
     from pipekit.topology import Topology
     from pipekit.train import batches, build
 
-    cfg = load_config(GPT, overrides)
+    run = load_run(GPT, overrides)
     topo = Topology(pp=2, device="cpu")
-    engine = build(cfg, topo)
+    engine = build(run, topo)
     engine.record_timeline = True
-    engine.train_batch(next(batches(cfg, topo)))
+    engine.train_batch(next(batches(run, topo)))
     dist.barrier()
     return {"actions": [e.action for e in engine.timeline], "boundaries": list(engine.module.boundaries)}
 
 
 def test_engine_runs_the_recommended_plan_in_the_planned_order():
-    cfg = load_config(GPT, SMALL)
-    found = planner.plan(cfg, planner.flop_layers(cfg), planner.CommModel(), microbatches=[4])
+    run = load_run(GPT, SMALL)
+    found = planner.plan(run, profiler.flop_layers(run), profiler.CommModel(), microbatches=[4])
     for cand in (found[0], next(c for c in found if c.schedule == "zbv")):
         schedule = build_schedule(cand.schedule, 2, cand.microbatches, cand.chunks_per_rank)
         explicit = f"schedule.partition={','.join(map(str, cand.boundaries))}"

@@ -3,8 +3,8 @@
 Pure Python (no torch): generate -> lower -> validate -> simulate are
 separate functions over plain ints and `Action` lists, so everything here is
 tested and drawn without processes. A `Schedule` (validated when made, with
-its placement of virtual stages on ranks) is the one description of a
-pipeline program: `PipelineModule(placement=schedule)` builds the stages it
+its placement of virtual stages on ranks; `program.py`) is the one description
+of a pipeline program: `PipelineModule(schedule=schedule)` builds the stages it
 places on this rank, the engine executes `Schedule.ranks`, the simulator and
 the renderers draw it.
 """
@@ -21,10 +21,11 @@ from .generators import (
     zb_h1,
     zbv,
 )
-from .ir import Action, Kind, Schedule, ScheduleError
+from .ir import Action, Kind, ScheduleError
 from .lowering import lower
 from .placement import PLACEMENTS, looping_placement, resolve_placement, v_placement
 from .plan import build_schedule, load_schedule, parse_table, plan_report, schedule_from_table
+from .program import Schedule
 from .render import render_png, render_text, to_chrome_trace
 from .simulate import SimResult, TimelineEvent, mean_costs, simulate
 from .validate import validate

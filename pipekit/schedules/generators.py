@@ -13,12 +13,13 @@ of your own, with the placement of virtual stages it is written for.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable
 
 from .ir import Action, Kind, ScheduleError
 from .placement import PLACEMENTS, check_placement, check_positive
+
 
 def _f(stage: int, mb: int) -> Action:
     return Action(stage, Kind.F, mb)

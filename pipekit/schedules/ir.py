@@ -16,8 +16,8 @@ Communication kinds are named after the LOCAL stage of the rank that runs them:
 - `SEND_B(s, m)`: send the input grad of B or I(s, m) to the rank of stage s-1;
 - `RECV_B(s, m)`: receive the grad of F(s, m)'s output from stage s+1.
 
-A `Schedule` is validated when it is made (`validate`), so every `Schedule`
-is a runnable program.
+A `Schedule` (`pipekit.schedules.program`) is a whole program of these
+actions, validated when it is made.
 
 Pure Python: nothing here imports torch.
 """
@@ -130,66 +130,3 @@ def matching_recv(send: Action) -> Action:
 def format_actions(actions) -> str:
     """Space-separated text form of an action list, as used in tests and errors."""
     return " ".join(str(a) for a in actions)
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """A complete, validated pipeline program: one action list per rank.
-
-    `placement[s]` is the rank hosting virtual stage s; `ranks[r]` is rank r's
-    lowered list (compute plus SEND/RECV) in execution order. Making one runs
-    `validate`, so a `Schedule` that exists is runnable: the module reads which
-    stages live where from it, the engine runs it, the simulator and the
-    pictures draw it. Build one with `build_schedule` (a registered generator)
-    or `schedule_from_table` (a hand-written action table).
-    """
-
-    name: str
-    pp: int
-    chunks_per_rank: int
-    microbatches: int
-    placement: tuple[int, ...]
-    ranks: tuple[tuple[Action, ...], ...]
-    backward: bool = True  # False: an eval program of forwards only (see `forward_only`)
-
-    def __post_init__(self):
-        from .validate import validate  # validate imports this module
-
-        object.__setattr__(self, "placement", tuple(self.placement))
-        object.__setattr__(self, "ranks", tuple(tuple(actions) for actions in self.ranks))
-        if len(self.ranks) != self.pp or len(self.placement) != self.pp * self.chunks_per_rank:
-            raise ScheduleError(
-                f"schedule {self.name!r}: pp={self.pp} and chunks_per_rank={self.chunks_per_rank} need "
-                f"{self.pp} action lists and {self.pp * self.chunks_per_rank} placed stages, got "
-                f"{len(self.ranks)} and {len(self.placement)}"
-            )
-        validate(self.ranks, self.placement, self.microbatches, backward=self.backward)
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.chunks_per_rank
-
-    def stage_rank(self, stage: int) -> int:
-        if not 0 <= stage < self.num_stages:
-            raise ScheduleError(f"stage {stage} out of range: this schedule has stages 0..{self.num_stages - 1}")
-        return self.placement[stage]
-
-    def local_stages(self, rank: int) -> list[int]:
-        self._check_rank(rank)
-        return [s for s, r in enumerate(self.placement) if r == rank]
-
-    def compute_actions(self, rank: int) -> list[Action]:
-        self._check_rank(rank)
-        return [a for a in self.ranks[rank] if a.is_compute]
-
-    def forward_only(self) -> Schedule:
-        """The same forwards in the same order per rank, without backward: the eval program."""
-        from .lowering import lower
-
-        compute = [[a for a in self.compute_actions(r) if a.kind is Kind.F] for r in range(self.pp)]
-        return Schedule(self.name, self.pp, self.chunks_per_rank, self.microbatches, self.placement,
-                        lower(compute, self.placement), backward=False)
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.pp:
-            raise ScheduleError(f"rank {rank} out of range: this schedule has ranks 0..{self.pp - 1}")

@@ -8,9 +8,10 @@ import re
 from dataclasses import asdict
 
 from .generators import get_generator
-from .ir import Action, Schedule, ScheduleError
+from .ir import Action, ScheduleError
 from .lowering import lower
 from .placement import check_placement, check_positive, resolve_placement
+from .program import Schedule
 from .simulate import resolve_costs, simulate
 
 

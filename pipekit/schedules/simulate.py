@@ -20,7 +20,9 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
-from .ir import WEIGHT_GRAD_KINDS, Action, Kind, Schedule, ScheduleError, matching_send
+from .execute import execute
+from .ir import WEIGHT_GRAD_KINDS, Action, Kind, ScheduleError
+from .program import Schedule
 
 # A full backward costs twice a forward; its halves (input grad I, weight grads W) one each.
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -80,62 +82,6 @@ def mean_costs(events) -> dict[str, float]:
         if kind.value in DEFAULT_COSTS:
             spans.setdefault(kind.value, []).append(e.end - e.start)
     return {k: sum(v) / len(v) for k, v in spans.items()}
-
-
-def execute(ranks, placement, duration, comm_latency=0.0) -> list[list[tuple[float, float]]]:
-    """(start, end) of every action of every rank; raises ScheduleError on a deadlock.
-
-    `duration(action)` is what the action keeps its rank busy (communication
-    actions included); `comm_latency` a number or a function of the RECV action.
-
-    Sweeps the ranks, advancing each as far as its next RECV allows, until all
-    are done or no rank can move. Shared by `simulate` and `validate`.
-    """
-    times = [[] for _ in ranks]
-    clocks = [0.0] * len(ranks)
-    sent: dict[Action, float] = {}
-    progress = True
-    while progress:
-        progress = False
-        for r, actions in enumerate(ranks):
-            progress |= _advance(r, actions, times[r], clocks, sent, duration, comm_latency)
-    _check_finished(ranks, times, placement)
-    return times
-
-
-def _advance(r, actions, times, clocks, sent, duration, comm_latency) -> bool:
-    """Run rank r's actions until a RECV whose SEND has not happened; True if any ran."""
-    start_len = len(times)
-    while len(times) < len(actions):
-        a = actions[len(times)]
-        start = clocks[r]
-        if a.kind in (Kind.RECV_F, Kind.RECV_B):
-            send = matching_send(a)
-            if send not in sent:
-                break
-            start = max(start, sent[send] + (comm_latency(a) if callable(comm_latency) else comm_latency))
-        end = start + duration(a)
-        if a.kind in (Kind.SEND_F, Kind.SEND_B):
-            sent[a] = end  # the message leaves once it is posted
-        times.append((start, end))
-        clocks[r] = end
-    return len(times) > start_len
-
-
-def _check_finished(ranks, times, placement) -> None:
-    stuck = []
-    for r, actions in enumerate(ranks):
-        if len(times[r]) < len(actions):
-            a = actions[len(times[r])]
-            peer = _peer_rank(a, placement)
-            stuck.append(f"rank {r} waits on {a} (step {len(times[r])}) from rank {peer}")
-    if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(stuck))
-
-
-def _peer_rank(recv: Action, placement):
-    stage = matching_send(recv).stage
-    return placement[stage] if 0 <= stage < len(placement) else "<none>"
 
 
 def simulate(schedule: Schedule, costs=None, comm_latency=0.0, *, duration=None) -> SimResult:

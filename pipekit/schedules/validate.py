@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from .execute import execute
 from .ir import INPUT_GRAD_KINDS, Action, Kind, ScheduleError, matching_recv, matching_send, message_stages
-from .simulate import execute
 
 
 def validate(ranks: list[list[Action]], placement, microbatches: int, *, backward: bool = True) -> None:
