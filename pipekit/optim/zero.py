@@ -79,8 +79,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
