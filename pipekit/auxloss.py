@@ -69,7 +69,7 @@ def in_backward() -> bool:
 class MetricsTracker:
     """Sums of named, detached tensors over a step's forward passes."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}
 

@@ -46,7 +46,9 @@ def send(tensors: list[torch.Tensor], dst: int) -> list[tuple[dist.Work, torch.T
     posted = []
     for t in tensors:
         t = t.detach().contiguous()
-        posted.append((dist.isend(t, dst=dst), t))
+        work = dist.isend(t, dst=dst)
+        assert work is not None  # None only on a rank outside the group: the default group has them all
+        posted.append((work, t))
     return posted
 
 

@@ -65,8 +65,8 @@ import collections
 import datetime
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -207,12 +207,14 @@ class _InputShapes:
                     f"stage 0 does not hold the shapes fixed and this rank cannot know them; pass None for the "
                     "inputs from the first step on (the shapes then stay the first step's), or pass them every step"
                 )
+            assert self.first is not None  # a rank given no inputs got them from stage 0's at the first step
             return _meta_of(self.first)
         if self.topo.pp_rank == self.owner:
             fixed = self.without
         else:
             fixed = [] if self.had_inputs else [self.topo.pp_rank]
         if fixed and mine != self.first:
+            assert self.first is not None  # fixed: the first step's shapes are stage 0's, held since
             raise ValueError(
                 f"{self._where()}: the inputs' microbatch shapes changed from {_shape_text(self.first)} at the "
                 f"first step to {_shape_text(mine)}, but pipeline rank(s) {fixed} passed no inputs then and size "
@@ -228,6 +230,7 @@ class _InputShapes:
             self.first = mine
             return
         if t.pp_rank == self.owner:
+            assert mine is not None  # the rank of stage 0 is always given inputs (`_check_needs`)
             self.first = mine
             text = torch.tensor(list(json.dumps(_shapes_to_json(mine)).encode()), dtype=torch.uint8, device=device)
             length = torch.tensor([text.numel()], dtype=torch.int64, device=device)
@@ -279,8 +282,8 @@ class Step:
     micro_in: list | None  # this rank's microbatch inputs (None: not given)
     micro_labels: list | None  # its microbatch labels (None: not given)
     io: list = field(default_factory=list)  # per virtual stage: (input, output) as meta tensors
-    weights: torch.Tensor | None = None  # (M,) float64 on the device: loss weights for the global batch
-    local_weights: torch.Tensor | None = None  # (M,): the same for this replica's own loss
+    weights: torch.Tensor = field(init=False)  # (M,) float64 on the device: loss weights for the global batch
+    local_weights: torch.Tensor = field(init=False)  # (M,): the same for this replica's own loss
     posted: list = field(default_factory=list)  # sends in flight: (work, tensor)
     stash: dict = field(default_factory=dict)  # -> (stage input, stage output or weighted loss)
     inbox: dict = field(default_factory=dict)  # -> stage input (received, or from a local stage)
@@ -384,8 +387,8 @@ class PipelineEngine:
         self.tie_groups = module.tie_groups
         self._stage_params = {s: self._params_of_stage(s) for s in module.local_stages}
         self._final_params = self._params_final_after()
-        self._io_meta: list | None = None
-        self._io_key = None
+        self._io_meta: list = []
+        self._io_key: tuple | None = None  # the input shapes `_io_meta` was made for
         self._shapes = _InputShapes(self)
 
     # ---- what the optimizer reports ---------------------------------------
@@ -405,6 +408,12 @@ class PipelineEngine:
         gradients, each parameter counted once over dp, pp and tp (computed by the
         optimizer when clipping)."""
         return self.last_grad_norm
+
+    @property
+    def _trainer(self) -> ZeroOptimizer:
+        """The optimizer, inside a training step (`train_batch` refuses to start without one)."""
+        assert self.optimizer is not None, "a training action ran without an optimizer"
+        return self.optimizer
 
     # ---- set-up -------------------------------------------------------
     def _params_of_stage(self, stage: int) -> list:
@@ -480,9 +489,10 @@ class PipelineEngine:
         loss = self._step_loss(step, reduce_loss) if self.module.has_loss else None
         if not return_outputs:
             return loss
-        outs = step.outputs if self.last_stage in self.module.local_stages else None
-        if outs is not None:
-            outs = torch.cat(outs) if isinstance(outs[0], torch.Tensor) else tuple(map(torch.cat, zip(*outs)))
+        outs: torch.Tensor | tuple[torch.Tensor, ...] | None = None
+        if self.last_stage in self.module.local_stages:
+            parts = step.outputs
+            outs = torch.cat(parts) if isinstance(parts[0], torch.Tensor) else tuple(map(torch.cat, zip(*parts)))
         return loss, outs
 
     # ---- this rank's data -----------------------------------------------
@@ -568,7 +578,11 @@ class PipelineEngine:
     # ---- handlers: (engine, step, action), registered below ---------------
     def _forward(self, st: Step, a: Action) -> None:
         s, m = a.stage, a.microbatch
-        x = st.micro_in[m] if s == 0 else st.inbox.pop((s, m))
+        if s == 0:
+            assert st.micro_in is not None  # the rank of stage 0 is always given inputs (`_check_needs`)
+            x = st.micro_in[m]
+        else:
+            x = st.inbox.pop((s, m))
         out = self.module.forward_stage(s, x)
         self._check_shapes(out, st.io[s][1], f"stage {s} output")
         if s == self.last_stage:
@@ -587,12 +601,13 @@ class PipelineEngine:
                 raise RuntimeError("training needs a loss; pass loss_fn=... to PipelineModule")
             st.outputs.append(out)
             return
-        loss = self.module.loss_fn(_cast_floats(out, torch.float32 if self.module.param_dtype else None),
-                                   st.micro_labels[m])
+        loss_fn, labels = self.module.loss_fn, st.micro_labels
+        assert loss_fn is not None and labels is not None  # built on the last stage's rank; labels checked
+        loss = loss_fn(_cast_floats(out, torch.float32 if self.module.param_dtype else None), labels[m])
         st.losses.append(loss.detach() * st.weights[m].to(loss.dtype))
         st.raw_losses.append(loss.detach())
         if st.training:
-            weight = (st.weights[m] * self.optimizer.loss_scale).to(loss.dtype)  # on the device: no sync
+            weight = (st.weights[m] * self._trainer.loss_scale).to(loss.dtype)  # on the device: no sync
             st.stash[(self.last_stage, m)] = (x, loss * weight)
         else:
             st.outputs.append(out)
@@ -637,12 +652,12 @@ class PipelineEngine:
 
     def _weight_pass(self, s: int, m: int):
         """A pass that accumulates stage s's parameter grads (inside ZeRO's bucketing)."""
-        return self.optimizer.backward_pass(self._stage_params[s], self._final_params.get((s, m), ()))
+        return self._trainer.backward_pass(self._stage_params[s], self._final_params.get((s, m), ()))
 
     def _aux_scale(self):
         """A layer's auxiliary loss (pipekit.auxloss.attach) counts as the mean over microbatches,
         scaled like the main loss for fp16."""
-        return auxloss.scaled_backward(self.optimizer.loss_scale / self.num_microbatches)
+        return auxloss.scaled_backward(self._trainer.loss_scale / self.num_microbatches)
 
     def _hand_back(self, st: Step, s: int, m: int, grads: list) -> None:
         """Give the input grad of (stage, microbatch) to the previous stage: local, or sent."""
@@ -711,7 +726,8 @@ class PipelineEngine:
         other loss weighs 1/M: the mean over microbatches."""
         m, device = self.num_microbatches, self.topo.device
         ignore = getattr(self.module.loss_fn, "ignore_index", None)
-        if ignore is None or self.last_stage not in self.module.local_stages or not torch.is_tensor(labels[0]):
+        if (ignore is None or self.last_stage not in self.module.local_stages or labels is None
+                or not torch.is_tensor(labels[0])):  # labels: given on the last stage's rank (`_check_needs`)
             even = torch.full((m,), 1.0 / m, dtype=torch.float64, device=device)
             return even, even
         counts = torch.stack([(y != ignore).sum() for y in labels]).double()

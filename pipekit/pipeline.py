@@ -24,7 +24,8 @@ stable names are untouched.
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -115,6 +116,8 @@ class PipelineModule(nn.Module):
         compile: torch.compile every layer module (in place; names unchanged).
     """
 
+    _meta_cache: dict[int, Any]  # layer index -> the layer built on the meta device (`_meta_layers`), made on demand
+
     def __init__(
         self,
         specs: list,
@@ -143,7 +146,7 @@ class PipelineModule(nn.Module):
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is not one of {list(PRECISIONS)}")
         self.precision = precision
-        self.compile = compile
+        self.compile_layers = compile  # not `self.compile`: that would hide nn.Module.compile
         self.schedule = declare_schedule(schedule, self.topology.pp, microbatches, chunks_per_rank)
         self.placement = self.schedule.placement  # derived: virtual stage -> pipeline rank
         self.num_stages = self.schedule.num_stages
@@ -188,7 +191,7 @@ class PipelineModule(nn.Module):
         """Cast a freshly built layer to the module's precision; compile it (not on meta)."""
         if self.param_dtype is not None:
             layer.to(self.param_dtype)
-        if self.compile and not meta and any(True for _ in layer.parameters()):
+        if self.compile_layers and not meta and any(True for _ in layer.parameters()):
             layer.compile()
         return layer
 
@@ -196,7 +199,8 @@ class PipelineModule(nn.Module):
         """One process group per (tied key, dp replica, tp rank) spanning the pipeline ranks
         that hold the key; this rank's group for each key it holds. Collective: every rank
         walks the same keys in the same order."""
-        topo, groups = self.topology, {}
+        topo = self.topology
+        groups: dict[str, Any] = {}
         if not dist.is_initialized():
             return groups
         for key, owners in sorted(self.tied_owners().items()):

@@ -50,20 +50,13 @@ shapes are checked here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import GradientEdge, _engine_run_backward, get_gradient_edge
 
-try:
-    from torch.autograd.graph import _engine_run_backward
-except ImportError:  # torch < 2.3
-    from torch.autograd import Variable
-
-    def _engine_run_backward(*args, **kwargs):
-        return Variable._execution_engine.run_backward(*args, **kwargs)
-
-
-_LEAF = torch._C._functions.AccumulateGrad  # the node a leaf's gradient flows into
+# the node a leaf's gradient flows into (torch's stubs for torch._C._functions leave it out)
+_LEAF = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]
 
 # Node types whose backward only re-views or passes on its gradient: recomputing one
 # between two weight-pass roots costs nothing, so their groups may share an engine call.
@@ -126,7 +119,9 @@ def _walk(roots, params) -> tuple[list, dict, tuple]:
     input nr (-1 alone for an edge to nothing). Equal shapes mean equal graphs up to
     which tensors they hold."""
     tag = {id(p): i for i, p in enumerate(params)}
-    index, nodes, shape = {}, [], []
+    index: dict[Any, int] = {}  # autograd node -> its position
+    nodes: list[Any] = []
+    shape: list[Any] = []
     for r in roots:
         if r is not None and r not in index:
             index[r] = len(nodes)
@@ -155,7 +150,10 @@ def _walk(roots, params) -> tuple[list, dict, tuple]:
 
 def _unflatten(shape) -> tuple[list, list]:
     """(type, edges as (child, input nr)) per node, and per node its leaf tag (None if not a leaf)."""
-    kinds, edges, tags, i = [], [], [], 0
+    kinds: list[type] = []
+    edges: list[tuple[tuple[int, int], ...]] = []
+    tags: list[int | None] = []
+    i = 0
     while i < len(shape):
         kind, i = shape[i], i + 1
         kinds.append(kind)
@@ -190,7 +188,7 @@ def _plan(shape, roots, inputs) -> _Plan:
     input nr) or None) and whose differentiated inputs sit at `inputs` (positions or None)."""
     shape, tags = _unflatten(shape)
     edges = [e for _, e in shape]
-    parents = [[] for _ in shape]
+    parents: list[list[tuple[int, int]]] = [[] for _ in shape]  # per position: (parent, input nr)
     for p, es in enumerate(edges):
         for c, nr in es:
             parents[c].append((p, nr))
@@ -307,7 +305,8 @@ def _calls(shape, edges, parents, input_part, rooted, boundaries) -> list[tuple[
     for members, _, _ in calls:
         mine = {b for g in members for b in boundaries[g]}
         reached = _or(below[b] for b in mine)
-        clamps, derived = [], {}
+        clamps: list[int] = []
+        derived: dict[int, int] = {}
         for b in sorted(mine, key=lambda b: -rank[b]):  # a chain's top before its foot
             if bit[b] & reached:
                 top = _derived(b, parents, shape, mine, rooted)
@@ -339,7 +338,9 @@ def _reach(shape, edges, input_part, bit) -> tuple[dict, dict, dict]:
     """Per input-part position: the boundaries strictly below it (bit sets), those of them
     reached through a node outside `_FREE` (itself included), and its rank in a
     children-first order."""
-    below, costly, rank = {}, {}, {}
+    below: dict[int, int] = {}
+    costly: dict[int, int] = {}
+    rank: dict[int, int] = {}
     for p in _postorder(edges, input_part):
         reach = hard = 0
         for c, _ in edges[p]:
@@ -405,14 +406,15 @@ def backward_input(outputs, grads, inputs, params) -> tuple[list[torch.Tensor], 
     plan = _lookup((shape, roots, at))
     pairs = [(outputs[k], grads[k]) for k in plan.inside]
     captures = tuple(GradientEdge(nodes[p], nr) for p, nr in plan.slots)
+    found: tuple[torch.Tensor | None, ...]  # None: unreachable (allow_unreachable)
     if pairs and want:
         found = _engine_run_backward(tuple(o for o, _ in pairs), tuple(g for _, g in pairs), True, False,
                                      tuple(want) + captures, allow_unreachable=True, accumulate_grad=False)
     else:
         found = (None,) * (len(want) + len(captures))
     by_input = {id(x): g for x, g in zip(want, found)}
-    input_grads = [by_input.get(id(x)) for x in inputs]
-    input_grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, input_grads)]
+    reached = [by_input.get(id(x)) for x in inputs]
+    input_grads = [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, reached)]
     work = WeightGradWork(plan, captures, list(found[len(want):]), params, list(zip(outputs, grads)))
     return input_grads, work
 

@@ -79,7 +79,8 @@ class ReturnsList(nn.Module):
         return [x, 1]
 
 
-@pytest.mark.parametrize("bad, shown", [(ReturnsDict, r"returned dict"), (ReturnsList, r"returned list\(Tensor, int\)")])
+@pytest.mark.parametrize("bad, shown", [(ReturnsDict, r"returned dict"),
+                                        (ReturnsList, r"returned list\(Tensor, int\)")])
 def test_layer_returning_something_else(bad, shown):
     specs = [pipekit.LayerSpec(nn.Linear, 4, 4), pipekit.LayerSpec(bad), pipekit.LayerSpec(nn.Linear, 4, 4)]
     module = pipekit.PipelineModule(specs, loss_fn=nn.functional.mse_loss)

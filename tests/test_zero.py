@@ -12,8 +12,6 @@ function checks that a rank with nothing to optimise still joins the norm.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 

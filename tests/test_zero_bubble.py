@@ -203,7 +203,9 @@ def test_plan_report_and_drawing_show_split_backward():
 def _split_1f1b(pp, microbatches):
     """1F1B with each backward split and its W right after the I."""
     def split(a):
-        return [a] if a.kind is Kind.F else [Action(a.stage, Kind.I, a.microbatch), Action(a.stage, Kind.W, a.microbatch)]
+        if a.kind is Kind.F:
+            return [a]
+        return [Action(a.stage, Kind.I, a.microbatch), Action(a.stage, Kind.W, a.microbatch)]
 
     return [[b for a in row for b in split(a)] for row in one_f_one_b(pp, microbatches)]
 

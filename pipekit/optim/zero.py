@@ -79,8 +79,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,7 +108,7 @@ class Bucket:
     offsets: dict = field(default_factory=dict)  # id(param) -> (start, numel)
     grad_buf: torch.Tensor | None = None  # full bucket (stages 0, 1; stage 2 while in flight)
     grad_shard: torch.Tensor | None = None  # stage 2: this rank's accumulated shard
-    master: torch.Tensor | None = None  # master weights: full (stage 0) or this rank's shard
+    master: torch.Tensor = field(init=False)  # master weights: full (stage 0) or this rank's shard
     arrived: int = 0
     launched: bool = False
     counted_ranges: list = field(default_factory=list)  # [start, end) bucket ranges in the norm here
@@ -125,6 +126,11 @@ class Bucket:
     def shard(self) -> slice:
         n = self.param_buf.numel() // self.dp_size
         return slice(self.dp_rank * n, (self.dp_rank + 1) * n)
+
+    def view_of(self, buf: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        """`p`'s part of the bucket-sized `buf`, shaped as `p`."""
+        start, n = self.offsets[id(p)]
+        return buf[start:start + n].view_as(p)
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -229,13 +235,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         sharded over ep > 1 ranks (`p.expert_parallel`) the topology's expert dp group and
         ep group, so a plain optimizer's param groups need no expert split of their own."""
         topo = getattr(self.module, "topology", None)
-        split = "dp_group" not in group and getattr(topo, "ep", 1) > 1
+        experts: tuple | None = None  # the expert groups, where this param group's experts go to them
+        if topo is not None and "dp_group" not in group and getattr(topo, "ep", 1) > 1:
+            experts = (topo.edp_group, topo.ep_group)
         out: dict[tuple, list[nn.Parameter]] = {}
         for p in group["params"]:
             if not p.requires_grad:
                 continue
-            if split and getattr(p, "expert_parallel", False):
-                key = (topo.edp_group, topo.ep_group)
+            if experts is not None and getattr(p, "expert_parallel", False):
+                key = experts
             else:
                 key = (group.get("dp_group", self.default_dp_group), group.get("ep_group"))
             out.setdefault(key, []).append(p)
@@ -306,13 +314,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if b.grad_buf is None:  # stage 2: a bucket starts filling
             b.grad_buf = torch.zeros_like(b.param_buf, dtype=self.grad_dtype)
             self.peak_inflight_bytes = max(self.peak_inflight_bytes, self._inflight_bytes())
-        if p.grad.data_ptr() != b.grad_buf[start:].data_ptr():  # not already accumulated in place
-            b.grad_buf[start:start + n].add_(p.grad.reshape(-1))
+        grad = p.grad
+        assert grad is not None  # the hook runs once it is accumulated
+        if grad.data_ptr() != b.grad_buf[start:].data_ptr():  # not already accumulated in place
+            b.grad_buf[start:start + n].add_(grad.reshape(-1))
             p.grad = None
         self._dirty = True
         if self._current is not None and b in self._current:
             b.arrived += 1
-            self._launch_ready()
+            self._launch_ready(self._current)
 
     @contextlib.contextmanager
     def backward_pass(self, params: Iterable[nn.Parameter], final: Iterable[nn.Parameter] = ()):
@@ -343,8 +353,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._current = None
             self._dirty = self.stage < 2 and self._dirty
 
-    def _launch_ready(self) -> None:
-        for b in self._current:
+    def _launch_ready(self, current: list[Bucket]) -> None:
+        for b in current:
             if b.launched:
                 continue
             if b.arrived < len(b.params):
@@ -372,6 +382,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if work is not None:
             work.wait()
         if self.stage == 2:  # add the reduced shard into this rank's gradient shard; free the bucket
+            assert b.grad_shard is not None and b.grad_buf is not None  # stage 2: a launched bucket
             b.grad_shard.add_(b.grad_buf[b.shard])
             b.grad_buf = None
 
@@ -401,7 +412,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _owned_grad(self, b: Bucket) -> torch.Tensor:
         """This rank's reduced gradient for the part of `b` it updates."""
         if self.stage == 2:
+            assert b.grad_shard is not None  # made with the bucket at stage 2
             return b.grad_shard
+        assert b.grad_buf is not None  # made with the bucket at stages 0, 1, never freed
         return b.grad_buf if self.stage == 0 else b.grad_buf[b.shard]
 
     # ---- the step -----------------------------------------------------------
@@ -439,13 +452,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 b.master.grad = None
             return None
         if self.clip_grad_norm is not None:
-            self._clip(grads)
+            self._clip(grads, self.clip_grad_norm)
         if self.inner is not None:
             touched = self._touched_anywhere()
-            for b, inner_group in zip(self.buckets, self.inner.param_groups):
+            for b, g, inner_group in zip(self.buckets, grads, self.inner.param_groups):  # g is b.master.grad
                 inner_group.update(self._hyper(b.group_index))
                 for piece, (a, e, p) in zip(inner_group["params"], b.pieces):
-                    piece.grad = b.master.grad[a:e] if id(p) in touched else None  # skipped, as in one process
+                    piece.grad = g[a:e] if id(p) in touched else None  # skipped, as in one process
             self.inner.step()
             for inner_group in self.inner.param_groups:
                 for piece in inner_group["params"]:
@@ -455,11 +468,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             b.master.grad = None
         return None
 
-    def _clip(self, grads: list[torch.Tensor]) -> None:
-        """Scale the gradients so that their global norm is at most `clip_grad_norm`, on the
+    def _clip(self, grads: list[torch.Tensor], max_norm: float) -> None:
+        """Scale the gradients so that their global norm is at most `max_norm`, on the
         device (multiplied by 1 when within it, as torch's clip_grad_norm_ does)."""
         norm = self._grad_norm = self._norm()
-        coef = torch.where(norm > self.clip_grad_norm, self.clip_grad_norm / (norm + 1e-6), 1.0)
+        coef = torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
         for g in grads:
             g.mul_(coef)
 
@@ -521,6 +534,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             key = (b.dp_group if self.stage > 0 else None, b.ep_group)
             part = by_group.setdefault(key, torch.zeros((), dtype=torch.float64, device=device))
             g = b.master.grad
+            assert g is not None  # set by `step` before the norm
             first = 0 if self.stage == 0 else b.shard.start  # where this rank's gradient starts in the bucket
             for start, end in b.counted_ranges:
                 lo, hi = max(start, first), min(end, first + g.numel())
@@ -556,7 +570,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if sum(x.param_buf.numel() for x in runs[0]) + b.param_buf.numel() > self.bucket_numel:
                     runs.insert(0, [])
                 runs[0].append(b)
-        pending = []
+        pending: list[tuple[list, torch.Tensor | None, list[Bucket]]] = []  # (works, packed message, buckets)
         for group, runs in packs.items():
             for run in (r for r in runs if r):
                 n = run[0].dp_size
@@ -568,12 +582,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 mine = packed.view(n, -1)[dist.get_rank(group)]
                 torch.cat([b.param_buf[b.shard] for b in run], out=mine)
                 pending.append((_all_gather(packed, n, group), packed, run))
-        for works, packed, run in pending:
+        for works, message, run in pending:
             for w in works:
                 w.wait()
-            if packed is None:
+            if message is None:
                 continue
-            rows, offset = packed.view(run[0].dp_size, -1), 0
+            rows, offset = message.view(run[0].dp_size, -1), 0
             for b in run:
                 size = b.param_buf.numel() // b.dp_size
                 b.param_buf.view(b.dp_size, size).copy_(rows[:, offset:offset + size])
@@ -585,19 +599,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         accumulates into the bucket in place (no copy in the hook)."""
         self._touched.clear()
         for b in self.buckets:
-            if b.grad_buf is not None and self.stage < 2:
-                b.grad_buf.zero_()
+            buf = b.grad_buf if self.stage < 2 else None  # stage 2: freed when reduced; starts anew
+            if buf is not None:
+                buf.zero_()
             for p in b.params:
-                p.grad = self._grad_view(b, p) if self.stage < 2 and b.grad_buf.dtype == p.dtype else None
+                p.grad = b.view_of(buf, p) if buf is not None and buf.dtype == p.dtype else None
             b.launched = False
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
             b.master.grad = None
-
-    @staticmethod
-    def _grad_view(b: Bucket, p: nn.Parameter) -> torch.Tensor:
-        start, n = b.offsets[id(p)]
-        return b.grad_buf[start:start + n].view_as(p)
 
     # ---- introspection ------------------------------------------------------
     def full_grad(self, p: nn.Parameter) -> torch.Tensor:
@@ -605,8 +615,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         b = self._bucket_of[id(p)]
         if b.grad_buf is None:
             raise RuntimeError("stage 2 keeps no full gradient after its bucket is reduced")
-        start, n = b.offsets[id(p)]
-        return b.grad_buf[start:start + n].view_as(p)
+        return b.view_of(b.grad_buf, p)
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for parameters, gradients, master weights and optimizer state.
@@ -639,8 +648,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         all-gathered (a transient full copy of one bucket's state at a time)."""
         per_param: dict[nn.Parameter, dict[str, torch.Tensor]] = {p: {} for b in self.buckets for p in b.params}
         kinds = self._state_kinds()
+        inner = self.inner
         for bi, b in enumerate(self.buckets):
-            pieces = self.inner.param_groups[bi]["params"] if self.inner is not None else []
+            pieces, state = (inner.param_groups[bi]["params"], inner.state) if inner is not None else ([], {})
             if not _is_view_of(b.master, b.param_buf):
                 full = self._gathered(b, b.master)
                 for p in b.params:
@@ -650,7 +660,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 flat = torch.zeros(b.master.numel(), dtype=dtype, device=b.master.device)
                 has = torch.zeros(b.master.numel(), dtype=torch.uint8, device=b.master.device)
                 for piece, (a, e, _) in zip(pieces, b.pieces):
-                    value = self.inner.state.get(piece, {}).get(key)
+                    value = state.get(piece, {}).get(key)
                     if value is not None:
                         flat[a:e] = value if scalar else value.reshape(-1)
                         has[a:e] = 1
@@ -696,8 +706,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         communication: every rank is given the state of all its parameters). Call after
         the model's weights are loaded: master copies missing from `per_param` are taken
         from the parameters; a parameter without optimizer entries starts fresh."""
+        inner = self.inner
         for bi, b in enumerate(self.buckets):
-            pieces = self.inner.param_groups[bi]["params"] if self.inner is not None else []
+            pieces, state = (inner.param_groups[bi]["params"], inner.state) if inner is not None else ([], {})
             separate = not _is_view_of(b.master, b.param_buf)
             owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
             keys = sorted(set().union(*(per_param.get(p, {}).keys() for p in b.params)))
@@ -715,10 +726,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         b.master.copy_(mine)
                     continue
                 for piece, (a, e, p) in zip(pieces, b.pieces):
-                    value = per_param.get(p, {}).get(key)
-                    if value is not None:
-                        scalar = value.dim() == 0 and p.dim() > 0
-                        self.inner.state[piece][key] = mine[a].clone() if scalar else mine[a:e].view_as(piece).clone()
+                    given = per_param.get(p, {}).get(key)
+                    if given is not None:
+                        scalar = given.dim() == 0 and p.dim() > 0
+                        state[piece][key] = mine[a].clone() if scalar else mine[a:e].view_as(piece).clone()
             if separate and "master" not in keys:
                 b.master.copy_(owned)
 
@@ -762,7 +773,9 @@ def _widest(params: list[torch.Tensor]) -> torch.dtype:
 
 def _chunks(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
     """Consecutive runs of parameters of at most `limit` elements (a bigger one alone)."""
-    out, run, size = [], [], 0
+    out: list[list[nn.Parameter]] = []
+    run: list[nn.Parameter] = []
+    size = 0
     for p in params:
         if run and size + p.numel() > limit:
             out.append(run)
@@ -789,7 +802,9 @@ def _segments(module) -> tuple[Callable, Callable, Callable]:
     if module is None or not hasattr(module, "stage_layers"):
         order = {id(p): i for i, p in enumerate(module.parameters())} if module is not None else {}
         return (lambda p: 0), (lambda p: True), (lambda p: order.get(id(p), 0))
-    segment, first_use, tied_at = {}, {}, {}
+    segment: dict[int, int | str] = {}  # id(p) -> virtual stage or tied key
+    first_use: dict[int, int] = {}  # id(p) -> layer index
+    tied_at: dict[str, tuple[int, int]] = {}  # tied key -> (stage, layer index) of its first use here
     for stage in module.local_stages:
         for i in module.stage_layers(stage):
             spec = module.specs[i]
