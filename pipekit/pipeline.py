@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .layers.parallel import expert_parallel, tensor_parallel
 from .partition import partition as partition_specs
+from .precision import Precision, precision_policy
 from .schedules import SCHEDULES, Schedule, build_schedule
 from .schedules.generators import get_generator
 from .schedules.placement import check_positive
@@ -112,7 +113,8 @@ class PipelineModule(nn.Module):
             in backward instead of keeping their activations (0: off).
         checkpoint_layers: regex on layer class names; matching layers are
             recomputed in backward one by one.
-        precision: "fp32" (the layers' dtype as built), "bf16" or "fp16".
+        precision: a `pipekit.precision.Precision` (a resolved run's policy) or its
+            name: "fp32" (the layers' dtype as built), "bf16" or "fp16".
         compile: torch.compile every layer module (in place; names unchanged).
     """
 
@@ -132,7 +134,7 @@ class PipelineModule(nn.Module):
         activation_checkpoint_interval: int = 0,
         checkpoint_layers: str | None = None,
         device: torch.device | str | None = None,
-        precision: str = "fp32",
+        precision: Precision | str = "fp32",
         compile: bool = False,
     ):
         super().__init__()
@@ -143,9 +145,7 @@ class PipelineModule(nn.Module):
         self.seed = seed
         if activation_checkpoint_interval < 0:
             raise ValueError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision={precision!r} is not one of {list(PRECISIONS)}")
-        self.precision = precision
+        self.precision = precision if isinstance(precision, Precision) else precision_policy(precision)
         self.compile_layers = compile  # not `self.compile`: that would hide nn.Module.compile
         self.schedule = declare_schedule(schedule, self.topology.pp, microbatches, chunks_per_rank)
         self.placement = self.schedule.placement  # derived: virtual stage -> pipeline rank
@@ -171,8 +171,8 @@ class PipelineModule(nn.Module):
 
     @property
     def param_dtype(self) -> torch.dtype | None:
-        """The dtype layers are cast to (None: left as built)."""
-        return PRECISIONS[self.precision]
+        """The dtype layers are cast to (None: left as built, fp32 keeps the built dtype)."""
+        return self.precision.param_dtype if self.precision.mixed else None
 
     # ---- construction -------------------------------------------------
     def _build(self, i: int) -> None:
@@ -314,9 +314,6 @@ class PipelineModule(nn.Module):
                     cache[i] = self._finish(layer, True) if isinstance(layer, nn.Module) else layer
             object.__setattr__(self, "_meta_cache", cache)  # not a submodule: stays out of state_dict
         return self._meta_cache
-
-
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def to_meta(x):
