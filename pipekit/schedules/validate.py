@@ -110,7 +110,7 @@ def _needs(a: Action, placement) -> list[tuple[tuple[Action, ...], str]]:
         local = placement[s - 1] == placement[s]
         return [((Action(s - 1, Kind.F, m),) if local else (Action(s, Kind.RECV_F, m),), "its input")]
     if a.kind in INPUT_GRAD_KINDS:
-        needs = [((Action(s, Kind.F, m),), "backward needs its forward")]
+        needs: list[tuple[tuple[Action, ...], str]] = [((Action(s, Kind.F, m),), "backward needs its forward")]
         if s < last:
             local = placement[s + 1] == placement[s]
             grad = _backwards(s + 1, m) if local else (Action(s, Kind.RECV_B, m),)
