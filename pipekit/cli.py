@@ -120,7 +120,7 @@ PEER_STOPPED = 3  # a worker's exit status when it failed only because another r
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "closed its connection")
 
 
-def _caused_by_peer(e: BaseException) -> bool:
+def _caused_by_peer(e: BaseException | None) -> bool:
     while e is not None:
         if isinstance(e, PeerClosed) or any(mark in str(e) for mark in _PEER_GONE):
             return True

@@ -29,7 +29,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -206,7 +206,8 @@ def _merged(path: str | None, overrides: list[str] | None) -> Config:
         if path:
             parts.append(OmegaConf.load(path))
         parts.append(OmegaConf.from_dotlist(list(overrides or [])))
-        cfg = OmegaConf.to_object(OmegaConf.merge(*parts))
+        # to_object's declared return covers any container; merged onto the Config schema it is a Config
+        cfg = cast(Config, OmegaConf.to_object(OmegaConf.merge(*parts)))
     except OmegaConfBaseException as e:  # one line: the key, then OmegaConf's reason
         key, msg = getattr(e, "full_key", None), str(getattr(e, "msg", None) or e).strip().splitlines()[0]
         raise ConfigError(f"bad config{f' {path}' if path else ''}: {f'{key}: ' if key else ''}{msg}") from e
@@ -490,6 +491,13 @@ class Run:
     def family(self) -> str:
         return self.config.model.family
 
+    @property
+    def global_batch(self) -> int:
+        """train.global_batch: loading fills it in when the config leaves it out."""
+        global_batch = self.config.train.global_batch
+        assert global_batch is not None  # set by `load_run`, checked by `check_config`
+        return global_batch
+
 
 def resolve(cfg: Config | Run) -> Run:
     """The run of a value-checked config: the schedule module imported (`schedule.module`),
@@ -566,6 +574,7 @@ def _import_file(path: str) -> None:
     if key in sys.modules:
         return
     spec = importlib.util.spec_from_file_location(key, full)
+    assert spec is not None and spec.loader is not None  # a .py path always gets a source-file loader
     module = importlib.util.module_from_spec(spec)
     sys.modules[key] = module
     try:

@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -142,8 +143,9 @@ def moe_summary(topo: Topology, local: dict) -> dict | None:
     mine = {k: (v.tolist(), n) for k, (v, n) in local.items()} if topo.tp_rank == 0 else {}  # tp: replicas
     everyone = [mine]
     if topo.world_size > 1 and dist.is_initialized():
-        everyone = [None] * topo.world_size
-        dist.all_gather_object(everyone, mine)
+        gathered: list[Any] = [None] * topo.world_size  # each rank's dict, unpickled
+        dist.all_gather_object(gathered, mine)
+        everyone = gathered
     if topo.rank != 0:
         return None
     layers: dict[str, dict] = {}
@@ -178,7 +180,7 @@ class Logger:
         self.run, self.cfg, self.engine, self.active = run, cfg, engine, topo.rank == 0
         self.start_step = start_step  # steps done before this process started (a resumed run)
         self.device, self.notice = topo.device.type, notice
-        self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        self.tokens_per_step = run.global_batch * cfg.train.seq_len
         n_params = _count_params(engine)
         self.flops_per_token = flops_per_token(run.model, cfg.train.seq_len, n_params)
         self.device_peak, self.peak_source = peak_flops_per_device(run, topo)
@@ -230,9 +232,11 @@ class Logger:
     def step(self, step: int, loss: float, lr: float, val: float | None, moe: dict | None = None) -> None:
         elapsed = time.perf_counter() - self.start  # training time only
         tps = self.tokens_per_step * (step - self.start_step) / elapsed
-        rec = {"step": step, "loss": loss, "lr": lr,
+        optimizer = self.engine.optimizer
+        assert optimizer is not None  # a training engine has one
+        rec: dict[str, Any] = {"step": step, "loss": loss, "lr": lr,
                "grad_norm": self.engine.last_grad_norm, "tokens_per_s": tps,
-               "skipped": self.engine.last_step_skipped, "loss_scale": self.engine.optimizer.loss_scale,
+               "skipped": self.engine.last_step_skipped, "loss_scale": optimizer.loss_scale,
                "mfu": tps * self.flops_per_token / self.peak if self.peak else None, "elapsed_s": elapsed}
         if val is not None:
             rec["val_loss"] = val

@@ -76,8 +76,9 @@ def stage_costs(layers: list[LayerCost], boundaries: list[int]) -> list[LayerCos
     out = []
     for s, (lo, hi) in enumerate(zip(boundaries, boundaries[1:])):
         part = layers[lo:hi]
-        cost = LayerCost(f"stage {s}", sum(c.params for c in part), *(sum(getattr(c, k) for c in part) for k in KINDS),
-                         sum(c.saved_bytes for c in part), part[-1].out_bytes)
+        seconds = {k: sum(getattr(c, k) for c in part) for k in KINDS}
+        cost = LayerCost(f"stage {s}", sum(c.params for c in part), **seconds,
+                         saved_bytes=sum(c.saved_bytes for c in part), out_bytes=part[-1].out_bytes)
         out.append(replace(cost, I=0.0, W=cost.B) if s == 0 else cost)
     return out
 
@@ -276,7 +277,7 @@ def plan(run: Run, profile: Profile, comm: CommModel, *, schedules=None, partiti
 def _schedule_options(names, run: Run) -> list[tuple[str, int | None]]:
     """(schedule, chunks per rank) pairs: a schedule's own chunk count, or for one that
     takes any (interleaved_1f1b), 2 and the run's."""
-    out = []
+    out: list[tuple[str, int | None]] = []
     for name in names:
         if get_generator(name).chunks_per_rank is not None:
             out.append((name, None))

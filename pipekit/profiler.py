@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +51,8 @@ from .spawn import run_distributed
 from .spec import TiedLayerSpec, spec_name, tied_first_index
 from .split_backward import backward_input, backward_weight
 from .topology import Topology
+
+_T = TypeVar("_T")
 
 KINDS = ("F", "B", "I", "W")
 # Engine time per action beyond the layers' own work (dispatch, stashing, autograd set-up;
@@ -80,8 +84,9 @@ class LayerCost:
             v = getattr(self, key)
             base = min(getattr(fixed, key), v) if fixed is not None else 0.0
             return base + (v - base) * rows / rows0
-        return LayerCost(self.name, self.params, *(max(0.0, at(k)) for k in KINDS),
-                         round(self.saved_bytes * rows / rows0), round(self.out_bytes * rows / rows0))
+        return LayerCost(self.name, self.params, **{k: max(0.0, at(k)) for k in KINDS},
+                         saved_bytes=round(self.saved_bytes * rows / rows0),
+                         out_bytes=round(self.out_bytes * rows / rows0))
 
 
 @dataclass
@@ -97,7 +102,7 @@ class Profile:
 
     def at(self, rows: int) -> list[LayerCost]:
         """The layers' costs at `rows` rows per microbatch, the loss folded into the last."""
-        fixed = self.fixed or [None] * (len(self.layers) + 1)
+        fixed: Sequence[LayerCost | None] = self.fixed or [None] * (len(self.layers) + 1)
         layers = [c.scaled(f, rows, self.rows) for c, f in zip(self.layers, fixed)]
         loss = self.loss.scaled(fixed[-1], rows, self.rows)
         last = layers[-1]
@@ -199,7 +204,7 @@ class _SavedBytes:
         self.hooks.__exit__(*exc)
 
 
-def _time(sync, fn, *args) -> tuple[float, object]:
+def _time(sync, fn: Callable[..., _T], *args) -> tuple[float, _T]:
     """(seconds, result) of `fn(*args)`, the device synchronised before and after."""
     sync()
     t0 = time.perf_counter()
@@ -231,7 +236,7 @@ def _label(specs: list, i: int) -> str:
 def _profile_one(module, i: int, x, reps: int, sync):
     """(LayerCost, output) of layer i on input x: medians over `reps` after one warm-up."""
     params = [p for p in _layer_params(module, i) if p.requires_grad]
-    times = {k: [] for k in KINDS}
+    times: dict[str, list[float]] = {k: [] for k in KINDS}
     out = None
     with _SavedBytes(params) as counter:  # counted apart: the hooks would slow the timed passes
         out = module.run_layer(i, _leaf(x))
@@ -407,7 +412,7 @@ def _intercept(big: LayerCost, small: LayerCost, rows: int, rows_small: int) -> 
         b, s = getattr(big, key), getattr(small, key)
         slope = (b - s) / (rows - rows_small)
         return min(max(0.0, b - slope * rows), b)
-    return LayerCost(big.name, big.params, *(cut(k) for k in KINDS), 0, 0)
+    return LayerCost(big.name, big.params, **{k: cut(k) for k in KINDS}, saved_bytes=0, out_bytes=0)
 
 
 def _optimizer_seconds_per_param(run: Run, module, sync) -> float:
@@ -466,10 +471,11 @@ def flop_layers(run: Run, *, rows: int | None = None, flops_per_second: float | 
 
 
 # ---- communication -------------------------------------------------------------
-def _ping(sizes: list[int], reps: int) -> dict:
+def _ping(sizes: list[int], reps: int) -> dict[int | str, float]:
     """On each of two gloo ranks: half the median round trip of a message of each size,
     and of a one-element all-reduce."""
-    rank, out = dist.get_rank(), {}
+    rank = dist.get_rank()
+    out: dict[int | str, float] = {}
 
     def lap(fn, *args) -> float:
         laps = []
@@ -495,6 +501,7 @@ def _ping(sizes: list[int], reps: int) -> dict:
                 t0 = time.perf_counter()
                 work = dist.isend(buf, 1)
                 posts.append(time.perf_counter() - t0)
+            assert work is not None  # two ranks: 1 posted the receive, 0 the send
             work.wait()
         out[f"post {n}"] = statistics.median(posts[2:]) if posts else 0.0
     flag = torch.zeros(1)

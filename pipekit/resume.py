@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 from dataclasses import asdict
+from typing import Any
 
 import torch.distributed as dist
 
@@ -81,6 +82,7 @@ def resume(run: Run, topo: Topology, engine: PipelineEngine) -> int:
     meta = load_checkpoint(path, engine.module, engine.optimizer)
     if engine.lr_scheduler is not None and meta.get("lr_scheduler"):
         engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        assert engine.optimizer is not None  # an LR scheduler is built on the engine's optimizer
         for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
             group["lr"] = lr
     scaler = getattr(engine.optimizer, "loss_scaler", None)
@@ -97,8 +99,8 @@ def resume(run: Run, topo: Topology, engine: PipelineEngine) -> int:
 
 def check_same_model(meta: dict, run: Run, path: str) -> None:
     """A checkpoint continues only the model (and data) it was saved from."""
-    mine = {"family": run.family, "config": _model_record(run)}
-    theirs = {"family": meta.get("family"), "config": meta.get("model_config")}
+    mine: dict[str, Any] = {"family": run.family, "config": _model_record(run)}
+    theirs: dict[str, Any] = {"family": meta.get("family"), "config": meta.get("model_config")}
     if theirs != mine:
         saved = theirs["config"] or {}
         diff = sorted(k for k in set(mine["config"]) | set(saved) if saved.get(k) != mine["config"].get(k))

@@ -41,7 +41,7 @@ class _Fn(nn.Module):
 def reference_model(specs: list, seed: int) -> nn.Sequential:
     """The whole spec list as one nn.Sequential (no tensor parallelism), tied layers sharing one module."""
     tied: dict[str, nn.Module] = {}
-    mods = []
+    mods: list[nn.Module] = []
     for i, spec in enumerate(specs):
         if isinstance(spec, TiedLayerSpec):
             if spec.key not in tied:

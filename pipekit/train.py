@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 from dataclasses import asdict
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,12 +71,14 @@ def partition_of(run: Run, device="cpu") -> str | list[int]:
     timings differ between processes), and gives its boundaries to every rank."""
     if run.partition != "profile":
         return list(run.partition) if isinstance(run.partition, tuple) else run.partition
-    found = [None]
+    found: list[list[int] | None] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         found = [profiled_boundaries(run, run.schedule, device)]
     if dist.is_initialized():
         dist.broadcast_object_list(found, src=0)
-    return found[0]
+    boundaries = found[0]
+    assert boundaries is not None  # rank 0 profiled; the broadcast gave every other rank its list
+    return boundaries
 
 
 def profiled_boundaries(run: Run, schedule: Schedule, device="cpu") -> list[int]:
@@ -107,12 +110,12 @@ def batches(run: Run, topo: Topology, split: str = "train", path: str | None = N
     seed = t.seed if split == "train" else t.seed + 1
     if path is None:
         vocab = model_vocab(run.model)
-        shard = t.global_batch // topo.dp
+        shard = run.global_batch // topo.dp
         rows = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
-        stream = synthetic_batches(vocab, t.global_batch, t.seq_len, seed=seed)
+        stream = synthetic_batches(vocab, run.global_batch, t.seq_len, seed=seed)
         return ((x[rows], y[rows]) for x, y in itertools.islice(stream, start_step, None))
     ds = TokenDataset(path, split)
-    return BatchSampler(ds, t.global_batch, t.seq_len, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=seed,
+    return BatchSampler(ds, run.global_batch, t.seq_len, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=seed,
                         start_step=start_step)
 
 
@@ -175,9 +178,11 @@ def _steps(run: Run, topo: Topology, engine: PipelineEngine, log: Logger, path: 
     root, saved_at = checkpoint_root(cfg), None
     has_moe = getattr(run.model, "n_experts", None) is not None
     auxloss.metrics.pop()
+    optimizer = engine.optimizer
+    assert optimizer is not None  # build_engine gives the engine its optimizer
     with StopRequests() as stop:
         for step in range(start + 1, cfg.train.steps + 1):
-            lr = engine.optimizer.param_groups[0]["lr"]
+            lr = optimizer.param_groups[0]["lr"]
             engine.record_timeline = step == cfg.logging.trace_step
             loss = engine.train_batch(train_data, reduce_loss=True)
             routed = auxloss.metrics.pop()  # MoE layers' counts of this step's forward passes
@@ -236,7 +241,7 @@ class StopRequests:
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.signal_name: str | None = None
         self._old: dict = {}
 
@@ -282,12 +287,14 @@ def write_trace(run: Run, topo: Topology, engine: PipelineEngine, step: int) -> 
     matplotlib is installed. Gathers the timelines over the pipeline group (collective).
     Limit: ranks' clocks are compared directly, which holds on one machine only."""
     out_dir = run.config.logging.out_dir
-    mine = [TimelineEvent(e.rank, e.action, e.start + engine.step_start, e.end + engine.step_start)
-            for e in engine.timeline]
+    step_start = engine.step_start
+    assert step_start is not None  # set by the step whose timeline this is
+    mine = [TimelineEvent(e.rank, e.action, e.start + step_start, e.end + step_start) for e in engine.timeline]
     everyone = [mine]
     if topo.pp_group is not None:
-        everyone = [None] * topo.pp
-        dist.all_gather_object(everyone, mine, group=topo.pp_group)
+        gathered: list[Any] = [None] * topo.pp  # each pp rank's events, unpickled
+        dist.all_gather_object(gathered, mine, group=topo.pp_group)
+        everyone = gathered
     if topo.rank != 0 or not out_dir:
         return
     events = [e for part in everyone for e in part]

@@ -116,7 +116,8 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
     ("out-dir-holds-a-run", train("logging.out_dir={shared}/run"),
      ("holds another run (metrics.jsonl, model.pt, checkpoints)", "train.resume=auto")),
     ("loss-not-finite", train("optimizer.lr=1e6", "optimizer.warmup_steps=1", "optimizer.clip_grad_norm=null",
-                              "logging.out_dir=null", "data.val_every=0"), "step 2: the loss is nan (training diverged)"),
+                              "logging.out_dir=null", "data.val_every=0"),
+     "step 2: the loss is nan (training diverged)"),
     # ---- generate
     ("generate-missing", ["generate", "{tmp}/missing.pt", "--prompt", "x"], "no such pipekit file"),
     ("generate-corrupt", ["generate", "{tmp}/corrupt.pt", "--prompt", "x"], "not a readable pipekit model file"),

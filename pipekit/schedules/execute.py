@@ -19,7 +19,7 @@ def execute(ranks, placement, duration, comm_latency=0.0) -> list[list[tuple[flo
     Sweeps the ranks, advancing each as far as its next RECV allows, until all
     are done or no rank can move. Shared by `simulate` and `validate`.
     """
-    times = [[] for _ in ranks]
+    times: list[list[tuple[float, float]]] = [[] for _ in ranks]
     clocks = [0.0] * len(ranks)
     sent: dict[Action, float] = {}
     progress = True

@@ -115,7 +115,9 @@ def _interleaved_rank(rank: int, pp: int, m: int, v: int) -> list[Action]:
 def _with_weight_grads(actions: list[Action], lag: int) -> list[Action]:
     """`actions` with W(s, m) inserted `lag` input-grad actions after each I(s, m), and
     the Ws still pending after the last I appended in order."""
-    out, pending, seen = [], deque(), 0
+    out: list[Action] = []
+    pending: deque[Action] = deque()
+    seen = 0
     for a in actions:
         out.append(a)
         if a.kind is Kind.I:
@@ -151,9 +153,10 @@ class _Emitter:
     """One rank's action list, numbering each stage's forwards and backwards in order;
     a split backward (`i`) leaves its W pending until `w` takes it."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.actions: list[Action] = []
-        self.count = defaultdict(int)  # (stage, "F" or "backward") -> next microbatch
+        # (stage, "F" or "backward") -> next microbatch
+        self.count: defaultdict[tuple[int, str], int] = defaultdict(int)
         self.pending: deque[Action] = deque()
 
     def f(self, stage: int) -> _Emitter:

@@ -17,6 +17,7 @@ Lowering does not check dependencies; `validate` does.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 
 from .ir import INPUT_GRAD_KINDS, Action, Kind, ScheduleError, format_actions, matching_recv, matching_send
 
@@ -65,7 +66,7 @@ def _pair_orders(compute, placement) -> dict[tuple[int, int], list[Action]]:
     return orders
 
 
-def lower(compute: list[list[Action]], placement) -> list[list[Action]]:
+def lower(compute: Sequence[Sequence[Action]], placement) -> list[list[Action]]:
     """Return the per-rank lists with RECVs and SENDs inserted (see module doc).
 
     Raises ScheduleError when a message is never produced by its sender or
@@ -78,7 +79,7 @@ def lower(compute: list[list[Action]], placement) -> list[list[Action]]:
 
 def _lower_rank(rank: int, actions, placement, orders) -> list[Action]:
     out, produced = [], []
-    next_index = defaultdict(int)  # dst rank -> position in orders[(rank, dst)]
+    next_index: defaultdict[int, int] = defaultdict(int)  # dst rank -> position in orders[(rank, dst)]
     for a in actions:
         recv = _recv_for(a, placement)
         out += [recv, a] if recv is not None else [a]

@@ -66,8 +66,9 @@ class Schedule:
     def forward_only(self) -> Schedule:
         """The same forwards in the same order per rank, without backward: the eval program."""
         compute = [[a for a in self.compute_actions(r) if a.kind is Kind.F] for r in range(self.pp)]
+        ranks = tuple(tuple(actions) for actions in lower(compute, self.placement))
         return Schedule(self.name, self.pp, self.chunks_per_rank, self.microbatches, self.placement,
-                        lower(compute, self.placement), backward=False)
+                        ranks, backward=False)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.pp:

@@ -22,12 +22,13 @@ Checks, in order, raising ScheduleError at the first failure:
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 
 from .execute import execute
 from .ir import INPUT_GRAD_KINDS, Action, Kind, ScheduleError, matching_recv, matching_send, message_stages
 
 
-def validate(ranks: list[list[Action]], placement, microbatches: int, *, backward: bool = True) -> None:
+def validate(ranks: Sequence[Sequence[Action]], placement, microbatches: int, *, backward: bool = True) -> None:
     """Raise ScheduleError naming the offending rank/action if `ranks` is not a valid program
     (a training program; with `backward=False`, a forward-only one)."""
     _check_shape(ranks, placement, microbatches)
@@ -110,7 +111,7 @@ def _needs(a: Action, placement) -> list[tuple[tuple[Action, ...], str]]:
         local = placement[s - 1] == placement[s]
         return [((Action(s - 1, Kind.F, m),) if local else (Action(s, Kind.RECV_F, m),), "its input")]
     if a.kind in INPUT_GRAD_KINDS:
-        needs = [((Action(s, Kind.F, m),), "backward needs its forward")]
+        needs: list[tuple[tuple[Action, ...], str]] = [((Action(s, Kind.F, m),), "backward needs its forward")]
         if s < last:
             local = placement[s + 1] == placement[s]
             grad = _backwards(s + 1, m) if local else (Action(s, Kind.RECV_B, m),)
