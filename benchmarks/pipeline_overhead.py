@@ -65,8 +65,8 @@ from torch import nn
 import pipekit
 from pipekit.partition import partition
 from pipekit.schedules import Action, Kind, build_schedule, simulate
-from pipekit.schedules.ir import matching_send
 from pipekit.schedules.execute import execute
+from pipekit.schedules.ir import matching_send
 from pipekit.spec import LayerSpec
 from pipekit.testing import run_distributed
 

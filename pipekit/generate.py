@@ -19,6 +19,7 @@ from .data import default_cache_dir, load_tokenizer, read_meta, separator
 from .interchange import read_saved_model
 from .models import config_from_dict, model_specs, model_vocab
 from .pipeline import PipelineModule
+from .precision import default_dtype
 
 
 def load_model(path: str) -> tuple[PipelineModule, object, dict]:
@@ -27,12 +28,8 @@ def load_model(path: str) -> tuple[PipelineModule, object, dict]:
     ckpt = read_saved_model(path)
     mcfg = config_from_dict(ckpt["family"], ckpt["config"])  # every family, the toy's too, through the registry
     dtype = next(iter(ckpt["state_dict"].values())).dtype
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
+    with default_dtype(dtype):
         module = PipelineModule(model_specs(mcfg))
-    finally:
-        torch.set_default_dtype(previous)
     load_full_state_dict(module, ckpt["state_dict"])
     return module.eval(), mcfg, ckpt
 

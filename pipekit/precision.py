@@ -19,6 +19,8 @@ stays in float32 whatever the policy (the cross-entropy upcasts its logits).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -80,3 +82,15 @@ def _loss_scaling(fp16) -> LossScaling:
     return LossScaling(static_scale=fp16.loss_scale or None, initial_scale_power=fp16.initial_scale_power,
                        scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
                        min_scale=fp16.min_loss_scale)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to `dtype` inside the block and restored after it, so a run
+    (or a profile, or a loaded model) made in one process leaves the caller's default alone."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -47,6 +47,7 @@ from .config import Run
 from .models import model_loss, model_specs, model_vocab, synthetic_batches
 from .optim.factory import make_optimizer
 from .pipeline import PipelineModule
+from .precision import default_dtype
 from .spawn import run_distributed
 from .spec import TiedLayerSpec, spec_name, tied_first_index
 from .split_backward import backward_input, backward_weight
@@ -132,28 +133,16 @@ def _model(run: Run, device: str = "cpu"):
     dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
     alone = Topology.__new__(Topology)  # one process, no groups, also inside a job (Topology() would span it)
     alone._init_single(1, 1, 1, None)
-    with _default_dtype(dtype):
+    with default_dtype(dtype):
         module = PipelineModule(model_specs(mcfg), loss_fn=model_loss(mcfg), topology=alone,
                                 partition="uniform", seed=cfg.train.seed, device=device,
-                                precision=run.precision.name)
+                                precision=run.precision)
     vocab = model_vocab(mcfg)
 
     def batch(rows: int):
         return next(synthetic_batches(vocab, rows, cfg.train.seq_len, seed=cfg.train.seed))
 
     return module, batch
-
-
-class _default_dtype:
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def __enter__(self):
-        self.old = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-
-    def __exit__(self, *exc):
-        torch.set_default_dtype(self.old)
 
 
 def _floats(x) -> list[torch.Tensor]:

@@ -37,6 +37,7 @@ from .models import model_loss, model_specs, model_vocab, synthetic_batches
 from .optim.factory import lr_lambda, make_optimizer
 from .pipeline import PipelineModule
 from .planner import profile_boundaries
+from .precision import default_dtype
 from .profiler import profile_layers
 from .resume import checkpoint_root, clear_old_checkpoints, resume, save
 from .schedules import Schedule, TimelineEvent, mean_costs, render_png, simulate, to_chrome_trace
@@ -56,7 +57,7 @@ def build(run: Run, topo: Topology) -> PipelineEngine:
         schedule=run.schedule,
         activation_checkpoint_interval=s.activation_checkpoint_interval,
         checkpoint_layers=s.checkpoint_layers,
-        precision=run.precision.name,
+        precision=run.precision,
         compile=run.config.train.compile,
     )
     o = run.config.optimizer
@@ -137,6 +138,11 @@ def train(run: Run) -> dict:
     """Run the whole job on this worker; returns a summary (the same on every rank).
     `run` is resolved (a Config is resolved here first, for callers holding one)."""
     run = resolve(run)
+    with default_dtype(getattr(torch, run.config.train.dtype)):  # restored for an in-process caller
+        return _train(run)
+
+
+def _train(run: Run) -> dict:
     cfg = run.config
     topo, notice = _join(run)
     path = data_dir(cfg)
@@ -160,12 +166,11 @@ def train(run: Run) -> dict:
 
 def _join(run: Run) -> tuple[Topology, str | None]:
     """This worker's place: its device, the process group (when there is more than one
-    worker), the default dtype, the topology; and the notice to print when train.device=auto
+    worker), the topology; and the notice to print when train.device=auto
     fell back to the CPU."""
     device, reason = resolve_device(run.config.train.device, local_workers(run.world_size))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or run.world_size > 1:
         init_distributed(device=device)
-    torch.set_default_dtype(getattr(torch, run.config.train.dtype))
     topo = Topology(pp=run.pp, dp=run.dp, tp=run.tp, ep=run.ep, device=device)
     return topo, reason if fell_back(run.config.train.device, device) else None
 

@@ -146,6 +146,14 @@ def test_sigterm_saves_and_resume_auto_continues_bitwise(tmp_path, monkeypatch, 
     assert got == full  # metrics.jsonl holds steps 1-3 of the first run and 4-6 of this one: bitwise
 
 
+def test_an_in_process_run_leaves_the_callers_default_dtype_alone(tmp_path):
+    import torch
+
+    assert torch.get_default_dtype() == torch.float32
+    train(load_run(None, [*ONE, "train.dtype=float64", "train.steps=1", f"logging.out_dir={tmp_path}"]))
+    assert torch.get_default_dtype() == torch.float32  # a later HF model in this process is built in float32
+
+
 def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
