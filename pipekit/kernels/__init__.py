@@ -1,2 +1,7 @@
-"""Triton kernels, each beside its PyTorch reference, dispatched by device. Empty so far: they
-arrive with their own issue (see ../shared/DESIGN.md)."""
+"""Triton kernels, each in one file beside its autograd Function and its PyTorch
+reference; `dispatch.py` holds the one rule that picks a side (Triton on CUDA in
+fp32/fp16/bf16, the reference otherwise; float64 always the reference)."""
+
+from .dispatch import MODES, kernels, kernels_mode, set_kernels, use_triton
+
+__all__ = ["MODES", "kernels", "kernels_mode", "set_kernels", "use_triton"]
