@@ -11,7 +11,8 @@ Liger's fused add + RMSNorm: in a pre-norm block `h, res = rms_norm(attn_out, w,
 residual=res)` both adds the branch to the stream (`res` is what the next residual add
 takes) and normalises the sum in one pass over memory. Both outputs are differentiable;
 the gradient reaching `s` is added to the one coming back through the norm, and x and
-residual get that sum (cast to their dtypes).
+residual get that sum (cast to their dtypes). (When only `s` reaches the loss the
+Triton side gives the weight a zero gradient where the reference leaves it None.)
 
 The references (`rms_norm_reference`, `layer_norm_reference`) are exactly what
 `pipekit.layers.norm` computed before it called this file: RMSNorm normalises in float32
