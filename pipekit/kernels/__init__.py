@@ -5,3 +5,6 @@ fp32/fp16/bf16, the reference otherwise; float64 always the reference)."""
 from .dispatch import MODES, kernels, kernels_mode, set_kernels, use_triton
 
 __all__ = ["MODES", "kernels", "kernels_mode", "set_kernels", "use_triton"]
+from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference  # noqa: E402
+
+__all__ += ["layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference"]
