@@ -5,3 +5,10 @@ fp32/fp16/bf16, the reference otherwise; float64 always the reference)."""
 from .dispatch import MODES, kernels, kernels_mode, set_kernels, use_triton
 
 __all__ = ["MODES", "kernels", "kernels_mode", "set_kernels", "use_triton"]
+from .linear_cross_entropy import (  # noqa: E402
+    linear_cross_entropy,
+    linear_cross_entropy_eager,
+    linear_cross_entropy_reference,
+)
+
+__all__ += ["linear_cross_entropy", "linear_cross_entropy_eager", "linear_cross_entropy_reference"]
