@@ -144,10 +144,11 @@ def test_bad_arguments_are_named():
         linear_cross_entropy(h, w, labels[:4])
 
 
-def test_default_chunk_makes_the_chunk_logits_about_as_large_as_h():
+def test_default_chunk_makes_the_chunk_logits_about_as_large_as_h_but_at_least_64_tokens():
     assert default_chunk_tokens(8192, 128256, 4096) == 256  # 8192 / ceil(128256 / 4096) = 256
-    assert default_chunk_tokens(1, 50257, 8) == 1
-    assert default_chunk_tokens(100, 77, 16) == 32  # next power of 2 of 100 / 5
+    assert default_chunk_tokens(1, 50257, 8) == 1  # never more than N
+    assert default_chunk_tokens(1024, 128256, 256) == 64  # the rule's 4 tokens, raised to MIN_CHUNK_TOKENS
+    assert default_chunk_tokens(100, 77, 16) == 64
 
 
 # ---- tp = 2 ---------------------------------------------------------------------------------

@@ -17,7 +17,9 @@ per forward, `retain_graph` double backward raises). When neither h nor w needs 
 gradient the chunk stops at the loss. Peak memory beyond the inputs: dh (N, D),
 dw (V, D) and one chunk's logits (C, V); the eager loss holds (N, V) logits, their
 softmax and their gradient. The default chunk (Liger's rule) makes the chunk's
-logits about as large as h: C = next power of 2 of N / ceil(V / D).
+logits about as large as h: C = next power of 2 of N / ceil(V / D), at least 64
+tokens (`default_chunk_tokens`). The torch side holds about two chunk-sized
+buffers at once (the logits and one temporary), the Triton side one.
 
 Vocab-parallel (`tp_group`): each rank holds rows [vocab_start, vocab_start + V_local)
 of the padded vocabulary; `h` and `labels` are the same on every rank. Per chunk,
@@ -135,11 +137,16 @@ def linear_cross_entropy_eager(h_ND: torch.Tensor, w_VD: torch.Tensor, labels_N:
     return loss.to(h_ND.dtype)
 
 
+MIN_CHUNK_TOKENS = 64  # each chunk reads and writes all of dw (V, D): fewer tokens make that the bottleneck
+
+
 def default_chunk_tokens(n_tokens: int, v_local: int, dim: int) -> int:
-    """Liger-Kernel's chunk: the next power of 2 of N / ceil(V / D), so that one chunk's
-    logits (C, V) are about as large as h (N, D)."""
+    """Liger-Kernel's chunk, the next power of 2 of N / ceil(V / D), so that one chunk's
+    logits (C, V) are about as large as h (N, D); but at least MIN_CHUNK_TOKENS (at most N):
+    with a small D the rule alone gives chunks of a few tokens, each paying a full pass
+    over dw. (8192 tokens, D=4096, V=128k: 256 tokens, the rule's.)"""
     per = math.ceil(n_tokens / max(1, math.ceil(v_local / max(dim, 1))))
-    return 1 << max(0, per - 1).bit_length()
+    return max(1, min(n_tokens, max(MIN_CHUNK_TOKENS, 1 << max(0, per - 1).bit_length())))
 
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -213,7 +220,7 @@ class _TorchStep:
     def stats(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Row max (from _FAR_BELOW), sum of exp(x - max), and the logit at column t (0 when t < 0)."""
         m = x.max(dim=-1).values.clamp(min=_FAR_BELOW)
-        s = (x - m.unsqueeze(-1)).exp().sum(dim=-1)
+        s = x.sub(m.unsqueeze(-1)).exp_().sum(dim=-1)  # one chunk-sized temporary
         x_t = x.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(t < 0, 0.0)
         return m, s, x_t
 
