@@ -3,8 +3,24 @@ reference; `dispatch.py` holds the one rule that picks a side (Triton on CUDA in
 fp32/fp16/bf16, the reference otherwise; float64 always the reference)."""
 
 from .dispatch import MODES, kernels, kernels_mode, set_kernels, use_triton
+from .linear_cross_entropy import (
+    linear_cross_entropy,
+    linear_cross_entropy_eager,
+    linear_cross_entropy_reference,
+)
+from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
-__all__ = ["MODES", "kernels", "kernels_mode", "set_kernels", "use_triton"]
-from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference  # noqa: E402
-
-__all__ += ["layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference"]
+__all__ = [
+    "MODES",
+    "kernels",
+    "kernels_mode",
+    "set_kernels",
+    "use_triton",
+    "layer_norm",
+    "layer_norm_reference",
+    "rms_norm",
+    "rms_norm_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_eager",
+    "linear_cross_entropy_reference",
+]

@@ -1,0 +1,191 @@
+"""The kernels on CPU: the chunked linear cross-entropy's peak memory against the eager loss, and the
+Triton programs' agreement with their references in Triton's interpreter.
+
+Run:  python benchmarks/kernels.py [--vocab 50257 128256] [--tokens 1024] [--dim 256] [--threads 1]
+
+What is measured
+----------------
+1. Memory (real on a CPU). Forward + backward of the loss of N tokens (1 in 8
+   ignored) through a (V, D) float32 head, `mean` reduction, at each vocabulary:
+     eager:   `linear_cross_entropy_eager`, i.e. `F.cross_entropy(h @ w.T, labels)`
+              with autograd: the (N, V) logits exist, and so do their softmax
+              and their gradient during backward;
+     chunked: `linear_cross_entropy` on its PyTorch side (what a CPU user gets)
+              at the default chunk (`default_chunk_tokens`: Liger's rule, chunk
+              logits about as large as h, but at least 64 tokens) and at
+              `--chunk-tokens`.
+   Each variant runs in a fresh Python process (one intra-op thread by
+   default). The process makes h, w and the labels, runs the loss once on a
+   tiny slice (so that lazy initialisation is not counted), reads its peak
+   resident set size (`resource.getrusage(RUSAGE_SELF).ru_maxrss`), then runs
+   the full forward and backward and reads it again: "peak above inputs" is
+   the difference, the memory the loss needed beyond h, w and the labels,
+   gradients of h and w included (they are the same N*D + V*D floats for
+   every variant, shown apart). Why RSS and not tracemalloc: torch's CPU
+   allocations do not go through Python's allocator, so tracemalloc sees
+   none of them. The inputs are made without temporaries (w is scaled in
+   place), so the baseline peak is the inputs' and not some freed buffer's.
+   What RSS can get wrong: heap memory freed before the baseline and reused
+   later is not counted (a few MiB at most here: torch's import and the tiny
+   warm-up), and freed heap pages that glibc keeps stay counted; the large
+   buffers (tens of MiB and up) are mmapped and returned on free.
+   Wall time of the forward + backward is shown too (one run, informative only).
+2. Correctness in the interpreter (TRITON_INTERPRET=1, in its own process):
+   for each kernel listed in CHECKS, the largest absolute difference of the
+   output and of every gradient between the Triton side and the reference, in
+   float32, at awkward shapes.
+Results: benchmarks/results/kernels_cpu.json, and markdown tables on stdout.
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from pipeline_overhead import load_average, machine, table  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+MIB = 2 ** 20
+
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def measure_memory(variant: str, vocab: int, tokens: int, dim: int, chunk: int | None, threads: int) -> dict:
+    """One variant's peak RSS above its inputs (run this in a fresh process)."""
+    from pipekit.kernels import kernels, linear_cross_entropy, linear_cross_entropy_eager
+    from pipekit.kernels.linear_cross_entropy import default_chunk_tokens
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    h = torch.randn(tokens, dim, requires_grad=True)
+    w = torch.randn(vocab, dim).mul_(dim ** -0.5).requires_grad_()  # in place: no (V, D) temporary in the baseline
+    labels = torch.randint(0, vocab, (tokens,))
+    labels[::8] = -100
+
+    def loss_of(h_, w_, y_):
+        if variant == "eager":
+            return linear_cross_entropy_eager(h_, w_, y_)
+        with kernels("torch"):
+            return linear_cross_entropy(h_, w_, y_, chunk_tokens=chunk)
+
+    loss_of(h[:2].detach().requires_grad_(), w[:64].detach().requires_grad_(), labels[:2] % 64).backward()
+    before = _maxrss_bytes()
+    start = time.perf_counter()
+    loss = loss_of(h, w, labels)
+    loss.backward()
+    seconds = time.perf_counter() - start
+    return {"variant": variant, "vocab": vocab, "tokens": tokens, "dim": dim,
+            "chunk_tokens": chunk if variant != "eager" else None,
+            "default_chunk_tokens": default_chunk_tokens(tokens, vocab, dim),
+            "peak_above_inputs_bytes": _maxrss_bytes() - before, "grads_bytes": 4 * (tokens + vocab) * dim,
+            "logits_bytes": 4 * tokens * vocab, "seconds": seconds, "loss": loss.item()}
+
+
+# kernel -> function returning rows {kernel, shape, diffs: {output or gradient name: largest |Triton - reference|}};
+# other kernels add theirs
+def _check_linear_ce() -> list[dict]:
+    from pipekit.kernels import kernels, linear_cross_entropy, linear_cross_entropy_reference
+
+    rows = []
+    for n, d, v, chunk, vocab_size in [(37, 16, 77, 8, None), (1, 16, 77, 8, None), (23, 8, 80, 7, 77),
+                                       (6, 8, 50257, 4, None)]:
+        torch.manual_seed(0)
+        h, w = torch.randn(n, d), torch.randn(v, d) * d ** -0.5
+        labels = torch.randint(0, vocab_size or v, (n,))
+        if n > 1:
+            labels[::4] = -100
+        weights = torch.rand(n) + 0.5
+        out = []
+        for side in ("torch", "triton"):
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            with kernels(side):
+                fn = linear_cross_entropy_reference if side == "torch" else linear_cross_entropy
+                loss = fn(hh, ww, labels, weights_N=weights, chunk_tokens=chunk, vocab_size=vocab_size)
+            loss.backward()
+            out.append((loss.detach(), hh.grad, ww.grad))
+        diffs = {k: (a - b).abs().max().item() for k, a, b in zip(("loss", "dh", "dw"), *out)}
+        rows.append({"kernel": "linear_cross_entropy", "shape": f"N={n} D={d} V={v} chunk={chunk}"
+                     + (f" vocab_size={vocab_size}" if vocab_size else ""), "diffs": diffs})
+    return rows
+
+
+CHECKS = {"linear_cross_entropy": _check_linear_ce}
+
+
+def _fresh(argv: list[str], env: dict | None = None) -> dict:
+    done = subprocess.run([sys.executable, __file__, *argv], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vocab", type=int, nargs="+", default=[50257, 128256])
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--chunk-tokens", type=int, default=256, help="the second chunked variant's chunk")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    p.add_argument("--skip-correctness", action="store_true", help="leave out the interpreter's table")
+    p.add_argument("--out", default=str(RESULTS / "kernels_cpu.json"))
+    p.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)  # internal: one variant, in a fresh process
+    args = p.parse_args(argv)
+    if args.measure:
+        kind, *rest = args.measure
+        if kind == "correctness":
+            print(json.dumps([row for check in CHECKS.values() for row in check()]))
+        else:
+            chunk = int(rest[1]) if rest[1] != "default" else None
+            print(json.dumps(measure_memory(kind, int(rest[0]), args.tokens, args.dim, chunk, args.threads)))
+        return
+
+    load_before = load_average()
+    memory = []
+    for vocab in args.vocab:
+        for variant, chunk in (("eager", "default"), ("chunked", "default"), ("chunked", str(args.chunk_tokens))):
+            memory.append(_fresh(["--measure", variant, str(vocab), chunk, "--tokens", str(args.tokens),
+                                  "--dim", str(args.dim), "--threads", str(args.threads)]))
+    correctness = [] if args.skip_correctness else _fresh(["--measure", "correctness"], {"TRITON_INTERPRET": "1"})
+    load_after = load_average()
+
+    eager = {r["vocab"]: r["peak_above_inputs_bytes"] for r in memory if r["variant"] == "eager"}
+    body = []
+    for r in memory:
+        chunk = "-" if r["variant"] == "eager" else r["chunk_tokens"] or f"{r['default_chunk_tokens']} (default)"
+        body.append([f"{r['vocab']:,}", r["variant"], chunk, f"{r['logits_bytes'] / MIB:.0f}",
+                     f"{r['grads_bytes'] / MIB:.0f}", f"{r['peak_above_inputs_bytes'] / MIB:.0f}",
+                     f"{r['peak_above_inputs_bytes'] / eager[r['vocab']]:.2f}", f"{r['seconds']:.2f}",
+                     f"{r['loss']:.6f}"])
+    print(f"linear + cross-entropy, float32 on CPU, N={args.tokens} tokens, D={args.dim}, {args.threads} thread(s); "
+          f"peak RSS above the inputs, one fresh process per row; 1-min load average {load_before:.2f} before, "
+          f"{load_after:.2f} after")
+    print(table(["vocab", "variant", "chunk tokens", "(N, V) logits MiB", "dh + dw MiB", "peak above inputs MiB",
+                 "/ eager", "fwd+bwd s", "loss"], body))
+    if correctness:
+        print("\nTriton (interpreter) against the reference, float32, largest absolute difference")
+        print(table(["kernel", "shape", "largest absolute difference"],
+                    [[r["kernel"], r["shape"], ", ".join(f"{k} {v:.1e}" for k, v in r["diffs"].items())]
+                     for r in correctness]))
+    info = {**machine(), "threads_per_rank": args.threads, "args": {k: v for k, v in vars(args).items()
+                                                                   if k != "measure"},
+            "load_average_before": load_before, "load_average_after": load_after,
+            "command": "python benchmarks/kernels.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    info.pop("backend", None)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": info, "linear_cross_entropy_memory": memory,
+                               "interpreter_correctness": correctness}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
