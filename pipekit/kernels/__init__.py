@@ -5,3 +5,8 @@ fp32/fp16/bf16, the reference otherwise; float64 always the reference)."""
 from .dispatch import MODES, kernels, kernels_mode, set_kernels, use_triton
 
 __all__ = ["MODES", "kernels", "kernels_mode", "set_kernels", "use_triton"]
+from .glu import geglu, geglu_reference, swiglu, swiglu_reference  # noqa: E402
+from .rotary import apply_rotary, apply_rotary_reference  # noqa: E402
+
+__all__ += ["geglu", "geglu_reference", "swiglu", "swiglu_reference"]
+__all__ += ["apply_rotary", "apply_rotary_reference"]

@@ -1,0 +1,136 @@
+"""Gated linear unit activations, SwiGLU and GeGLU: act(gate) * up, elementwise.
+
+    swiglu(gate, up) = silu(gate) * up,                 silu(g) = g * sigmoid(g)
+    geglu(gate, up)  = gelu_tanh(gate) * up,            gelu_tanh(g) = 0.5 g (1 + tanh(z)),
+                                                         z = sqrt(2/pi) (g + 0.044715 g^3)
+
+GeGLU uses the tanh approximation of GELU (`F.gelu(approximate="tanh")`, GPT-2's and
+Gemma's), not the erf form. The references are exactly `F.silu(gate) * up` (what
+SwiGLUMLP and the MoE experts compute) and `F.gelu(gate, approximate="tanh") * up`.
+
+The Triton side reads gate and up, computes in float32 and writes one output in
+their dtype; backward recomputes the activation from the saved gate and up (nothing
+else is kept) and writes both gradients in one pass:
+
+    d up   = dy * act(g)
+    d gate = dy * up * act'(g)
+    silu'(g)      = s (1 + g (1 - s)),                  s = sigmoid(g)
+    gelu_tanh'(g) = 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 g^2),  t = tanh(z)
+
+gate and up must have the same shape (no broadcasting on the Triton side; shapes that
+differ take the reference).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the package imports without triton; only the Triton side needs it
+    triton = None
+
+BLOCK = 4096  # elements a program: few programs in the interpreter, a plain elementwise tile on a GPU
+# 0.7978845608028654 in the kernels below is sqrt(2 / pi) (a jit function reads no plain globals)
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, plain PyTorch."""
+    return F.silu(gate) * up
+
+
+def geglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up, plain PyTorch."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; Triton or the reference by `use_triton`."""
+    if use_triton(gate, up) and gate.shape == up.shape and gate.dtype == up.dtype:
+        return _GLU.apply(gate, up, False)
+    return swiglu_reference(gate, up)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up (tanh-approximated GELU); Triton or the reference by `use_triton`."""
+    if use_triton(gate, up) and gate.shape == up.shape and gate.dtype == up.dtype:
+        return _GLU.apply(gate, up, True)
+    return geglu_reference(gate, up)
+
+
+class _GLU(torch.autograd.Function):
+    """act(gate) * up by Triton, forward and backward; `gelu` picks the activation."""
+
+    @staticmethod
+    def forward(ctx, gate, up, gelu):
+        assert triton is not None
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        n = gate.numel()
+        if n:
+            _glu_forward[(triton.cdiv(n, BLOCK),)](gate, up, out, n, GELU=gelu, BLOCK=BLOCK)
+        ctx.save_for_backward(gate, up)
+        ctx.gelu = gelu
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        assert triton is not None
+        gate, up = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        if n:
+            _glu_backward[(triton.cdiv(n, BLOCK),)](gate, up, grad_out, d_gate, d_up, n,
+                                                    GELU=ctx.gelu, BLOCK=BLOCK)
+        return d_gate, d_up, None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh(z):
+        """tanh(z) = sign(z) (1 - e) / (1 + e), e = exp(-2|z|) in (0, 1]: no overflow anywhere."""
+        e = tl.exp(-2.0 * tl.abs(z))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(z < 0, -t, t)
+
+    @triton.jit
+    def _sigmoid(g):
+        """1 / (1 + exp(-g)), written with exp(-|g|) in (0, 1] so that nothing overflows."""
+        e = tl.exp(-tl.abs(g))
+        return tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+    @triton.jit
+    def _glu_forward(GATE, UP, OUT, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
+        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = at < n
+        g = tl.load(GATE + at, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(UP + at, mask=ok, other=0.0).to(tl.float32)
+        if GELU:
+            act = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+        else:
+            act = g * _sigmoid(g)
+        tl.store(OUT + at, (act * u).to(OUT.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _glu_backward(GATE, UP, DOUT, DGATE, DUP, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
+        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = at < n
+        g = tl.load(GATE + at, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(UP + at, mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(DOUT + at, mask=ok, other=0.0).to(tl.float32)
+        if GELU:
+            t = _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))
+            act = 0.5 * g * (1.0 + t)
+            d_act = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+        else:
+            s = _sigmoid(g)
+            act = g * s
+            d_act = s * (1.0 + g * (1.0 - s))
+        tl.store(DUP + at, (dy * act).to(DUP.dtype.element_ty), mask=ok)
+        tl.store(DGATE + at, (dy * u * d_act).to(DGATE.dtype.element_ty), mask=ok)
