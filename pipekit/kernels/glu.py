@@ -15,7 +15,10 @@ else is kept) and writes both gradients in one pass:
     d up   = dy * act(g)
     d gate = dy * up * act'(g)
     silu'(g)      = s (1 + g (1 - s)),                  s = sigmoid(g)
-    gelu_tanh'(g) = 0.5 (1 + t) + 0.5 g (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 g^2),  t = tanh(z)
+    gelu_tanh'(g) = s + 2 g s (1 - s) sqrt(2/pi) (1 + 3 * 0.044715 g^2),  s = sigmoid(2z)
+
+(the kernels write 0.5 (1 + tanh(z)) as sigmoid(2z), which has no cancellation for
+negative z, and build sigmoid from exp(-|x|), which never overflows).
 
 gate and up must have the same shape (no broadcasting on the Triton side; shapes that
 differ take the reference).
@@ -93,17 +96,12 @@ class _GLU(torch.autograd.Function):
 if triton is not None:
 
     @triton.jit
-    def _tanh(z):
-        """tanh(z) = sign(z) (1 - e) / (1 + e), e = exp(-2|z|) in (0, 1]: no overflow anywhere."""
-        e = tl.exp(-2.0 * tl.abs(z))
-        t = (1.0 - e) / (1.0 + e)
-        return tl.where(z < 0, -t, t)
-
-    @triton.jit
-    def _sigmoid(g):
-        """1 / (1 + exp(-g)), written with exp(-|g|) in (0, 1] so that nothing overflows."""
-        e = tl.exp(-tl.abs(g))
-        return tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    def _sigmoid(x):
+        """sigmoid(x) and 1 - sigmoid(x) = sigmoid(-x), both from e = exp(-|x|) in (0, 1]:
+        nothing overflows, and 1 - sigmoid(x) keeps its digits where sigmoid(x) rounds to 1."""
+        e = tl.exp(-tl.abs(x))
+        big, small = 1.0 / (1.0 + e), e / (1.0 + e)
+        return tl.where(x >= 0, big, small), tl.where(x >= 0, small, big)
 
     @triton.jit
     def _glu_forward(GATE, UP, OUT, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
@@ -112,9 +110,11 @@ if triton is not None:
         g = tl.load(GATE + at, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(UP + at, mask=ok, other=0.0).to(tl.float32)
         if GELU:
-            act = 0.5 * g * (1.0 + _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+            s, _ = _sigmoid(2.0 * 0.7978845608028654 * (g + 0.044715 * g * g * g))  # (1 + tanh(z)) / 2
+            act = g * s
         else:
-            act = g * _sigmoid(g)
+            s, _ = _sigmoid(g)
+            act = g * s
         tl.store(OUT + at, (act * u).to(OUT.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -125,12 +125,12 @@ if triton is not None:
         u = tl.load(UP + at, mask=ok, other=0.0).to(tl.float32)
         dy = tl.load(DOUT + at, mask=ok, other=0.0).to(tl.float32)
         if GELU:
-            t = _tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))
-            act = 0.5 * g * (1.0 + t)
-            d_act = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
-        else:
-            s = _sigmoid(g)
+            s, s_neg = _sigmoid(2.0 * 0.7978845608028654 * (g + 0.044715 * g * g * g))  # (1 + tanh(z)) / 2, 1 - it
             act = g * s
-            d_act = s * (1.0 + g * (1.0 - s))
+            d_act = s + 2.0 * g * s * s_neg * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * g * g)
+        else:
+            s, s_neg = _sigmoid(g)  # sigmoid(g), 1 - sigmoid(g)
+            act = g * s
+            d_act = s * (1.0 + g * s_neg)
         tl.store(DUP + at, (dy * act).to(DUP.dtype.element_ty), mask=ok)
         tl.store(DGATE + at, (dy * u * d_act).to(DGATE.dtype.element_ty), mask=ok)
