@@ -72,9 +72,9 @@ def test_triton_matches_the_reference_outputs_and_grads(head_dim, theta, heads, 
         torch.testing.assert_close(g, w, **TOL)
 
 
-def test_triton_takes_contiguous_and_three_dim_inputs():
+def test_triton_takes_contiguous_inputs_of_other_ranks():
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(5, 7, 10, generator=gen, requires_grad=True)  # (H, T, D), no batch dim
+    q = torch.randn(2, 3, 5, 7, 10, generator=gen, requires_grad=True)  # five dims
     k = torch.randn(7, 10, generator=gen, requires_grad=True)  # (T, D)
     cos, sin = rotary_cos_sin(7, 10, 10000.0)
     with kernels("triton"):
@@ -101,8 +101,9 @@ def test_tables_the_triton_side_does_not_cover_take_the_reference():
     cos, sin = rotary_cos_sin(4, 6, 10000.0)
     per_batch = cos.expand(2, 1, 4, 6), sin.expand(2, 1, 4, 6)  # per-batch positions
     learned = cos.clone().requires_grad_(), sin.clone().requires_grad_()  # tables that take a gradient
+    half = cos.half(), sin.half()  # another dtype than q's: the reference promotes
     with kernels("triton"):
-        for c, s in (per_batch, learned):
+        for c, s in (per_batch, learned, half):
             got = apply_rotary(q, k, c, s)
             assert all(torch.equal(g, w) for g, w in zip(got, old_apply_rotary(q, k, c, s)))
         grad = torch.autograd.grad(apply_rotary(q, k, *learned)[0].sum(), learned[1])[0]

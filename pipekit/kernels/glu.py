@@ -105,7 +105,7 @@ if triton is not None:
 
     @triton.jit
     def _glu_forward(GATE, UP, OUT, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
-        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: past 2^31 elements
         ok = at < n
         g = tl.load(GATE + at, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(UP + at, mask=ok, other=0.0).to(tl.float32)
@@ -119,7 +119,7 @@ if triton is not None:
 
     @triton.jit
     def _glu_backward(GATE, UP, DOUT, DGATE, DUP, n, GELU: tl.constexpr, BLOCK: tl.constexpr):
-        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: past 2^31 elements
         ok = at < n
         g = tl.load(GATE + at, mask=ok, other=0.0).to(tl.float32)
         u = tl.load(UP + at, mask=ok, other=0.0).to(tl.float32)

@@ -15,8 +15,9 @@ side reads q and k in place through their strides (the attention layer's
 `b h t d` views of `b t (h d)` need no copy), computes in float32, writes contiguous
 outputs, and handles q and k with different head counts (grouped-query attention).
 The Triton side takes tables of shape (T, D) (leading 1s allowed) matching q's and k's
-last two dims, that do not require grad; any other tables (per-batch positions,
-learned tables) take the reference.
+last two dims, in q's and k's dtype, that do not require grad; any other tables
+(per-batch positions, learned tables, mixed dtypes, which the reference promotes)
+take the reference.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 def _tables_fit(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Whether the Triton side covers these tables: (T, D) up to leading 1s, constants."""
     if cos.requires_grad or sin.requires_grad or cos.shape != sin.shape or q.dim() < 2 or k.dim() < 2:
+        return False
+    if len({q.dtype, k.dtype, cos.dtype, sin.dtype}) > 1:  # the reference would promote
         return False
     if q.shape[-2:] != k.shape[-2:] or q.shape[-1] % 2:
         return False
@@ -116,7 +119,7 @@ if triton is not None:
                        sxa, sxh, sxt, sxd, sct, scd, sst, ssd,
                        INVERSE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
         """Rows r = (a*H + h)*T + t of X (A, H, T, D) strided; Y (A, H, T, D) contiguous."""
-        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # int64 offsets
         cols = tl.arange(0, BLOCK_HALF)
         row_ok = rows < n_rows
         t = rows % T
