@@ -34,6 +34,7 @@ from typing import Any, Optional, cast
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .kernels import dispatch as kernel_dispatch
 from .models import FAMILIES, get_model, model_keys, model_specs, model_vocab
 from .partition import check_boundaries, layer_weights
 from .precision import PRECISION_NAMES, Precision, precision_policy
@@ -50,6 +51,7 @@ _MODEL_SIZES = ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv
 class ModelConfig:
     family: str = "gpt2"  # gpt2 | llama | mixtral | toy
     flavour: str = "tiny"  # a named size of the family (pipekit.models FLAVOURS)
+    kernels: str = "auto"  # auto | triton | torch: the fused kernels' side (pipekit.kernels; float64: torch)
     # Any of these, when set, overrides the flavour's value.
     vocab_size: Optional[int] = None
     max_seq_len: Optional[int] = None
@@ -268,6 +270,7 @@ def check_config(cfg: Config) -> None:
     _check_choice("optimizer.zero_stage", cfg.optimizer.zero_stage, (0, 1, 2))
     _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
     _check_choice("train.precision", t.precision, PRECISION_NAMES)
+    _check_kernels(cfg)
     _check_optimizer(cfg)
     _check_precision(cfg)
     _check_runtime(cfg)
@@ -406,6 +409,21 @@ def _check_device(cfg: Config) -> None:
         raise ConfigError(str(e)) from e
 
 
+def _check_kernels(cfg: Config) -> None:
+    """model.kernels is a mode, and "triton" can run: the package is there, and on the CPU
+    only in Triton's interpreter (known before any worker starts)."""
+    mode = cfg.model.kernels
+    _check_choice("model.kernels", mode, kernel_dispatch.MODES)
+    if mode != "triton":
+        return
+    if not kernel_dispatch.triton_available():
+        raise ConfigError("model.kernels=triton needs the triton package, which is not installed; use "
+                          "model.kernels=auto (Triton where it can run) or torch")
+    if cfg.train.device == "cpu" and not kernel_dispatch.interpreting():
+        raise ConfigError("model.kernels=triton with train.device=cpu runs only in Triton's interpreter: set "
+                          "TRITON_INTERPRET=1, or use model.kernels=auto (the PyTorch references on the CPU)")
+
+
 def _check_model_fits(cfg: Config, model, specs: list, chunks: int) -> None:
     p = cfg.parallel
     n_specs = len(specs)
@@ -446,10 +464,13 @@ def _check_model_family(m: ModelConfig) -> None:
                   if key in takes and getattr(m, key) is not None])
 
 
+_NOT_OVERRIDES = ("family", "flavour", "kernels")  # the ModelConfig keys that are not the family's fields
+
+
 def model_config(model: ModelConfig):
     """The family's typed model config: the flavour, with the set fields overriding it
     (the registry maps them onto the family's own field names)."""
-    overrides = {f.name: getattr(model, f.name) for f in fields(model) if f.name not in ("family", "flavour")}
+    overrides = {f.name: getattr(model, f.name) for f in fields(model) if f.name not in _NOT_OVERRIDES}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
         takes = sorted(set(model_keys(model.family)) & {f.name for f in fields(model)})

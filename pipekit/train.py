@@ -32,6 +32,7 @@ from .config import Config, Run, resolve
 from .data import BatchSampler, TokenDataset, default_corpus_dir
 from .data import read_meta as read_data_meta
 from .engine import PipelineEngine
+from .kernels import kernels
 from .metrics import Logger, moe_summary
 from .models import model_loss, model_specs, model_vocab, synthetic_batches
 from .optim.factory import lr_lambda, make_optimizer
@@ -138,7 +139,8 @@ def train(run: Run) -> dict:
     """Run the whole job on this worker; returns a summary (the same on every rank).
     `run` is resolved (a Config is resolved here first, for callers holding one)."""
     run = resolve(run)
-    with default_dtype(getattr(torch, run.config.train.dtype)):  # restored for an in-process caller
+    # both restored for an in-process caller:
+    with default_dtype(getattr(torch, run.config.train.dtype)), kernels(run.config.model.kernels):
         return _train(run)
 
 

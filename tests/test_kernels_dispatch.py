@@ -77,3 +77,33 @@ def test_the_environment_variable_sets_the_mode_and_a_bad_value_is_named(monkeyp
         kernels_mode()
     with pytest.raises(ValueError, match=r"kernels='fast' is not one of"):
         set_kernels("fast")
+
+
+def test_model_kernels_in_a_config_is_checked_before_launch(monkeypatch):
+    from pipekit.config import ConfigError, load_config, load_run
+
+    assert load_config(None, ["model.kernels=torch"]).model.kernels == "torch"
+    with pytest.raises(ConfigError, match=r"model.kernels='fast' is not one of \['auto', 'triton', 'torch'\]"):
+        load_config(None, ["model.kernels=fast"])
+    with pytest.raises(ConfigError, match="runs only in Triton's interpreter: set TRITON_INTERPRET=1"):
+        load_config(None, ["model.kernels=triton", "train.device=cpu"])
+    monkeypatch.setattr(dispatch, "triton_available", lambda: False)
+    with pytest.raises(ConfigError, match="model.kernels=triton needs the triton package"):
+        load_config(None, ["model.kernels=triton"])
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    run = load_run(None, ["model.kernels=triton", "train.device=cpu"])
+    assert run.config.model.kernels == "triton" and not hasattr(run.model, "kernels")  # not a model field
+
+
+def test_an_in_process_run_sets_the_kernels_for_its_steps_and_restores_them(tmp_path, monkeypatch):
+    from pipekit import train as train_module
+    from pipekit.config import load_run
+
+    seen = []
+    real = train_module._train
+    monkeypatch.setattr(train_module, "_train", lambda run: seen.append(kernels_mode()) or real(run))
+    run = load_run("configs/toy.yaml", ["model.kernels=torch", "train.steps=1", "parallel.pp=1", "data.val_every=0",
+                                        "logging.progress=false", f"logging.out_dir={tmp_path}"])
+    train_module.train(run)
+    assert seen == ["torch"] and kernels_mode() == "auto"

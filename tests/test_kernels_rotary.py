@@ -2,7 +2,7 @@
 Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py), against the reference,
 outputs and the gradients of q and k; "auto" on CPU is the layer's old math bit for bit;
 float64 takes the reference; and a tiny Llama with its Triton kernels equals its torch
-path (with only this branch's kernels wired: rotary and SwiGLU).
+path (every wired kernel runs: the norms, rotary and SwiGLU).
 
 Tolerance for the Triton side in float32: each output element is two products and one
 sum of float32 values computed in float32, as in the reference; the interpreter is in
@@ -134,7 +134,7 @@ def test_odd_head_dims_are_still_refused():
 
 
 def tiny_llama_loss_and_grads(mode: str, monkeypatch) -> tuple[torch.Tensor, dict, list[str]]:
-    """The loss and every parameter's gradient, and which of this branch's Triton kernels ran."""
+    """The loss and every parameter's gradient, and which of the rotary and GLU Triton kernels ran."""
     ran: list[str] = []
 
     def counted(name, apply):
@@ -159,9 +159,9 @@ def test_tiny_llama_with_triton_kernels_equals_torch(monkeypatch):
     """Forward and backward of a 2-layer tiny Llama (grouped-query attention, head_dim 32)
     with kernels="triton" (interpreter) against kernels="torch", float32. Tolerance 1e-5
     relative and absolute: the kernels' few-ulp differences (SwiGLU's sigmoid is computed
-    differently; rotary may differ by a fused multiply-add on a GPU) pass through two
-    blocks, the loss and the backward's matmul sums (measured: the loss equal, gradients
-    within 1e-7 of each other at magnitudes up to 0.17)."""
+    differently, the norms reduce in another order; rotary may differ by a fused
+    multiply-add on a GPU) pass through two blocks, the loss and the backward's matmul
+    sums (measured: the loss equal, gradients within 1.1e-7 at magnitudes up to 0.17)."""
     loss_t, grads_t, ran_t = tiny_llama_loss_and_grads("triton", monkeypatch)
     loss_r, grads_r, ran_r = tiny_llama_loss_and_grads("torch", monkeypatch)
     assert ran_t == ["rotary", "glu"] * 2 and ran_r == []  # two blocks, each through both kernels

@@ -6,7 +6,9 @@ from .dispatch import MODES, kernels, kernels_mode, set_kernels, use_triton
 
 __all__ = ["MODES", "kernels", "kernels_mode", "set_kernels", "use_triton"]
 from .glu import geglu, geglu_reference, swiglu, swiglu_reference  # noqa: E402
+from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference  # noqa: E402
 from .rotary import apply_rotary, apply_rotary_reference  # noqa: E402
 
+__all__ += ["layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference"]
 __all__ += ["geglu", "geglu_reference", "swiglu", "swiglu_reference"]
 __all__ += ["apply_rotary", "apply_rotary_reference"]
