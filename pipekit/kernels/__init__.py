@@ -3,12 +3,14 @@ reference; `dispatch.py` holds the one rule that picks a side (Triton on CUDA in
 fp32/fp16/bf16, the reference otherwise; float64 always the reference)."""
 
 from .dispatch import MODES, kernels, kernels_mode, set_kernels, use_triton
+from .glu import geglu, geglu_reference, swiglu, swiglu_reference
 from .linear_cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_eager,
     linear_cross_entropy_reference,
 )
 from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from .rotary import apply_rotary, apply_rotary_reference
 
 __all__ = [
     "MODES",
@@ -16,6 +18,12 @@ __all__ = [
     "kernels_mode",
     "set_kernels",
     "use_triton",
+    "apply_rotary",
+    "apply_rotary_reference",
+    "geglu",
+    "geglu_reference",
+    "swiglu",
+    "swiglu_reference",
     "layer_norm",
     "layer_norm_reference",
     "rms_norm",

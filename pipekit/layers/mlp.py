@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.glu import swiglu
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .parallel import copy_to_tp, current_tp_group
 
@@ -51,4 +52,4 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp(x, self.gate.group)  # one backward all-reduce for gate and up together
-        return self.down(F.silu(self.gate.forward_copied(x)) * self.up.forward_copied(x))  # hidden: (B, T, hidden/tp)
+        return self.down(swiglu(self.gate.forward_copied(x), self.up.forward_copied(x)))  # hidden: (B, T, hidden/tp)

@@ -4,11 +4,18 @@ The head dim is treated as two halves [x1, x2]; frequency i (i < head_dim/2)
 rotates the pair (x1[i], x2[i]) by angle pos * theta^(-2i/head_dim). Positions
 are 0..seq_len-1. Not implemented: Llama-3's frequency scaling ("rope_scaling"
 with factor / low and high frequency factors) and position offsets (no KV cache).
+
+`apply_rotary` and `rotate_half` live in `pipekit.kernels.rotary` (the Triton kernel
+beside its reference, which is the math this file always had) and are re-exported here.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..kernels.rotary import apply_rotary, rotate_half  # the kernel: Triton on a GPU, this math on CPU
+
+__all__ = ["apply_rotary", "rotary_cos_sin", "rotate_half"]
 
 
 def rotary_cos_sin(seq_len: int, head_dim: int, theta: float = 10000.0,
@@ -27,15 +34,3 @@ def rotary_cos_sin(seq_len: int, head_dim: int, theta: float = 10000.0,
     freqs = torch.outer(positions, inv_freq)  # (T, head_dim/2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (T, head_dim)
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] over the halves of the last dim."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k, each (..., T, head_dim), by tables (T, head_dim) (broadcast)."""
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.glu import swiglu
 from ..layers.parallel import normal_full
 from ..spec import layer_seed
 from .grouped import GEMMS
@@ -121,7 +122,7 @@ class Experts(nn.Module):
     def forward(self, x_ND: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         mm = GEMMS[self.gemm]
         if self.activation == "swiglu":
-            h_NH = F.silu(mm(x_ND, self.w_gate, sizes)) * mm(x_ND, self.w_up, sizes)
+            h_NH = swiglu(mm(x_ND, self.w_gate, sizes), mm(x_ND, self.w_up, sizes))
             return mm(h_NH, self.w_down, sizes)
         rows_N = torch.repeat_interleave(torch.arange(self.n_local, device=x_ND.device),
                                          torch.tensor(sizes, device=x_ND.device), output_size=x_ND.shape[0])
