@@ -4,6 +4,7 @@ fp32/fp16/bf16, the reference otherwise; float64 always the reference)."""
 
 from .dispatch import MODES, kernels, kernels_mode, set_kernels, use_triton
 from .glu import geglu, geglu_reference, swiglu, swiglu_reference
+from .grouped_gemm import grouped_gemm, grouped_gemm_reference
 from .linear_cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_eager,
@@ -31,4 +32,6 @@ __all__ = [
     "linear_cross_entropy",
     "linear_cross_entropy_eager",
     "linear_cross_entropy_reference",
+    "grouped_gemm",
+    "grouped_gemm_reference",
 ]

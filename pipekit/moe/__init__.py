@@ -6,7 +6,8 @@
                  drops), then dispatch / combine, locally or by all_to_all over ep
     experts.py   Experts (grouped SwiGLU/GELU weights, seeded per global expert),
                  SharedExpert (the always-on dense MLP)
-    grouped.py   the experts' grouped matmul (GEMMS): loop, torch._grouped_mm, megablocks
+    grouped.py   the experts' grouped matmul (GEMMS): loop, torch._grouped_mm, megablocks,
+                 triton (pipekit/kernels/grouped_gemm.py)
     layer.py     MoEMLP, the drop-in for a dense MLP
 
 Only the dispatcher's dispatch and combine communicate in a forward (and the

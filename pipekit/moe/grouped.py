@@ -20,6 +20,11 @@ picks one from `GEMMS`; register new ones with `register_gemm`.
   megablocks  `grouped_gemm.ops.gmm` through megablocks (CUDA, bf16); only
               when asked for by name, never required; on a CPU tensor it runs
               the loop. Not exercised by pipekit's tests (no CUDA there).
+  triton      pipekit/kernels/grouped_gemm.py: Triton programs for the forward, the
+              input and the weight gradient, group offsets kept on the device; by
+              `use_triton` (CUDA in fp32/fp16/bf16, or kernels='triton' under
+              TRITON_INTERPRET=1), else the loop (float64, CPU in "auto"). Also takes
+              `sizes` as an int tensor on x's device.
   auto        grouped_mm where it runs, else loop.
 """
 
@@ -29,6 +34,8 @@ import importlib.util
 from collections.abc import Callable
 
 import torch
+
+from ..kernels.grouped_gemm import grouped_gemm
 
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, list], torch.Tensor]
 
@@ -94,7 +101,7 @@ def auto_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.
 
 
 GEMMS: dict[str, GroupedMM] = {"auto": auto_mm, "loop": loop_mm, "grouped_mm": torch_grouped_mm,
-                               "megablocks": megablocks_mm}
+                               "megablocks": megablocks_mm, "triton": grouped_gemm}
 
 
 def register_gemm(name: str, fn: GroupedMM) -> None:
