@@ -505,7 +505,7 @@ def test_metrics_per_layer_name():
     (dict(score="tanh"), r"score='tanh' is not one of \('softmax', 'sigmoid'\)"),
     (dict(drop_policy="random"), r"drop_policy='random' is not one of \('position', 'score'\)"),
     (dict(activation="relu"), r"activation='relu' is not one of \('swiglu', 'gelu'\)"),
-    (dict(gemm="triton"), r"gemm='triton' is not one of \[.*'loop'.*\]"),
+    (dict(gemm="cutlass"), r"gemm='cutlass' is not one of \[.*'loop'.*\]"),
     (dict(dispatcher="deepep"), r"dispatcher='deepep' is not one of \['auto', 'alltoall', 'local'.*\]"),
     (dict(dispatcher="local", ep_group=FakeGroup(2)), r"dispatcher='local' .* sharded over ep=2 ranks"),
     (dict(dispatcher="alltoall"), r"dispatcher='alltoall' needs an expert-parallel group"),
