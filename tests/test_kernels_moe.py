@@ -1,9 +1,11 @@
-"""The grouped GEMM kernel (pipekit/kernels/grouped_gemm.py), the MoE gemm "triton": its
-Triton programs run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1,
-tests/conftest.py) against `loop_mm`, the output, dx and dw; the MoE layer with
-gemm="triton" against gemm="loop"; "auto" on CPU and float64 take the reference.
+"""The MoE kernels, their Triton programs run on CPU tensors in Triton's interpreter
+(TRITON_INTERPRET=1, tests/conftest.py) against the references: the grouped GEMM
+(pipekit/kernels/grouped_gemm.py, the MoE gemm "triton") against `loop_mm`, the output,
+dx and dw, and the MoE layer with gemm="triton" against gemm="loop"; the permute /
+unpermute (pipekit/kernels/moe_permute.py) against dispatch.py's old gather and
+index_add. "auto" on CPU and float64 take the references.
 
-Tolerance in float32, 1e-5 relative and absolute: `tl.dot` in ieee float32 sums each
+Grouped GEMM tolerance in float32, 1e-5 relative and absolute: `tl.dot` in ieee float32 sums each
 product over 64-wide k tiles in its own order, torch's CPU matmul in another; over the
 reductions here (k up to 130 inputs, up to 50 rows for dw, values ~N(0, 1)) the largest
 difference measured is 1.5e-5 absolute on outputs of size ~10 (about 1 ulp of them).
@@ -18,11 +20,13 @@ import torch
 
 from pipekit.kernels import kernels
 from pipekit.kernels.grouped_gemm import grouped_gemm
+from pipekit.kernels.moe_permute import moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference
 from pipekit.moe import MoEMLP
 from pipekit.moe.grouped import GEMMS, loop_mm
 
 # the module itself: the attribute pipekit.kernels.grouped_gemm is the function
 gg = importlib.import_module("pipekit.kernels.grouped_gemm")
+mp = importlib.import_module("pipekit.kernels.moe_permute")
 TOL = {"rtol": 1e-5, "atol": 1e-5}  # see the module docstring
 
 
@@ -117,7 +121,7 @@ def moe_run(gemm, mode, activation="swiglu"):
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_moe_layer_with_triton_gemm_matches_the_loop(activation):
-    """A whole MoEMLP, forced Triton (the grouped gemm and SwiGLU) against gemm="loop" under
+    """A whole MoEMLP, forced Triton (grouped gemm, SwiGLU, permute / unpermute) against gemm="loop" under
     kernels="torch": 1e-5 as above (three chained gemms and the Triton SwiGLU; measured at most
     6e-8, the experts' values being small at init std 0.02)."""
     got = moe_run("triton", "triton", activation)
@@ -129,3 +133,62 @@ def test_moe_layer_with_triton_gemm_matches_the_loop(activation):
 def test_moe_layer_auto_on_cpu_is_bitwise_the_loop():
     for g, r in zip(moe_run("triton", "auto"), moe_run("loop", "auto")):
         assert torch.equal(g, r)
+
+
+# ---- permute / unpermute (pipekit/kernels/moe_permute.py) -----------------------------------
+def routed(tokens=13, d=300, seed=0):
+    """token_N with tokens routed twice, once and never (6, 9, 10, 11), in a shuffled slot order;
+    D = 300: two D chunks of 256 in the interpreter, the second partly masked."""
+    gen = torch.Generator().manual_seed(seed)
+    token_N = torch.tensor([0, 0, 1, 3, 3, 5, 7, 7, 8, 12, 2, 2, 4])
+    token_N = token_N[torch.randperm(token_N.numel(), generator=gen)]
+    x = torch.randn(tokens, d, generator=gen).requires_grad_()
+    y = torch.randn(token_N.numel(), d, generator=gen).requires_grad_()
+    weight = torch.rand(token_N.numel(), generator=gen).requires_grad_()
+    return token_N, x, y, weight
+
+
+def grads_of(out, inputs, seed=3):
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return [out, *torch.autograd.grad(out, inputs, dout)]
+
+
+def test_permute_matches_the_reference_bitwise():
+    """A gather, and its backward a per-token sum over its slots in slot order, as index_add's."""
+    token_N, x, _, _ = routed()
+    with kernels("triton"):
+        got = grads_of(moe_permute(x, token_N), [x])
+    for g, r in zip(got, grads_of(moe_permute_reference(x, token_N), [x])):
+        assert torch.equal(g, r)
+
+
+def test_unpermute_matches_the_reference():
+    """Output and dy bitwise (the same products, summed in slot order); the weights' gradient is a
+    dot product over D, summed in another order: 1e-5 (measured 6e-6 over D = 300)."""
+    token_N, _, y, weight = routed()
+    with kernels("triton"):
+        got = grads_of(moe_unpermute(y, token_N, weight, 13, torch.float32), [y, weight])
+    want = grads_of(moe_unpermute_reference(y, token_N, weight, 13, torch.float32), [y, weight])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], **TOL)
+
+
+def test_permute_and_unpermute_with_no_slots():
+    token_N, x, y, weight = routed()
+    none = token_N[:0]
+    with kernels("triton"):
+        assert moe_permute(x, none).shape == (0, 300)
+        out = moe_unpermute(y[:0], none, weight[:0], 13, torch.float32)
+        assert torch.equal(out, torch.zeros(13, 300))
+
+
+def test_permute_kernels_in_auto_on_cpu_and_float64_take_the_reference(monkeypatch):
+    def refuse(*args):
+        raise AssertionError("the Triton side ran")
+
+    monkeypatch.setattr(mp._Permute, "apply", refuse)
+    monkeypatch.setattr(mp._Unpermute, "apply", refuse)
+    token_N, x, y, weight = routed()
+    moe_permute(x, token_N), moe_unpermute(y, token_N, weight, 13, torch.float32)
+    with kernels("triton"):
+        moe_permute(x.double(), token_N), moe_unpermute(y.double(), token_N, weight.double(), 13, torch.float64)

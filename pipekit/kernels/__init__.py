@@ -10,6 +10,7 @@ from .linear_cross_entropy import (
     linear_cross_entropy_eager,
     linear_cross_entropy_reference,
 )
+from .moe_permute import moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference
 from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from .rotary import apply_rotary, apply_rotary_reference
 
@@ -34,4 +35,8 @@ __all__ = [
     "linear_cross_entropy_reference",
     "grouped_gemm",
     "grouped_gemm_reference",
+    "moe_permute",
+    "moe_permute_reference",
+    "moe_unpermute",
+    "moe_unpermute_reference",
 ]

@@ -31,6 +31,10 @@ one expert stay in token order), then:
   compute   y_ND = experts(x_ND), rows grouped by expert              (grouped.py)
   combine   out_TD[t] = sum over t's kept slots of weight * y         (index_add)
 
+permute and combine are pipekit/kernels/moe_permute.py's `moe_permute` /
+`moe_unpermute`: Triton by `use_triton` (CUDA), else the reference, which is the
+gather and index_add above (bitwise the same on CPU in "auto", and in float64).
+
 Capacity (`capacity_factor` set): capacity = ceil(capacity_factor * T * K / E)
 slots per expert, T this rank's tokens. An expert's slots beyond it are
 dropped before any computation: by position (earlier tokens win) or by score
@@ -51,6 +55,7 @@ import einops
 import torch
 import torch.distributed as dist
 
+from ..kernels.moe_permute import moe_permute, moe_unpermute
 from ..layers.parallel import _SharedRef, group_size
 from .router import Routing, route_dtype
 
@@ -95,15 +100,13 @@ def plan_dispatch(experts_TK: torch.Tensor, weights_TK: torch.Tensor, n_experts:
 
 
 def permute(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """The rows the experts see, sorted by expert: (N, D)."""
-    return x_TD[plan.token_N]
+    """The rows the experts see, sorted by expert: (N, D) (pipekit/kernels/moe_permute.py)."""
+    return moe_permute(x_TD, plan.token_N)
 
 
 def combine(y_ND: torch.Tensor, plan: DispatchPlan, tokens: int, dtype: torch.dtype) -> torch.Tensor:
     """out[t] = sum of weight * y over t's kept slots, accumulated in `dtype`: (T, D) in y's dtype."""
-    weighted_ND = y_ND.to(dtype) * plan.weight_N.to(dtype).unsqueeze(-1)
-    out_TD = torch.zeros(tokens, y_ND.shape[-1], dtype=dtype, device=y_ND.device)
-    return out_TD.index_add(0, plan.token_N, weighted_ND).to(y_ND.dtype)
+    return moe_unpermute(y_ND, plan.token_N, plan.weight_N, tokens, dtype)
 
 
 # ---- the dispatcher seam --------------------------------------------------------------
