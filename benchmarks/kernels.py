@@ -118,7 +118,47 @@ def _check_linear_ce() -> list[dict]:
     return rows
 
 
+def _check_moe() -> list[dict]:
+    """The grouped GEMM against loop_mm, and the MoE permute / unpermute against their references."""
+    from pipekit.kernels import (
+        grouped_gemm,
+        kernels,
+        moe_permute,
+        moe_permute_reference,
+        moe_unpermute,
+        moe_unpermute_reference,
+    )
+    from pipekit.moe.grouped import loop_mm
+
+    def diffs(names, fn, ref, inputs, args):
+        out = []
+        for side, f in (("triton", fn), ("torch", ref)):
+            leaves = [t.clone().requires_grad_() if t.is_floating_point() else t for t in inputs]
+            with kernels(side):
+                y = f(*leaves, *args)
+            grads = torch.autograd.grad(y, [t for t in leaves if t.requires_grad], torch.ones_like(y) * 0.5)
+            out.append((y.detach(), *grads))
+        return {k: (a - b).abs().max().item() if a.numel() else 0.0 for k, a, b in zip(names, *out)}
+
+    rows = []
+    for sizes, n_in, n_out in [([0, 5, 1, 0, 37], 24, 40), ([0, 0, 50, 0], 70, 130), ([7], 24, 40)]:
+        torch.manual_seed(0)
+        x, w = torch.randn(sum(sizes), n_in), torch.randn(len(sizes), n_in, n_out)
+        rows.append({"kernel": "grouped_gemm", "shape": f"sizes={sizes} I={n_in} O={n_out}",
+                     "diffs": diffs(("y", "dx", "dw"), grouped_gemm, loop_mm, [x, w], [sizes])})
+    torch.manual_seed(0)
+    token_N = torch.tensor([0, 0, 1, 3, 3, 5, 7, 7, 8, 12, 2, 2, 4])[torch.randperm(13)]
+    x, y, weight = torch.randn(13, 300), torch.randn(13, 300), torch.rand(13)
+    rows.append({"kernel": "moe_permute", "shape": "T=13 N=13 D=300, tokens routed 0-2 times",
+                 "diffs": diffs(("x_ND", "dx"), moe_permute, moe_permute_reference, [x, token_N], [])})
+    rows.append({"kernel": "moe_unpermute", "shape": "T=13 N=13 D=300, tokens routed 0-2 times",
+                 "diffs": diffs(("out", "dy", "dweight"), moe_unpermute, moe_unpermute_reference,
+                                [y, token_N, weight], [13, torch.float32])})
+    return rows
+
+
 CHECKS = {"linear_cross_entropy": _check_linear_ce}
+CHECKS["moe"] = _check_moe
 
 
 def _fresh(argv: list[str], env: dict | None = None) -> dict:
