@@ -25,7 +25,9 @@ picks one from `GEMMS`; register new ones with `register_gemm`.
               `use_triton` (CUDA in fp32/fp16/bf16, or kernels='triton' under
               TRITON_INTERPRET=1), else the loop (float64, CPU in "auto"). Also takes
               `sizes` as an int tensor on x's device.
-  auto        grouped_mm where it runs, else loop.
+  auto        triton when kernels are forced to "triton" (`model.kernels=triton`,
+              PIPEKIT_KERNELS; float64 excepted), else grouped_mm where it runs,
+              else loop. In kernels "auto" it never picks triton.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..kernels.dispatch import kernels_mode, use_triton
 from ..kernels.grouped_gemm import grouped_gemm
 
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, list], torch.Tensor]
@@ -97,6 +100,8 @@ def megablocks_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> 
 
 
 def auto_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    if kernels_mode() == "triton" and use_triton(x_NI, w_EIO):  # model.kernels=triton: every kernel Triton
+        return grouped_gemm(x_NI, w_EIO, sizes)
     return torch_grouped_mm(x_NI, w_EIO, sizes)
 
 
