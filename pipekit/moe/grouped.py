@@ -38,15 +38,12 @@ from collections.abc import Callable
 import torch
 
 from ..kernels.dispatch import kernels_mode, use_triton
-from ..kernels.grouped_gemm import grouped_gemm
+from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
 
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, list], torch.Tensor]
 
 
-def loop_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    # unbind, not w[e]: each w[e]'s backward would add a full (E, I, O) zero-padded gradient
-    # (E^2 I O work: 7x slower at E=64); unbind's backward stacks the E pieces once
-    return torch.cat([piece @ w_I_O for piece, w_I_O in zip(torch.split(x_NI, sizes), w_EIO.unbind(0))])
+loop_mm = grouped_gemm_reference  # the gemm "loop", and the Triton gemm's reference
 
 
 _REFUSED: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) where _grouped_mm raised
