@@ -10,12 +10,15 @@ AdamW), against the one-process nn.Sequential trained with kernels("torch") in t
 Tolerance TOL = 1e-5 relative and absolute (torch.testing.assert_close): the kernels differ
 from the references by a few ulps only (the norms' row statistics and their weight
 gradients are summed in another order — the weight gradient as per-block partial sums then
-a sum over blocks; SwiGLU's sigmoid and GELU's tanh are computed another way); those
+a sum over blocks; SwiGLU's sigmoid is computed another way); those
 differences pass through two blocks, the loss and the backward's matmuls. Measured here:
-losses equal to ~1e-7, gradients within ~2e-7 at magnitudes up to ~0.2. After the steps
-the weights stay within TOL too: SGD moves them by lr * grad (lr=0.1), AdamW by about lr
-per element (lr=1e-3) whatever the gradient's ulps, except where a gradient is ~0 and its
-sign flips — none is that small in these models (checked by the test passing at 1e-5).
+losses within 9.5e-7 (at ~5.5), gradients within 9e-8 at magnitudes up to 0.44; at pp=2
+after 2 SGD steps (lr 0.1) the weights within 6e-8. AdamW's weights are held to
+ADAMW_ATOL = 1e-4 (lr / 10) instead: Adam divides each element's update by that element's
+own gradient history, so where a gradient is near zero its few-ulp difference is a large
+relative one and the step moves by a visibly different fraction of lr (measured 8.5e-6,
+too close to 1e-5 to be a stable bound); 1e-4 still catches any real error, which moves
+weights by ~lr.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from pipekit.testing import reference_model, reference_name, run_distributed
 
 pytest.importorskip("triton")
 
-TOL = dict(rtol=1e-5, atol=1e-5)  # the reason: the module docstring
+TOL = dict(rtol=1e-5, atol=1e-5)  # the reasons: the module docstring
+ADAMW_ATOL = 1e-4  # AdamW's weights after 2 steps at lr 1e-3 (module docstring)
 SEED = 0
 # small but whole: every layer kind of the family, two blocks, awkward sequence length 11
 MODELS = {
@@ -159,7 +163,8 @@ def test_pp2_engine_with_triton_kernels_matches_one_process_torch():
         for rank, got in enumerate(per_rank):
             torch.testing.assert_close(torch.tensor(got[opt_name]["losses"]), torch.tensor(ref_losses), **TOL)
             assert got[opt_name]["weights"], f"rank {rank} owns no parameters"
+            tol = TOL if opt_name == "sgd" else dict(rtol=TOL["rtol"], atol=ADAMW_ATOL)
             for name, w in got[opt_name]["weights"].items():
-                torch.testing.assert_close(w, ref_weights[name], **TOL, msg=f"{opt_name}, rank {rank}: {name}")
+                torch.testing.assert_close(w, ref_weights[name], **tol, msg=f"{opt_name}, rank {rank}: {name}")
         names = set(per_rank[0][opt_name]["weights"]) | set(per_rank[1][opt_name]["weights"])
         assert names == set(ref_weights), "the two ranks together hold every parameter"
