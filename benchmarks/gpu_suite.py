@@ -18,6 +18,8 @@ checks      what needs CUDA, each PASS / FAIL (with the error) / SKIP, none stop
             number reads the same for outputs and gradients of any size); bounds: 1e-4 in fp32
             (another summation order, over up to ~8k rows in the weight gradients) and 2e-2 in
             bf16/fp16 (8 bits of mantissa: the two sides round at different places).
+            A kernel check also fails when the op took its reference instead of its Triton
+            program (its outputs' autograd node is not the Triton Function's).
 kernels     each kernel's forward + backward time (torch.cuda.Event, median of N) and peak
             memory above its inputs (torch.cuda.max_memory_allocated) at realistic sizes: 8k
             tokens, d=4096 (SwiGLU hidden 14336), vocab 128,256 for the linear cross-entropy,
@@ -152,23 +154,30 @@ def errors_text(errs: list[float]) -> str:
     return "[" + ", ".join(f"{e:.2g}" for e in errs) + "]"
 
 
-def forward_backward(fn, inputs: list[torch.Tensor], seed: int = 0) -> list[torch.Tensor]:
+def forward_backward(fn, inputs: list[torch.Tensor], seed: int = 0, nodes: list | None = None) -> list[torch.Tensor]:
     """fn(*inputs)'s outputs, then the gradient of every floating input that requires one, for
-    fixed random cotangents (the same for both sides of a comparison)."""
+    fixed random cotangents (the same for both sides of a comparison); the outputs' autograd
+    node names are appended to `nodes` when given."""
     xs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
     out = fn(*xs)
     outs = list(out) if isinstance(out, tuple) else [out]
+    if nodes is not None:
+        nodes += [type(o.grad_fn).__name__ for o in outs]
     gen = torch.Generator(device=outs[0].device).manual_seed(seed)
     cots = [torch.randn(o.shape, generator=gen, device=o.device, dtype=torch.float32).to(o.dtype) for o in outs]
     torch.autograd.backward(outs, cots)
     return [o.detach() for o in outs] + [x.grad for x in xs if x.requires_grad]
 
 
-def compare(triton_fn, reference_fn, inputs: list[torch.Tensor], dtype: torch.dtype) -> str:
+def compare(triton_fn, reference_fn, inputs: list[torch.Tensor], dtype: torch.dtype, node: str | None = None) -> str:
     """Raise when any output or gradient of the Triton side is off the reference by more than
-    BOUND[dtype]; else the worst error, as the PASS line's detail."""
+    BOUND[dtype], or when `node` (the Triton autograd Function's name) made none of its outputs
+    (the op took its reference instead); else the worst error, as the PASS line's detail."""
+    nodes: list[str] = []
     with kernels("triton"):
-        got = forward_backward(triton_fn, inputs)
+        got = forward_backward(triton_fn, inputs, nodes=nodes)
+    if node is not None and not any(n.startswith(node) for n in nodes):
+        raise AssertionError(f"the Triton side did not run: the outputs come from {nodes}, not {node}")
     with kernels("torch"):
         want = forward_backward(reference_fn, inputs)
     errs = [rel_err(g, w) for g, w in zip(got, want)]
@@ -191,24 +200,24 @@ def kernel_checks(sz: Sizes, device: torch.device, dtypes) -> list[tuple[str, An
         name = str(dt).replace("torch.", "")
         x, r, w, b = t(n, d, dtype=dt), t(n, d, dtype=dt), t(d, dtype=dt), t(d, dtype=dt)
         out += [
-            (f"rms_norm {name}", lambda x=x, w=w, dt=dt: compare(rms_norm, rms_norm_reference, [x, w], dt)),
+            (f"rms_norm {name}", lambda x=x, w=w, dt=dt: compare(rms_norm, rms_norm_reference, [x, w], dt, "_NormFn")),
             (f"rms_norm + residual {name}", lambda x=x, w=w, r=r, dt=dt: compare(
                 lambda a, c, e: rms_norm(a, c, 1e-6, e), lambda a, c, e: rms_norm_reference(a, c, 1e-6, e),
-                [x, w, r], dt)),
+                [x, w, r], dt, "_NormFn")),
             (f"layer_norm {name}", lambda x=x, w=w, b=b, dt=dt: compare(layer_norm, layer_norm_reference,
-                                                                         [x, w, b], dt)),
+                                                                         [x, w, b], dt, "_NormFn")),
             (f"layer_norm + residual {name}", lambda x=x, w=w, b=b, r=r, dt=dt: compare(
                 lambda a, c, e, f: layer_norm(a, c, e, 1e-5, f),
-                lambda a, c, e, f: layer_norm_reference(a, c, e, 1e-5, f), [x, w, b, r], dt)),
-            (f"swiglu {name}", lambda x=x, r=r, dt=dt: compare(swiglu, swiglu_reference, [x, r], dt)),
-            (f"geglu {name}", lambda x=x, r=r, dt=dt: compare(geglu, geglu_reference, [x, r], dt)),
+                lambda a, c, e, f: layer_norm_reference(a, c, e, 1e-5, f), [x, w, b, r], dt, "_NormFn")),
+            (f"swiglu {name}", lambda x=x, r=r, dt=dt: compare(swiglu, swiglu_reference, [x, r], dt, "_GLU")),
+            (f"geglu {name}", lambda x=x, r=r, dt=dt: compare(geglu, geglu_reference, [x, r], dt, "_GLU")),
         ]
         seq, hd = max(n // 4, 1), 2 * (d // 64) + 2  # an awkward head_dim (130 at d=4096: no power of two)
         q, k = t(2, 4, seq, hd, dtype=dt), t(2, 2, seq, hd, dtype=dt)
         cos, sin = (tab.to(device, dt) for tab in rotary_cos_sin(seq, hd, 10000.0))
         out.append((f"apply_rotary {name}", lambda q=q, k=k, cos=cos, sin=sin, dt=dt: compare(
             lambda a, c: apply_rotary(a, c, cos, sin), lambda a, c: apply_rotary_reference(a, c, cos, sin),
-            [q, k], dt)))
+            [q, k], dt, "_Rotary")))
         h, head = t(n, d, dtype=dt, scale=0.5), t(v, d, dtype=dt, scale=0.05)
         labels = torch.randint(0, v, (n,), generator=gen)
         labels[::7] = -100  # some ignored tokens
