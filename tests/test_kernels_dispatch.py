@@ -18,6 +18,7 @@ class FakeCuda:
 
     dtype: torch.dtype
     is_cuda: bool = True
+    is_meta: bool = False
 
 
 @pytest.fixture(autouse=True)
@@ -107,3 +108,12 @@ def test_an_in_process_run_sets_the_kernels_for_its_steps_and_restores_them(tmp_
                                         "logging.progress=false", f"logging.out_dir={tmp_path}"])
     train_module.train(run)
     assert seen == ["torch"] and kernels_mode() == "auto"
+
+
+def test_meta_tensors_take_the_reference_in_every_mode():
+    """The engine runs the layers on meta tensors (no data) to learn the stages' shapes at
+    pp > 1: they must never reach a Triton program, not even with "triton" forced."""
+    meta = torch.empty(3, 5, device="meta")
+    for mode in dispatch.MODES:
+        with kernels(mode):
+            assert not use_triton(meta, meta)

@@ -9,7 +9,8 @@ its Triton program when it says so, else the reference beside it:
     torch     reference   reference                        reference
 
 float64 always takes the reference, so the float64 layout-parity suites keep
-their meaning whatever the mode. The mode is process-wide: `set_kernels(mode)`
+their meaning whatever the mode; so do meta tensors (no data: the engine runs the
+layers on them to learn the stages' shapes, at pp > 1, whatever the mode). The mode is process-wide: `set_kernels(mode)`
 (what `model.kernels` in a config does in every worker), else the environment
 variable PIPEKIT_KERNELS, else "auto"; `kernels(mode)` sets it for a block.
 Forcing "triton" where it cannot run raises, naming what is missing, instead of
@@ -79,7 +80,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     """True when a kernel called on `tensors` should run its Triton program (the table in
     this module's docstring). RuntimeError when "triton" is forced where it cannot run."""
     mode = kernels_mode()
-    if mode == "torch" or any(t.dtype == torch.float64 for t in tensors):
+    if mode == "torch" or any(t.dtype == torch.float64 or t.is_meta for t in tensors):
         return False
     on_cuda = all(t.is_cuda for t in tensors)
     fits = all(t.dtype in TRITON_DTYPES or not (t.dtype.is_floating_point or t.dtype.is_complex) for t in tensors)

@@ -1,0 +1,601 @@
+"""The one GPU command: pipekit's CUDA checks, its kernels' speed and memory, and end-to-end throughput.
+
+    python benchmarks/gpu_suite.py                 # one GPU (an H200: at most ~8 minutes)
+    python benchmarks/gpu_suite.py --quick         # smaller sizes, fewer repeats
+    python benchmarks/gpu_suite.py --only checks   # one section: checks | kernels | end_to_end
+    python benchmarks/gpu_suite.py --cpu-smoke --out /tmp/gpu_suite.md   # every code path, tiny, on CPU
+
+Writes one markdown report (default benchmarks/results/gpu_suite.md) and prints it. Sections:
+
+checks      what needs CUDA, each PASS / FAIL (with the error) / SKIP, none stopping the suite:
+            every kernel (rms_norm and layer_norm, plain and with the residual; apply_rotary;
+            swiglu, geglu; linear_cross_entropy; the MoE "triton" grouped gemm when
+            `pipekit.moe.GEMMS` has it) in bf16 and fp32 against its reference — outputs and
+            every input gradient; the NCCL path at world size 1 (init_distributed over nccl,
+            one PipelineEngine step on cuda); `torch._grouped_mm` in bf16 against the loop gemm;
+            fp16 with ZeroOptimizer + LossScaler; torch.compile of a Llama block against eager.
+            Error measure: max |got - want| / max |want| per tensor (scale-relative, so one
+            number reads the same for outputs and gradients of any size); bounds: 1e-4 in fp32
+            (another summation order, over up to ~8k rows in the weight gradients) and 2e-2 in
+            bf16/fp16 (8 bits of mantissa: the two sides round at different places).
+            A kernel check also fails when the op took its reference instead of its Triton
+            program (its outputs' autograd node is not the Triton Function's).
+kernels     each kernel's forward + backward time (torch.cuda.Event, median of N) and peak
+            memory above its inputs (torch.cuda.max_memory_allocated) at realistic sizes: 8k
+            tokens, d=4096 (SwiGLU hidden 14336), vocab 128,256 for the linear cross-entropy,
+            64 experts top-8 for the gemm; bf16; pipekit's Triton side against torch eager (the
+            reference), torch.compile of the reference, and Liger-Kernel when importable.
+end_to_end  tokens/s, MFU and peak memory of GPT-2 124M and a Mixtral-style MoE (benchmarks/
+            gpu_throughput.py's runs): the plain PyTorch loop against pipekit in fp32, bf16,
+            bf16 + compile, bf16 + compile + kernels (pipekit's rows other than "+kernels" force
+            kernels="torch", so they are the same math as the plain loop's layers).
+
+--cpu-smoke runs all of it at tiny sizes on the CPU so that the script's logic is tested
+without a GPU (tests/test_gpu_suite.py): Triton in its interpreter (TRITON_INTERPRET=1, set
+here before triton is imported), float32 only (bf16 is wrong in the interpreter), gloo in
+place of nccl, torch.compile with the "eager" backend (inductor on a CPU is too slow for a
+smoke run), times by time.perf_counter and no memory figures. Its numbers mean nothing.
+Without CUDA and without --cpu-smoke: one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--cpu-smoke" in sys.argv:  # before anything imports triton: its interpreter is chosen at import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_throughput, beside this file
+import gpu_throughput as gt  # noqa: E402
+import pipekit  # noqa: E402
+from pipekit.kernels import (  # noqa: E402
+    apply_rotary,
+    apply_rotary_reference,
+    geglu,
+    geglu_reference,
+    kernels,
+    layer_norm,
+    layer_norm_reference,
+    linear_cross_entropy,
+    linear_cross_entropy_eager,
+    rms_norm,
+    rms_norm_reference,
+    swiglu,
+    swiglu_reference,
+)
+from pipekit.kernels.dispatch import triton_available  # noqa: E402
+from pipekit.layers.rotary import rotary_cos_sin  # noqa: E402
+from pipekit.models import flops_per_token, get_model, model_loss, model_specs  # noqa: E402
+
+SECTIONS = ("checks", "kernels", "end_to_end")
+BOUND = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}  # scale-relative, module docstring
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_suite.md"
+
+
+@dataclass
+class Sizes:
+    """Every size the suite uses; `sizes(args)` picks the full, --quick or --cpu-smoke set."""
+    check_tokens: int; check_dim: int; check_vocab: int  # noqa: E702
+    tokens: int; dim: int; hidden: int; heads: int; kv_heads: int; vocab: int  # noqa: E702
+    experts: int; top_k: int; expert_hidden: int  # noqa: E702
+    repeats: int; e2e_flavour: str; e2e_steps: int; e2e_warmup: int  # noqa: E702
+    e2e_microbatches: int; e2e_micro_batch: int; e2e_seq: int  # noqa: E702
+
+
+def sizes(args) -> Sizes:
+    if args.cpu_smoke:
+        return Sizes(33, 96, 77, 40, 64, 96, 2, 1, 131, 8, 2, 48, 2, "tiny", 1, 1, 2, 2, 16)
+    if args.quick:
+        return Sizes(1025, 1024, 32000, 2048, 2048, 5632, 16, 4, 32000, 64, 8, 1024, 5, "124m", 3, 2, 2, 8, 1024)
+    return Sizes(4097, 4096, 50257, 8192, 4096, 14336, 32, 8, 128256, 64, 8, 1536, 20, "124m", 5, 2, 4, 8, 1024)
+
+
+# ---- device plumbing: every CUDA-specific line is here -------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def elapsed_ms(fn, device: torch.device, repeats: int) -> float:
+    """Median over `repeats` calls of fn() (after one untimed call): CUDA events on a GPU."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_mib(fn, device: torch.device) -> float | None:
+    """Peak memory allocated while fn() runs, above what was allocated before (None off CUDA)."""
+    if device.type != "cuda":
+        fn()
+        return None
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+# ---- checks ---------------------------------------------------------------------------------------
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.detach().float(), want.detach().float()
+    return ((got - want).abs().max() / want.abs().max().clamp(min=1e-12)).item() if want.numel() else 0.0
+
+
+def errors_text(errs: list[float]) -> str:
+    return "[" + ", ".join(f"{e:.2g}" for e in errs) + "]"
+
+
+def forward_backward(fn, inputs: list[torch.Tensor], seed: int = 0, nodes: list | None = None) -> list[torch.Tensor]:
+    """fn(*inputs)'s outputs, then the gradient of every floating input that requires one, for
+    fixed random cotangents (the same for both sides of a comparison); the outputs' autograd
+    node names are appended to `nodes` when given."""
+    xs = [x.detach().clone().requires_grad_(x.requires_grad) for x in inputs]
+    out = fn(*xs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    if nodes is not None:
+        nodes += [type(o.grad_fn).__name__ for o in outs]
+    gen = torch.Generator(device=outs[0].device).manual_seed(seed)
+    cots = [torch.randn(o.shape, generator=gen, device=o.device, dtype=torch.float32).to(o.dtype) for o in outs]
+    torch.autograd.backward(outs, cots)
+    return [o.detach() for o in outs] + [x.grad for x in xs if x.requires_grad]
+
+
+def compare(triton_fn, reference_fn, inputs: list[torch.Tensor], dtype: torch.dtype, node: str | None = None) -> str:
+    """Raise when any output or gradient of the Triton side is off the reference by more than
+    BOUND[dtype], or when `node` (the Triton autograd Function's name) made none of its outputs
+    (the op took its reference instead); else the worst error, as the PASS line's detail."""
+    nodes: list[str] = []
+    with kernels("triton"):
+        got = forward_backward(triton_fn, inputs, nodes=nodes)
+    if node is not None and not any(n.startswith(node) for n in nodes):
+        raise AssertionError(f"the Triton side did not run: the outputs come from {nodes}, not {node}")
+    with kernels("torch"):
+        want = forward_backward(reference_fn, inputs)
+    errs = [rel_err(g, w) for g, w in zip(got, want)]
+    if len(got) != len(want) or max(errs) > BOUND[dtype]:
+        raise AssertionError(f"errors {errors_text(errs)} (outputs, then gradients) exceed "
+                             f"{BOUND[dtype]:g}")
+    return f"worst {max(errs):.2g} <= {BOUND[dtype]:g} over {len(got)} tensors"
+
+
+def kernel_checks(sz: Sizes, device: torch.device, dtypes) -> list[tuple[str, Any]]:
+    """(name, thunk) for every kernel check; each thunk returns its PASS detail or raises."""
+    n, d, v = sz.check_tokens, sz.check_dim, sz.check_vocab
+    gen = torch.Generator().manual_seed(0)
+
+    def t(*shape, dtype, grad=True, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype).requires_grad_(grad)
+
+    out: list[tuple[str, Any]] = []
+    for dt in dtypes:
+        name = str(dt).replace("torch.", "")
+        x, r, w, b = t(n, d, dtype=dt), t(n, d, dtype=dt), t(d, dtype=dt), t(d, dtype=dt)
+        out += [
+            (f"rms_norm {name}", lambda x=x, w=w, dt=dt: compare(rms_norm, rms_norm_reference, [x, w], dt, "_NormFn")),
+            (f"rms_norm + residual {name}", lambda x=x, w=w, r=r, dt=dt: compare(
+                lambda a, c, e: rms_norm(a, c, 1e-6, e), lambda a, c, e: rms_norm_reference(a, c, 1e-6, e),
+                [x, w, r], dt, "_NormFn")),
+            (f"layer_norm {name}", lambda x=x, w=w, b=b, dt=dt: compare(layer_norm, layer_norm_reference,
+                                                                         [x, w, b], dt, "_NormFn")),
+            (f"layer_norm + residual {name}", lambda x=x, w=w, b=b, r=r, dt=dt: compare(
+                lambda a, c, e, f: layer_norm(a, c, e, 1e-5, f),
+                lambda a, c, e, f: layer_norm_reference(a, c, e, 1e-5, f), [x, w, b, r], dt, "_NormFn")),
+            (f"swiglu {name}", lambda x=x, r=r, dt=dt: compare(swiglu, swiglu_reference, [x, r], dt, "_GLU")),
+            (f"geglu {name}", lambda x=x, r=r, dt=dt: compare(geglu, geglu_reference, [x, r], dt, "_GLU")),
+        ]
+        seq, hd = max(n // 4, 1), 2 * (d // 64) + 2  # an awkward head_dim (130 at d=4096: no power of two)
+        q, k = t(2, 4, seq, hd, dtype=dt), t(2, 2, seq, hd, dtype=dt)
+        cos, sin = (tab.to(device, dt) for tab in rotary_cos_sin(seq, hd, 10000.0))
+        out.append((f"apply_rotary {name}", lambda q=q, k=k, cos=cos, sin=sin, dt=dt: compare(
+            lambda a, c: apply_rotary(a, c, cos, sin), lambda a, c: apply_rotary_reference(a, c, cos, sin),
+            [q, k], dt, "_Rotary")))
+        h, head = t(n, d, dtype=dt, scale=0.5), t(v, d, dtype=dt, scale=0.05)
+        labels = torch.randint(0, v, (n,), generator=gen)
+        labels[::7] = -100  # some ignored tokens
+        labels = labels.to(device)
+        out.append((f"linear_cross_entropy {name}", lambda h=h, head=head, labels=labels, dt=dt: compare(
+            lambda a, c: linear_cross_entropy(a, c, labels), lambda a, c: linear_cross_entropy_eager(a, c, labels),
+            [h, head], dt)))
+        out.append((f"moe triton gemm {name}", lambda dt=dt: gemm_check(sz, device, dt)))
+    return out
+
+
+def gemm_check(sz: Sizes, device: torch.device, dtype: torch.dtype) -> str:
+    from pipekit.moe import GEMMS
+    from pipekit.moe.grouped import loop_mm
+
+    if "triton" not in GEMMS:
+        raise Skip("pipekit.moe.GEMMS has no 'triton' gemm (yet)")
+    x, w, sizes_ = gemm_operands(sz.check_tokens, sz.experts, sz.check_dim // 4, sz.check_dim // 2, device, dtype)
+    return compare(lambda a, c: GEMMS["triton"](a, c, sizes_), lambda a, c: loop_mm(a, c, sizes_), [x, w], dtype)
+
+
+def gemm_operands(rows: int, experts: int, i: int, o: int, device, dtype):
+    """x (rows, i), w (experts, i, o) and group sizes summing to rows, the first two groups empty."""
+    gen = torch.Generator().manual_seed(1)
+    cuts = torch.sort(torch.randint(0, rows + 1, (experts - 3,), generator=gen)).values.tolist()
+    sizes_ = [0, 0] + [b - a for a, b in zip([0, *cuts], [*cuts, rows])]
+    x = (torch.randn(rows, i, generator=gen)).to(device, dtype).requires_grad_()
+    w = (torch.randn(experts, i, o, generator=gen) / i**0.5).to(device, dtype).requires_grad_()
+    return x, w, sizes_
+
+
+class Skip(Exception):
+    """A check that does not apply here (reported SKIP, not FAIL)."""
+
+
+def grouped_mm_check(sz: Sizes, device: torch.device, dtype: torch.dtype) -> str:
+    from pipekit.moe.grouped import _REFUSED, grouped_mm_runs, loop_mm, torch_grouped_mm
+
+    x, w, sizes_ = gemm_operands(sz.check_tokens, sz.experts, sz.check_dim // 4, sz.check_dim // 2, device, dtype)
+    if not grouped_mm_runs(x, w):
+        raise Skip(f"torch._grouped_mm does not run on {device.type} {dtype} here")
+    got = forward_backward(lambda a, c: torch_grouped_mm(a, c, sizes_), [x, w])
+    if (device.type, dtype) in _REFUSED:  # torch_grouped_mm fell back to the loop: nothing was compared
+        raise AssertionError(f"torch._grouped_mm raised on {device.type} {dtype}; the loop ran in its place")
+    want = forward_backward(lambda a, c: loop_mm(a, c, sizes_), [x, w])
+    errs = [rel_err(g, e) for g, e in zip(got, want)]
+    if max(errs) > BOUND[dtype]:
+        raise AssertionError(f"errors {errors_text(errs)} exceed {BOUND[dtype]:g}")
+    return f"worst {max(errs):.2g} <= {BOUND[dtype]:g} (output, dx, dw)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def nccl_check(device: torch.device) -> str:
+    """init_distributed over nccl (gloo off CUDA) at world size 1, one engine step on the device."""
+    import torch.distributed as dist
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    try:
+        pipekit.init_distributed(backend=backend)
+        if dist.get_backend() != backend:
+            raise AssertionError(f"the group's backend is {dist.get_backend()}, not {backend}")
+        one = torch.ones(1, device=device)
+        dist.all_reduce(one)  # a collective really goes through the backend
+        if one.item() != 1.0:
+            raise AssertionError(f"all_reduce over one rank gave {one.item()}, not 1")
+        loss = tiny_engine_losses(device, "fp32", None, steps=1)[0]
+        return f"{backend}, world size {dist.get_world_size()}: one step, loss {loss:.4f}"
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            os.environ.pop(key, None)
+
+
+def tiny_engine_losses(device: torch.device, precision: str, scaler, steps: int) -> list[float]:
+    from pipekit.optim import ZeroOptimizer
+
+    cfg = get_model("gpt2", "tiny", n_layers=2, dim=64, vocab_size=128, max_seq_len=32)
+    module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=0, precision=precision,
+                                    microbatches=2, topology=pipekit.Topology(pp=1, dp=1, device=device.type))
+    opt = ZeroOptimizer(module, "adamw", stage=0, lr=3e-3, loss_scaler=scaler)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (4, 33), generator=gen).to(device)
+    return [engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])]), reduce_loss=True) for _ in range(steps)]
+
+
+def fp16_check(device: torch.device) -> str:
+    """fp16 weights with ZeroOptimizer + LossScaler: the loss stays finite and falls, the scale moves as DeepSpeed's."""
+    from pipekit.optim import LossScaler
+
+    scaler = LossScaler(initial_scale_power=16)
+    losses = tiny_engine_losses(device, "fp16", scaler, steps=8)
+    if not all(abs(x) < float("inf") for x in losses) or not losses[-1] < losses[0]:  # NaN fails both
+        raise AssertionError(f"fp16 losses {errors_text(losses)} are not finite and falling")
+    return (f"8 steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}, scale 2^16 -> {scaler.scale:g}, "
+            f"{scaler.skipped_steps} skipped")
+
+
+def compile_check(device: torch.device, backend: str) -> str:
+    """torch.compile of one Llama block against the same block eager, forward and backward, fp32."""
+    cfg = get_model("llama", "tiny", n_layers=1, dim=128)
+    block = model_specs(cfg)[1].build(seed=0, index=1).to(device)  # embedding, block, norm, head
+    compiled = torch.compile(block, backend=backend)
+    x = torch.randn(2, 48, cfg.dim, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
+    with kernels("torch"):
+        want = forward_backward(lambda a: block(a), [x]) + [p.grad for p in block.parameters()]
+        block.zero_grad(set_to_none=True)
+        got = forward_backward(lambda a: compiled(a), [x]) + [p.grad for p in block.parameters()]
+    errs = [rel_err(g, w) for g, w in zip(got, want)]
+    if max(errs) > BOUND[torch.float32]:
+        raise AssertionError(f"errors {errors_text(errs)} exceed {BOUND[torch.float32]:g}")
+    return f"backend {backend}: worst {max(errs):.2g} <= {BOUND[torch.float32]:g} over {len(got)} tensors"
+
+
+def run_check(name: str, thunk) -> dict:
+    t0 = time.perf_counter()
+    try:
+        detail, status = thunk(), "PASS"
+    except Skip as e:
+        detail, status = str(e), "SKIP"
+    except Exception as e:  # noqa: BLE001 -- a failing check is reported, never stops the suite
+        last = traceback.extract_tb(e.__traceback__)[-1]
+        detail, status = f"{type(e).__name__}: {e} ({Path(last.filename).name}:{last.lineno})", "FAIL"
+    finally:
+        gc.collect()
+    row = {"check": name, "status": status, "detail": " ".join(str(detail).split())[:600],
+           "s": time.perf_counter() - t0}
+    print(f"  {status} {name} ({row['s']:.1f} s)", file=sys.stderr)
+    return row
+
+
+def section_checks(sz: Sizes, device: torch.device, smoke: bool) -> str:
+    dtypes = (torch.float32,) if smoke else (torch.bfloat16, torch.float32)
+    checks = kernel_checks(sz, device, dtypes) if triton_available() else []
+    if not triton_available():
+        checks.append(("kernels", lambda: (_ for _ in ()).throw(Skip("triton is not installed"))))
+    checks += [
+        ("NCCL path at world size 1", lambda: nccl_check(device)),
+        ("torch._grouped_mm vs the loop gemm " + ("fp32" if smoke else "bf16"),
+         lambda: grouped_mm_check(sz, device, torch.float32 if smoke else torch.bfloat16)),
+        ("fp16 + ZeroOptimizer + LossScaler", lambda: fp16_check(device)),
+        ("torch.compile of a Llama block", lambda: compile_check(device, "eager" if smoke else "inductor")),
+    ]
+    rows = [run_check(name, thunk) for name, thunk in checks]
+    lines = [f"Error: max |got - want| / max |want| per output and gradient; bounds {BOUND[torch.float32]:g} in "
+             f"fp32, {BOUND[torch.bfloat16]:g} in bf16/fp16. Kernel checks at {sz.check_tokens} tokens, "
+             f"d={sz.check_dim}, vocab {sz.check_vocab}.", "",
+             "| check | result | detail | s |", "|---|---|---|---:|"]
+    lines += [f"| {r['check']} | {r['status']} | {r['detail'].replace('|', '/')} | {r['s']:.1f} |" for r in rows]
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "SKIP")}
+    lines += ["", ", ".join(f"{v} {k}" for k, v in counts.items())]
+    return "\n".join(lines)
+
+
+# ---- kernels: time and memory ----------------------------------------------------------------------
+def liger_functional():
+    """liger_kernel.transformers.functional when it imports (and CUDA is here: Liger is CUDA-only), else None."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from liger_kernel.transformers import functional
+    except Exception:  # noqa: BLE001 -- absent or broken: the column says so
+        return None
+    return functional
+
+
+def bench_cases(sz: Sizes, device: torch.device, dtype: torch.dtype, lf) -> list[tuple]:
+    """(name, pipekit op, its reference, Liger's op or None, inputs) at the suite's sizes; `lf`:
+    liger_kernel.transformers.functional, or None."""
+    gen = torch.Generator().manual_seed(0)
+    n, d = sz.tokens, sz.dim
+
+    def t(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype).requires_grad_()
+
+    hd = d // sz.heads
+    seq = n // 2  # two sequences
+    cos, sin = (tab.to(device, dtype) for tab in rotary_cos_sin(seq, hd, 500000.0))
+    labels = torch.randint(0, sz.vocab, (n,), generator=gen).to(device)
+    lig = lf is not None
+    cases: list[tuple] = [
+        ("rms_norm", rms_norm, rms_norm_reference, lig and (lambda x, w: lf.liger_rms_norm(x, w, 1e-6)),
+         [t(n, d), t(d)]),
+        ("layer_norm", layer_norm, layer_norm_reference, lig and (lambda x, w, b: lf.liger_layer_norm(x, w, b, 1e-5)),
+         [t(n, d), t(d), t(d)]),
+        ("apply_rotary", lambda q, k: apply_rotary(q, k, cos, sin), lambda q, k: apply_rotary_reference(q, k, cos, sin),
+         lig and (lambda q, k: lf.liger_rope(q, k, cos[None], sin[None])),
+         [t(2, sz.heads, seq, hd), t(2, sz.kv_heads, seq, hd)]),
+        ("swiglu", swiglu, swiglu_reference, lig and lf.liger_swiglu, [t(n, sz.hidden), t(n, sz.hidden)]),
+        ("geglu", geglu, geglu_reference, lig and lf.liger_geglu, [t(n, sz.hidden), t(n, sz.hidden)]),
+        ("linear_cross_entropy", lambda h, w: linear_cross_entropy(h, w, labels),
+         lambda h, w: linear_cross_entropy_eager(h, w, labels),
+         lig and (lambda h, w: lf.liger_fused_linear_cross_entropy(h, w, labels)),
+         [t(n, d, scale=0.5), t(sz.vocab, d, scale=0.02)]),
+    ]
+    from pipekit.moe import GEMMS
+    from pipekit.moe.grouped import loop_mm
+
+    if "triton" in GEMMS:
+        x, w, sizes_ = gemm_operands(n * sz.top_k, sz.experts, d, sz.expert_hidden, device, dtype)
+        cases.append((f"moe gemm ({sz.experts} experts, top-{sz.top_k})", lambda a, c: GEMMS["triton"](a, c, sizes_),
+                      lambda a, c: loop_mm(a, c, sizes_), None, [x, w]))
+    return cases
+
+
+def fwd_bwd(fn, inputs: list[torch.Tensor]):
+    """One forward + backward of fn(*inputs); the gradients are dropped after it, so that a
+    step's peak memory is measured above the inputs alone."""
+    def step():
+        out = fn(*inputs)
+        outs = list(out) if isinstance(out, tuple) else [out]
+        torch.autograd.backward([o.float().sum() for o in outs])
+        for x in inputs:
+            x.grad = None
+    return step
+
+
+def section_kernels(sz: Sizes, device: torch.device, smoke: bool, backend: str) -> str:
+    dtype = torch.float32 if smoke else torch.bfloat16
+    lf = liger_functional()
+    rows = []
+    for name, op, ref, liger, inputs in bench_cases(sz, device, dtype, lf):
+        impls = {"pipekit triton": ("triton", op), "torch eager": ("torch", ref),
+                 "torch.compile": ("torch", torch.compile(ref, backend=backend, dynamic=False))}
+        if liger:
+            impls["liger"] = ("torch", liger)
+        row = {"kernel": name}
+        for label, (mode, fn) in impls.items():
+            try:
+                with kernels(mode):
+                    step = fwd_bwd(fn, inputs)
+                    ms = elapsed_ms(step, device, sz.repeats)
+                    mib = peak_mib(step, device)
+                row[label] = f"{ms:.3f} ms" + (f", {mib:,.0f} MiB" if mib is not None else "")
+            except Exception as e:  # noqa: BLE001 -- reported in the cell
+                row[label] = f"error: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
+            gc.collect()
+        row.setdefault("liger", "not installed" if lf is None else "-")
+        rows.append(row)
+        print(f"  timed {name}", file=sys.stderr)
+    cols = ["pipekit triton", "torch eager", "torch.compile", "liger"]
+    lines = [f"Forward + backward (sum of the outputs), {str(dtype).replace('torch.', '')}, median of {sz.repeats} "
+             f"after one warm-up; peak: max_memory_allocated above the inputs. {sz.tokens} tokens, d={sz.dim}, "
+             f"hidden {sz.hidden}, {sz.heads}/{sz.kv_heads} heads, vocab {sz.vocab:,}, "
+             f"gemm {sz.experts} experts top-{sz.top_k} ({sz.dim} -> {sz.expert_hidden}); "
+             f"torch.compile backend {backend}.", "",
+             "| kernel | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    lines += [f"| {r['kernel']} | " + " | ".join(r.get(c, "-").replace("|", "/") for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+# ---- end to end -------------------------------------------------------------------------------------
+def pipekit_run(cfg, mode: str, batch, args, device: torch.device) -> dict:
+    """gpu_throughput.pipekit_run, with the kernels mode the row names ("+kernels": triton, else torch)."""
+    base = mode.replace("+kernels", "")
+    with kernels("triton" if "+kernels" in mode else "torch"):
+        return gt.pipekit_run(cfg, base, batch, args, device)
+
+
+def plain_run(cfg, mode: str, batch, args, device: torch.device) -> dict:
+    with kernels("torch"):
+        return gt.plain_run(cfg, mode, batch, args, device)
+
+
+def e2e_models(sz: Sizes) -> dict:
+    if sz.e2e_flavour == "tiny":
+        return {"GPT-2 tiny": get_model("gpt2", "tiny", n_layers=2, dim=64, max_seq_len=32),
+                "Mixtral-style tiny": get_model("mixtral", "tiny", max_seq_len=32)}
+    return {"GPT-2 124M": get_model("gpt2", "124m"),
+            # Mixtral-style, ~1B total / ~0.3B active: 8 experts top-2, GQA, Mistral's vocabulary
+            "Mixtral-style 8x(1024->3584), 8 layers": get_model(
+                "mixtral", "tiny", vocab_size=32000, max_seq_len=1024, n_layers=8, dim=1024, n_heads=16,
+                n_kv_heads=4, hidden=3584)}
+
+
+def section_end_to_end(sz: Sizes, device: torch.device, smoke: bool, deadline: float) -> str:
+    modes = ["fp32", "fp32+kernels"] if smoke else ["fp32", "bf16", "bf16+compile", "bf16+compile+kernels"]
+    args = SimpleNamespace(microbatches=sz.e2e_microbatches, micro_batch=sz.e2e_micro_batch, seq=sz.e2e_seq,
+                           warmup=sz.e2e_warmup, steps=sz.e2e_steps)
+    tokens = args.microbatches * args.micro_batch * args.seq
+    lines = [f"One AdamW step over {args.microbatches} x {args.micro_batch} x {args.seq} = {tokens:,} tokens, median "
+             f"of {args.steps} after {args.warmup} warm-up; MFU = flops_per_token x tokens/s / "
+             f"{gt.PEAK_FLOPS / 1e12:.0f} TFLOP/s. pipekit rows without \"+kernels\" run kernels=\"torch\"; the "
+             "plain loop always does. pipekit / plain compares with the plain row of the same mode "
+             "(\"+kernels\": its mode without them)."
+             + (" --cpu-smoke: fp32 only (the interpreter's bf16 is wrong), no compile." if smoke else ""), "",
+             "| model | mode | run | tokens/s | pipekit / plain | MFU | peak GiB | final loss |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for model_name, cfg in e2e_models(sz).items():
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, cfg.vocab_size, (args.microbatches * args.micro_batch, args.seq + 1), generator=gen)
+        batch = (ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device))
+        plain_tps: dict[str, float] = {}
+        for mode in modes:
+            for run_name, run in (("plain", plain_run), ("pipekit", pipekit_run)):
+                if run_name == "plain" and "+kernels" in mode:
+                    continue  # its baseline is the plain row of the mode without kernels
+                if time.monotonic() > deadline:
+                    lines.append(f"| {model_name} | {mode} | {run_name} | skipped: the suite's time budget is spent "
+                                 "| | | | |")
+                    continue
+                try:
+                    r = gt.measure(run, cfg, mode, batch, args, device)
+                except Exception as e:  # noqa: BLE001 -- one failing row never stops the suite
+                    lines.append(f"| {model_name} | {mode} | {run_name} | error: {type(e).__name__}: "
+                                 f"{' '.join(str(e).split())[:200]} | | | | |")
+                    continue
+                finally:
+                    gc.collect()
+                base = plain_tps.get(mode.replace("+kernels", ""))
+                if run_name == "plain":
+                    plain_tps[mode] = r["tokens_per_s"]
+                ratio = "1.00" if run_name == "plain" else (f"{r['tokens_per_s'] / base:.2f}" if base else "-")
+                mfu = f"{r['mfu']:.1%}" if device.type == "cuda" else "-"
+                peak = f"{r['peak_memory_gib']:.1f}" if "peak_memory_gib" in r else "-"
+                lines.append(f"| {model_name} | {mode} | {run_name} | {r['tokens_per_s']:,.0f} | {ratio} | {mfu} | "
+                             f"{peak} | {r['loss']:.4f} |")
+                print(f"  {model_name} {mode} {run_name}: {r['tokens_per_s']:,.0f} tokens/s", file=sys.stderr)
+        lines.append(f"| {model_name} | | flops/token | {flops_per_token(cfg, args.seq):,} | | | | |")
+    return "\n".join(lines)
+
+
+# ---- the command ---------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the report (default {DEFAULT_OUT})")
+    p.add_argument("--only", choices=SECTIONS, action="append", help="run only this section (repeatable)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="every code path at tiny sizes on the CPU (Triton interpreter, fp32); numbers mean nothing")
+    p.add_argument("--budget-s", type=float, default=390.0,
+                   help="end-to-end rows still to start after this many seconds are skipped (default 390: "
+                        "the whole suite then ends within ~8 minutes on an H200)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("gpu_suite: no CUDA device is visible; this suite needs one (or run --cpu-smoke to exercise it on CPU)")
+        return 2
+    started = time.monotonic()
+    device = torch.device("cpu") if args.cpu_smoke else torch.device("cuda", torch.cuda.current_device())
+    sz, backend = sizes(args), ("eager" if args.cpu_smoke else "inductor")
+    info = gt.machine(device)
+    command = " ".join(["python", "benchmarks/gpu_suite.py", *(sys.argv[1:] if argv is None else argv)])
+    parts = [f"# pipekit GPU suite\n\n`{command}`"
+             f" on {info['device']}, torch {info['torch']}, commit {info.get('commit', '?')}"
+             + (" (pipekit has uncommitted changes)" if info.get("pipekit_dirty") else "")
+             + (". **--cpu-smoke: tiny sizes on the CPU, the numbers mean nothing.**" if args.cpu_smoke else ".")]
+    for section in args.only or SECTIONS:
+        t0 = time.monotonic()
+        print(f"{section} ...", file=sys.stderr)
+        try:
+            if section == "checks":
+                body = section_checks(sz, device, args.cpu_smoke)
+            elif section == "kernels":
+                body = section_kernels(sz, device, args.cpu_smoke, backend)
+            else:
+                body = section_end_to_end(sz, device, args.cpu_smoke, started + args.budget_s)
+        except Exception:  # noqa: BLE001 -- a broken section is reported, the others still run
+            body = "FAIL: the section stopped:\n\n```\n" + traceback.format_exc()[-3000:] + "```"
+        parts.append(f"## {section}\n\n{body}\n\n({time.monotonic() - t0:.0f} s)")
+    parts.append(f"Total {time.monotonic() - started:.0f} s.")
+    report = "\n\n".join(parts) + "\n"
+    print(report)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
