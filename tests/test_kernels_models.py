@@ -23,6 +23,7 @@ weights by ~lr.
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -37,6 +38,9 @@ from pipekit.models import get_model, model_loss, model_specs
 from pipekit.testing import reference_model, reference_name, run_distributed
 
 pytest.importorskip("triton")
+# the modules by path: pipekit.kernels exports functions of the same names
+gemm_kernels = importlib.import_module("pipekit.kernels.grouped_gemm")
+permute_kernels = importlib.import_module("pipekit.kernels.moe_permute")
 
 TOL = dict(rtol=1e-5, atol=1e-5)  # the reasons: the module docstring
 ADAMW_ATOL = 1e-4  # AdamW's weights after 2 steps at lr 1e-3 (module docstring)
@@ -47,8 +51,13 @@ MODELS = {
     "llama": get_model("llama", "tiny", n_layers=2, dim=64, hidden=96, vocab_size=96),
     "mixtral": get_model("mixtral", "tiny", n_layers=2, vocab_size=96),
 }
-# the Triton Functions each family must run (GPT-2's MLP is GELU, not a GLU)
-EXPECTED = {"gpt2": {"norm"}, "llama": {"norm", "rotary", "glu"}, "mixtral": {"norm", "rotary", "glu"}}
+# the wired kernels' Triton autograd Functions, and those each family must run (GPT-2's MLP is
+# GELU, not a GLU; Mixtral's experts take the Triton grouped GEMM: gemm "auto" under kernels="triton")
+TRITON_FUNCTIONS = {"norm": norm_kernels._NormFn, "rotary": rotary_kernels._Rotary, "glu": glu_kernels._GLU,
+                    "gemm": gemm_kernels._GroupedGemm, "permute": permute_kernels._Permute,
+                    "unpermute": permute_kernels._Unpermute}
+EXPECTED = {"gpt2": {"norm"}, "llama": {"norm", "rotary", "glu"},
+            "mixtral": {"norm", "rotary", "glu", "gemm", "permute", "unpermute"}}
 
 
 def batch(cfg, rows: int = 2, seq: int = 11, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +68,7 @@ def batch(cfg, rows: int = 2, seq: int = 11, seed: int = 0) -> tuple[torch.Tenso
 def count_triton_calls() -> list[str]:
     """Wrap each wired kernel's Triton autograd Function so that its runs are recorded (this process only)."""
     ran: list[str] = []
-    for name, fn in (("norm", norm_kernels._NormFn), ("rotary", rotary_kernels._Rotary), ("glu", glu_kernels._GLU)):
+    for name, fn in TRITON_FUNCTIONS.items():
         apply = fn.apply
 
         def counted(*args, _name=name, _apply=apply):
@@ -71,7 +80,7 @@ def count_triton_calls() -> list[str]:
 
 
 def restore_triton_calls() -> None:
-    for fn in (norm_kernels._NormFn, rotary_kernels._Rotary, glu_kernels._GLU):
+    for fn in TRITON_FUNCTIONS.values():
         if "apply" in fn.__dict__:  # ours: remove it, autograd.Function's apply shows again
             delattr(fn, "apply")
 

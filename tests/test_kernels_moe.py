@@ -3,8 +3,8 @@
 (pipekit/kernels/grouped_gemm.py, the MoE gemm "triton") against `loop_mm`, the output,
 dx and dw, and the MoE layer with gemm="triton" against gemm="loop"; the permute /
 unpermute (pipekit/kernels/moe_permute.py) against dispatch.py's old gather and
-index_add; a tiny Mixtral with kernels="triton" against kernels="torch". "auto" on CPU
-and float64 take the references.
+index_add. "auto" on CPU and float64 take the references. A whole Mixtral with every
+kernel (these included): tests/test_kernels_models.py.
 
 Grouped GEMM tolerance in float32, 1e-5 relative and absolute: `tl.dot` in ieee float32 sums each
 product over 64-wide k tiles in its own order, torch's CPU matmul in another; over the
@@ -19,11 +19,9 @@ import importlib
 import pytest
 import torch
 
-import pipekit
 from pipekit.kernels import kernels
 from pipekit.kernels.grouped_gemm import grouped_gemm
 from pipekit.kernels.moe_permute import moe_permute, moe_permute_reference, moe_unpermute, moe_unpermute_reference
-from pipekit.models import get_model, model_loss, model_specs
 from pipekit.moe import MoEMLP
 from pipekit.moe.grouped import GEMMS, loop_mm
 
@@ -198,39 +196,3 @@ def test_permute_kernels_in_auto_on_cpu_and_float64_take_the_reference(monkeypat
 
 
 # ---- a whole tiny Mixtral ---------------------------------------------------------------------
-def tiny_mixtral_loss_and_grads(mode: str, monkeypatch) -> tuple[torch.Tensor, dict, set[str]]:
-    """The loss, every parameter's gradient, and which MoE Triton kernels ran."""
-    ran: set[str] = set()
-
-    def counted(name, apply):
-        def run(*args):
-            ran.add(name)
-            return apply(*args)
-        return run
-
-    for name, fn in (("gemm", gg._GroupedGemm), ("permute", mp._Permute), ("unpermute", mp._Unpermute)):
-        monkeypatch.setattr(fn, "apply", counted(name, fn.apply))
-    cfg = get_model("mixtral", "tiny")
-    module = pipekit.PipelineModule(model_specs(cfg), seed=0)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
-    with kernels(mode):
-        loss = model_loss(cfg).build()(module(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-    monkeypatch.undo()
-    return loss.detach(), {n: p.grad for n, p in module.named_parameters()}, ran
-
-
-def test_tiny_mixtral_with_triton_kernels_equals_torch(monkeypatch):
-    """Forward and backward of the tiny Mixtral (2 layers, 8 experts top-2, gemm "auto", which
-    takes the Triton grouped GEMM under kernels="triton") against kernels="torch", float32.
-    Tolerance 1e-5 relative and absolute: the gemms' and norms' sums in another order and
-    SwiGLU's few-ulp differences, through two blocks, the router's softmax and top-k (no
-    selection flips at these values: the same experts run) and the backward (measured: the loss
-    equal, gradients within 3e-8 at magnitudes up to 0.15)."""
-    loss_t, grads_t, ran_t = tiny_mixtral_loss_and_grads("triton", monkeypatch)
-    loss_r, grads_r, ran_r = tiny_mixtral_loss_and_grads("torch", monkeypatch)
-    assert ran_t == {"gemm", "permute", "unpermute"} and ran_r == set()
-    torch.testing.assert_close(loss_t, loss_r, **TOL)
-    assert grads_t.keys() == grads_r.keys()
-    for name in grads_r:
-        torch.testing.assert_close(grads_t[name], grads_r[name], **TOL, msg=name)
