@@ -416,12 +416,10 @@ def _check_kernels(cfg: Config) -> None:
     _check_choice("model.kernels", mode, kernel_dispatch.MODES)
     if mode != "triton":
         return
-    if not kernel_dispatch.triton_available():
-        raise ConfigError("model.kernels=triton needs the triton package, which is not installed; use "
-                          "model.kernels=auto (Triton where it can run) or torch")
-    if cfg.train.device == "cpu" and not kernel_dispatch.interpreting():
-        raise ConfigError("model.kernels=triton with train.device=cpu runs only in Triton's interpreter: set "
-                          "TRITON_INTERPRET=1, or use model.kernels=auto (the PyTorch references on the CPU)")
+    # train.device=auto may still land on a GPU: only "cpu" is known to need the interpreter here
+    blocker = kernel_dispatch.triton_blocker(cfg.train.device != "cpu", "model.kernels=triton")
+    if blocker is not None:
+        raise ConfigError(blocker)
 
 
 def _check_model_fits(cfg: Config, model, specs: list, chunks: int) -> None:

@@ -63,7 +63,7 @@ def test_forced_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 def test_forced_triton_without_the_package_says_so(monkeypatch):
     monkeypatch.setattr(dispatch, "triton_available", lambda: False)
-    with kernels("triton"), pytest.raises(RuntimeError, match="triton package is not installed"):
+    with kernels("triton"), pytest.raises(RuntimeError, match="needs the triton package, which is not installed"):
         use_triton(FakeCuda(torch.float32))
 
 

@@ -76,6 +76,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def triton_blocker(on_cuda: bool, name: str = "kernels='triton'") -> str | None:
+    """Why forcing Triton (`name`, as the caller spells the setting) cannot run here, or None:
+    the package is missing, or the tensors are not on CUDA and the interpreter is off."""
+    if not triton_available():
+        return f"{name} needs the triton package, which is not installed; use auto (Triton where it can run) or torch"
+    if not on_cuda and not interpreting():
+        return (f"{name} on the CPU runs only in Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
+                "imported, or use auto (the PyTorch references on the CPU)")
+    return None
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when a kernel called on `tensors` should run its Triton program (the table in
     this module's docstring). RuntimeError when "triton" is forced where it cannot run."""
@@ -86,13 +97,10 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     fits = all(t.dtype in TRITON_DTYPES or not (t.dtype.is_floating_point or t.dtype.is_complex) for t in tensors)
     if mode == "auto":
         return on_cuda and fits and triton_available()
-    if not triton_available():
-        raise RuntimeError(f"kernels='triton' but the triton package is not installed; use kernels='auto' or "
-                           f"'torch' (or set {ENV})")
+    blocker = triton_blocker(on_cuda)
+    if blocker is not None:
+        raise RuntimeError(blocker)
     if not fits:
         dtypes = sorted({str(t.dtype) for t in tensors})
         raise RuntimeError(f"kernels='triton' takes float32, float16 or bfloat16 tensors, got {dtypes}")
-    if not on_cuda and not interpreting():
-        raise RuntimeError("kernels='triton' on CPU tensors runs only in Triton's interpreter: set "
-                           "TRITON_INTERPRET=1 before triton is imported, or use kernels='auto'")
     return True

@@ -31,12 +31,6 @@ class LossScaler:
         self.clean_steps = 0
         self.skipped_steps = 0
 
-    @classmethod
-    def from_config(cls, fp16) -> LossScaler:
-        """From a `Fp16Config` (`loss_scale: 0` means dynamic)."""
-        return cls(static_scale=fp16.loss_scale or None, initial_scale_power=fp16.initial_scale_power,
-                   scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis, min_scale=fp16.min_loss_scale)
-
     def update(self, overflow: bool) -> None:
         if not self.dynamic:
             return
