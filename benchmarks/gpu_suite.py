@@ -11,9 +11,11 @@ checks      what needs CUDA, each PASS / FAIL (with the error) / SKIP, none stop
             every kernel (rms_norm and layer_norm, plain and with the residual; apply_rotary;
             swiglu, geglu; linear_cross_entropy; the MoE "triton" grouped gemm when
             `pipekit.moe.GEMMS` has it) in bf16 and fp32 against its reference — outputs and
-            every input gradient; the NCCL path at world size 1 (init_distributed over nccl,
-            one PipelineEngine step on cuda); `torch._grouped_mm` in bf16 against the loop gemm;
-            fp16 with ZeroOptimizer + LossScaler; torch.compile of a Llama block against eager.
+            every input gradient; fused AdamW (fp32, as master weights are) against
+            torch.optim.AdamW after 3 steps, and its overflow skip; the NCCL path at world size 1
+            (init_distributed over nccl, one PipelineEngine step on cuda); `torch._grouped_mm` in
+            bf16 against the loop gemm; fp16 with ZeroOptimizer + LossScaler; torch.compile of a
+            Llama block against eager.
             Error measure: max |got - want| / max |want| per tensor (scale-relative, so one
             number reads the same for outputs and gradients of any size); bounds: 1e-4 in fp32
             (another summation order, over up to ~8k rows in the weight gradients) and 2e-2 in
@@ -24,11 +26,16 @@ kernels     each kernel's forward + backward time (torch.cuda.Event, median of N
             memory above its inputs (torch.cuda.max_memory_allocated) at realistic sizes: 8k
             tokens, d=4096 (SwiGLU hidden 14336), vocab 128,256 for the linear cross-entropy,
             64 experts top-8 for the gemm; bf16; pipekit's Triton side against torch eager (the
-            reference), torch.compile of the reference, and Liger-Kernel when importable.
+            reference), torch.compile of the reference, and Liger-Kernel when importable. Then
+            one AdamW step of a d x hidden fp32 master shard cut in 64k-element pieces (what
+            ZeroOptimizer gives torch's AdamW): FusedAdamW (one launch over them) against
+            torch.optim.AdamW foreach and fused.
 end_to_end  tokens/s, MFU and peak memory of GPT-2 124M and a Mixtral-style MoE (benchmarks/
             gpu_throughput.py's runs): the plain PyTorch loop against pipekit in fp32, bf16,
-            bf16 + compile, bf16 + compile + kernels (pipekit's rows other than "+kernels" force
-            kernels="torch", so they are the same math as the plain loop's layers).
+            bf16 + compile, bf16 + compile + kernels ("+kernels": every Triton kernel, the fused
+            head + loss `model.fused_loss` and the fused AdamW; pipekit's other rows force
+            kernels="torch" with the plain head, loss and optimizer, so they are the same math as
+            the plain loop's layers).
 
 --cpu-smoke runs all of it at tiny sizes on the CPU so that the script's logic is tested
 without a GPU (tests/test_gpu_suite.py): Triton in its interpreter (TRITON_INTERPRET=1, set
@@ -47,6 +54,7 @@ if "--cpu-smoke" in sys.argv:  # before anything imports triton: its interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -77,6 +85,7 @@ from pipekit.kernels import (  # noqa: E402
     swiglu,
     swiglu_reference,
 )
+from pipekit.kernels.adamw import FusedAdamW  # noqa: E402
 from pipekit.kernels.dispatch import triton_available  # noqa: E402
 from pipekit.layers.rotary import rotary_cos_sin  # noqa: E402
 from pipekit.models import flops_per_token, get_model, model_loss, model_specs  # noqa: E402
@@ -226,7 +235,41 @@ def kernel_checks(sz: Sizes, device: torch.device, dtypes) -> list[tuple[str, An
             lambda a, c: linear_cross_entropy(a, c, labels), lambda a, c: linear_cross_entropy_eager(a, c, labels),
             [h, head], dt)))
         out.append((f"moe triton gemm {name}", lambda dt=dt: gemm_check(sz, device, dt)))
+    out.append(("fused adamw float32", lambda: adamw_check(sz, device)))
     return out
+
+
+def adamw_pieces(n: int, device: torch.device, piece: int = 1 << 16) -> list[torch.Tensor]:
+    """An n-element fp32 master shard as pieces of `piece` elements (views of one buffer, as
+    ZeroOptimizer's), each with its part of one flat gradient as .grad."""
+    gen = torch.Generator().manual_seed(0)
+    flat, grad = (torch.randn(n, generator=gen).to(device) for _ in range(2))
+    pieces = list(flat.split(piece))
+    for p, g in zip(pieces, grad.split(piece)):
+        p.grad = g
+    return pieces
+
+
+def adamw_check(sz: Sizes, device: torch.device) -> str:
+    """FusedAdamW (Triton) against torch.optim.AdamW: 3 steps of a 3 x check_tokens x check_dim
+    shard in 5 pieces (not a multiple of the block), then a step with the overflow flag set writes nothing."""
+    n = 3 * sz.check_tokens * sz.check_dim + 5
+    ours, theirs = adamw_pieces(n, device, n // 5 + 1), adamw_pieces(n, device, n // 5 + 1)
+    opt = FusedAdamW(ours, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1)
+    with kernels("triton"):
+        for _ in range(3):
+            opt.step()
+            ref.step()
+        errs = [rel_err(torch.cat(ours), torch.cat(theirs))]
+        errs += [rel_err(torch.cat([opt.state[p][k].view(-1) for p in ours]),
+                         torch.cat([ref.state[p][k].view(-1) for p in theirs])) for k in ("exp_avg", "exp_avg_sq")]
+        before = torch.cat(ours)
+        opt.step(found_inf=torch.ones((), device=device))
+    if max(errs) > BOUND[torch.float32] or not torch.equal(before, torch.cat(ours)):
+        raise AssertionError(f"errors {errors_text(errs)} (weights, moments) exceed {BOUND[torch.float32]:g}, "
+                             "or the step with found_inf set changed the weights")
+    return f"{n} elements, 3 steps: worst {max(errs):.2g} <= {BOUND[torch.float32]:g}; found_inf skipped"
 
 
 def gemm_check(sz: Sizes, device: torch.device, dtype: torch.dtype) -> str:
@@ -473,15 +516,44 @@ def section_kernels(sz: Sizes, device: torch.device, smoke: bool, backend: str) 
              f"torch.compile backend {backend}.", "",
              "| kernel | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     lines += [f"| {r['kernel']} | " + " | ".join(r.get(c, "-").replace("|", "/") for c in cols) + " |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", adamw_table(sz, device)])
+
+
+def adamw_table(sz: Sizes, device: torch.device) -> str:
+    """One AdamW step of a dim x hidden fp32 master shard in 64k-element pieces: FusedAdamW
+    (Triton, one launch) against torch.optim.AdamW's foreach and fused implementations."""
+    n = sz.dim * sz.hidden
+    impls = {"pipekit triton": ("triton", FusedAdamW),
+             "torch foreach": ("torch", lambda ps, **kw: torch.optim.AdamW(ps, foreach=True, **kw)),
+             "torch fused": ("torch", lambda ps, **kw: torch.optim.AdamW(ps, fused=True, **kw))}
+    row = {"kernel": "adamw"}
+    for label, (mode, make) in impls.items():
+        try:
+            pieces = adamw_pieces(n, device)
+            opt = make(pieces, lr=1e-3, weight_decay=0.1)
+            with kernels(mode):
+                ms = elapsed_ms(opt.step, device, sz.repeats)
+                mib = peak_mib(opt.step, device)
+            row[label] = f"{ms:.3f} ms" + (f", {mib:,.0f} MiB" if mib is not None else "")
+        except Exception as e:  # noqa: BLE001 -- reported in the cell
+            row[label] = f"error: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
+        gc.collect()
+    print("  timed adamw", file=sys.stderr)
+    cols = list(impls)
+    return "\n".join([f"One optimizer step of {n:,} fp32 master weights (d x hidden) in 64k-element pieces, median "
+                      f"of {sz.repeats}; peak: max_memory_allocated above the state.", "",
+                      "| kernel | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols),
+                      "| adamw | " + " | ".join(row[c].replace("|", "/") for c in cols) + " |"])
 
 
 # ---- end to end -------------------------------------------------------------------------------------
 def pipekit_run(cfg, mode: str, batch, args, device: torch.device) -> dict:
-    """gpu_throughput.pipekit_run, with the kernels mode the row names ("+kernels": triton, else torch)."""
-    base = mode.replace("+kernels", "")
-    with kernels("triton" if "+kernels" in mode else "torch"):
-        return gt.pipekit_run(cfg, base, batch, args, device)
+    """gpu_throughput.pipekit_run, with the kernels mode the row names: "+kernels" runs every
+    kernel (kernels="triton", the fused head + loss `fused_loss`, the fused AdamW), the others
+    kernels="torch" with the plain head, loss and optimizer."""
+    base, on = mode.replace("+kernels", ""), "+kernels" in mode
+    with kernels("triton" if on else "torch"):
+        return gt.pipekit_run(dataclasses.replace(cfg, fused_loss=on), base, batch, args, device, fused_adamw=on)
 
 
 def plain_run(cfg, mode: str, batch, args, device: torch.device) -> dict:

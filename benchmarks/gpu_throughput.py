@@ -126,18 +126,19 @@ def plain_run(cfg, mode: str, batch, args, device: torch.device) -> dict:
     return timed(step, device, args.warmup, args.steps)
 
 
-def pipekit_run(cfg, mode: str, batch, args, device: torch.device) -> dict:
-    """pipekit at pp=1: PipelineModule + PipelineEngine; ZeroOptimizer for the bf16 modes."""
+def pipekit_run(cfg, mode: str, batch, args, device: torch.device, fused_adamw: bool = False) -> dict:
+    """pipekit at pp=1: PipelineModule + PipelineEngine; ZeroOptimizer for the bf16 modes, and for
+    any mode with `fused_adamw` (pipekit's Triton AdamW over the flat master shards)."""
     precision = "bf16" if mode.startswith("bf16") else "fp32"
     module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=SEED, precision=precision,
                                     compile=mode.endswith("+compile"), schedule="1f1b", microbatches=args.microbatches,
                                     topology=pipekit.Topology(pp=1, dp=1, device=device.type))
-    if precision == "fp32":
+    if precision == "fp32" and not fused_adamw:
         opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=device.type == "cuda")
     else:
         from pipekit.optim import ZeroOptimizer
 
-        opt = ZeroOptimizer(module, "adamw", stage=0, lr=LR, weight_decay=WEIGHT_DECAY)
+        opt = ZeroOptimizer(module, "adamw", stage=0, lr=LR, weight_decay=WEIGHT_DECAY, fused=fused_adamw)
     engine = pipekit.PipelineEngine(module, optimizer=opt)
     return timed(lambda: engine.train_batch(iter([batch]), reduce_loss=True), device, args.warmup, args.steps)
 

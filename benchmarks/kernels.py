@@ -1,7 +1,9 @@
-"""The kernels on CPU: the chunked linear cross-entropy's peak memory against the eager loss, and the
-Triton programs' agreement with their references in Triton's interpreter.
+"""The kernels on CPU: the chunked linear cross-entropy's peak memory against the eager loss, alone and
+as a model's head and loss (`fused_loss`), and the Triton programs' agreement with their references in
+Triton's interpreter.
 
 Run:  python benchmarks/kernels.py [--vocab 50257 128256] [--tokens 1024] [--dim 256] [--threads 1]
+                                   [--step-vocab 50257]
 
 What is measured
 ----------------
@@ -30,7 +32,17 @@ What is measured
    warm-up), and freed heap pages that glibc keeps stay counted; the large
    buffers (tens of MiB and up) are mmapped and returned on free.
    Wall time of the forward + backward is shown too (one run, informative only).
-2. Correctness in the interpreter (TRITON_INTERPRET=1, in its own process):
+2. A whole training step (real on a CPU), at `--step-vocab`: a small Llama
+   (2 blocks, dim `--dim`, untied head, float32) trained by a one-process
+   PipelineEngine (AdamW) on N = `--tokens` tokens (4 rows, 1 label in 8
+   ignored), with `fused_loss` off (the head's (N, Vp) logits, then the
+   vocab-parallel cross-entropy) and on (`FusedLinearCrossEntropy`, the chunked
+   loss at its default chunk). Each in a fresh process: one warm-up step on
+   1 x 8 tokens (the optimizer's state and the gradients exist after it), then
+   the peak RSS of the next full step above the peak so far ("peak above
+   warm-up": activations, logits and the loss's buffers; the gradients and the
+   state are there in both), and the median wall time of 3 full steps.
+3. Correctness in the interpreter (TRITON_INTERPRET=1, in its own process):
    for each kernel listed in CHECKS, the largest absolute difference of the
    output and of every gradient between the Triton side and the reference, in
    float32, at awkward shapes.
@@ -88,6 +100,42 @@ def measure_memory(variant: str, vocab: int, tokens: int, dim: int, chunk: int |
             "default_chunk_tokens": default_chunk_tokens(tokens, vocab, dim),
             "peak_above_inputs_bytes": _maxrss_bytes() - before, "grads_bytes": 4 * (tokens + vocab) * dim,
             "logits_bytes": 4 * tokens * vocab, "seconds": seconds, "loss": loss.item()}
+
+
+def measure_step(fused: bool, vocab: int, tokens: int, dim: int, threads: int) -> dict:
+    """A small Llama's training step with the head fused into the loss or not (run this in a fresh process)."""
+    import statistics
+
+    import pipekit
+    from pipekit.models import get_model, model_loss, model_specs
+
+    torch.set_num_threads(threads)
+    rows, seq = 4, tokens // 4
+    cfg = get_model("llama", "tiny", vocab_size=vocab, max_seq_len=seq, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2,
+                    hidden=2 * dim, fused_loss=fused)
+    module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=0)
+    engine = pipekit.PipelineEngine(module, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    gen = torch.Generator().manual_seed(0)
+
+    def batch(r: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, vocab, (r, t + 1), generator=gen)
+        labels = ids[:, 1:].clone()
+        labels.view(-1)[::8] = -100
+        return ids[:, :-1].contiguous(), labels
+
+    engine.train_batch(batch(1, 8))  # warm-up: optimizer state, gradients, lazy initialisation
+    before = _maxrss_bytes()
+    seconds, losses = [], []
+    for i in range(3):
+        data = batch(rows, seq)
+        start = time.perf_counter()
+        losses.append(float(engine.train_batch(data)))
+        seconds.append(time.perf_counter() - start)
+        if i == 0:
+            peak = _maxrss_bytes() - before
+    return {"fused_loss": fused, "vocab": vocab, "padded_vocab": cfg.padded_vocab, "tokens": rows * seq, "dim": dim,
+            "peak_above_warmup_bytes": peak, "logits_bytes": 4 * rows * seq * cfg.padded_vocab,
+            "step_seconds": statistics.median(seconds), "losses": losses}
 
 
 # kernel -> function returning rows {kernel, shape, diffs: {output or gradient name: largest |Triton - reference|}};
@@ -176,6 +224,8 @@ def main(argv=None) -> None:
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--chunk-tokens", type=int, default=256, help="the second chunked variant's chunk")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads")
+    p.add_argument("--step-vocab", type=int, nargs="*", default=[50257],
+                   help="vocabularies of the whole-training-step comparison (none: leave it out)")
     p.add_argument("--skip-correctness", action="store_true", help="leave out the interpreter's table")
     p.add_argument("--out", default=str(RESULTS / "kernels_cpu.json"))
     p.add_argument("--measure", nargs="+", help=argparse.SUPPRESS)  # internal: one variant, in a fresh process
@@ -184,6 +234,8 @@ def main(argv=None) -> None:
         kind, *rest = args.measure
         if kind == "correctness":
             print(json.dumps([row for check in CHECKS.values() for row in check()]))
+        elif kind == "step":
+            print(json.dumps(measure_step(rest[1] == "fused", int(rest[0]), args.tokens, args.dim, args.threads)))
         else:
             chunk = int(rest[1]) if rest[1] != "default" else None
             print(json.dumps(measure_memory(kind, int(rest[0]), args.tokens, args.dim, chunk, args.threads)))
@@ -195,6 +247,8 @@ def main(argv=None) -> None:
         for variant, chunk in (("eager", "default"), ("chunked", "default"), ("chunked", str(args.chunk_tokens))):
             memory.append(_fresh(["--measure", variant, str(vocab), chunk, "--tokens", str(args.tokens),
                                   "--dim", str(args.dim), "--threads", str(args.threads)]))
+    steps = [_fresh(["--measure", "step", str(vocab), variant, "--tokens", str(args.tokens), "--dim", str(args.dim),
+                     "--threads", str(args.threads)]) for vocab in args.step_vocab for variant in ("unfused", "fused")]
     correctness = [] if args.skip_correctness else _fresh(["--measure", "correctness"], {"TRITON_INTERPRET": "1"})
     load_after = load_average()
 
@@ -211,6 +265,18 @@ def main(argv=None) -> None:
           f"{load_after:.2f} after")
     print(table(["vocab", "variant", "chunk tokens", "(N, V) logits MiB", "dh + dw MiB", "peak above inputs MiB",
                  "/ eager", "fwd+bwd s", "loss"], body))
+    if steps:
+        off = {r["vocab"]: r for r in steps if not r["fused_loss"]}
+        print(f"\na training step of a small Llama (2 blocks, D={args.dim}, untied head, float32, AdamW, one "
+              f"process) on {steps[0]['tokens']} tokens, fused_loss off / on; peak RSS above the warm-up step's, "
+              "median of 3 steps")
+        print(table(["vocab (padded)", "fused_loss", "(N, Vp) logits MiB", "peak above warm-up MiB", "/ off",
+                     "step s", "/ off", "losses"],
+                    [[f"{r['vocab']:,} ({r['padded_vocab']:,})", "on" if r["fused_loss"] else "off",
+                      f"{r['logits_bytes'] / MIB:.0f}", f"{r['peak_above_warmup_bytes'] / MIB:.0f}",
+                      f"{r['peak_above_warmup_bytes'] / off[r['vocab']]['peak_above_warmup_bytes']:.2f}",
+                      f"{r['step_seconds']:.2f}", f"{r['step_seconds'] / off[r['vocab']]['step_seconds']:.2f}",
+                      " ".join(f"{x:.6f}" for x in r["losses"])] for r in steps]))
     if correctness:
         print("\nTriton (interpreter) against the reference, float32, largest absolute difference")
         print(table(["kernel", "shape", "largest absolute difference"],
@@ -223,7 +289,7 @@ def main(argv=None) -> None:
     info.pop("backend", None)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": info, "linear_cross_entropy_memory": memory,
+    out.write_text(json.dumps({"machine": info, "linear_cross_entropy_memory": memory, "training_step": steps,
                                "interpreter_correctness": correctness}, indent=1))
 
 

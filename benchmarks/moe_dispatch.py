@@ -42,6 +42,15 @@ barrier (untimed) before each step, slowest rank's time; "all_to_all ms" is
 the time inside the exchanges (count and row all_to_alls, forward and
 backward), largest rank. Outputs of ep=2 and ep=1 are compared.
 
+Host reads per step: the Tensor methods that read a value on the host
+(`.item()`, `.tolist()`, ...; on a GPU each waits for the device's queue)
+counted during each timed step (`pipekit.testing.HostReads`), by pipekit's
+call sites; the table gives them per step (one layer call). Dropless ep=1
+reads nothing with grouped_mm (device offsets) and once with the loop (it
+slices on the host); ep=2 reads the exchange sizes once (the loop adds its
+one). The naive loop's `torch.where` reads inside torch (E times a step on a
+GPU), which this count cannot see; it shows 0.
+
 Not measured: GPUs, bf16, megablocks, capacity mode, more than 2 ranks, the
 router's own cost apart from the dispatch. Two processes share this
 machine's 2 cores: ep=2 vs ep=1 shows the exchange's cost at equal compute
@@ -65,7 +74,7 @@ from pipekit import LayerSpec
 from pipekit.auxloss import attach, metrics
 from pipekit.moe import MoEMLP, dispatch
 from pipekit.moe.grouped import grouped_mm_runs
-from pipekit.testing import run_distributed
+from pipekit.testing import HostReads, run_distributed
 from pipeline_overhead import load_average, machine, table
 
 SEED = 0
@@ -73,6 +82,7 @@ RESULTS = Path(__file__).parent / "results"
 CASES = {
     "E=8, top-2": dict(n_experts=8, top_k=2, dim=512, hidden=1024, tokens=4096),
     "E=64, top-6": dict(n_experts=64, top_k=6, dim=512, hidden=256, tokens=4096),
+    "E=64, top-8": dict(n_experts=64, top_k=8, dim=512, hidden=256, tokens=4096),
 }
 QUICK_CASES = {
     "E=8, top-2": dict(n_experts=8, top_k=2, dim=64, hidden=128, tokens=512),
@@ -101,12 +111,18 @@ def naive_forward(layer: MoEMLP, x: torch.Tensor) -> torch.Tensor:
     return attach(out, layer.router.loss(routing)).view_as(x)
 
 
-def step(fn, layer, x, g) -> tuple[float, torch.Tensor]:
+def step(fn, layer, x, g, reads: HostReads) -> tuple[float, torch.Tensor, int]:
+    """(seconds, output, host reads) of one forward + backward."""
     layer.zero_grad(set_to_none=True)
+    reads.sites.clear()
+    reads.on = True
     start = time.perf_counter()
-    out = fn(x)
-    (out * g).sum().backward()
-    return time.perf_counter() - start, out.detach()
+    try:
+        out = fn(x)
+        (out * g).sum().backward()
+    finally:
+        reads.on = False
+    return time.perf_counter() - start, out.detach(), reads.total()
 
 
 # ---- one process: dispatch variants ----------------------------------------------
@@ -119,20 +135,27 @@ def dispatch_rows(name: str, case: dict, warmup: int, steps: int) -> list[dict]:
            for k, layer in layers.items()}
     gen = torch.Generator().manual_seed(1)
     times = {k: [] for k in layers}
+    host_reads = {k: [] for k in layers}
     outs = {}
-    for i in range(warmup + steps):
-        x = torch.randn(case["tokens"], case["dim"], generator=gen)
-        g = torch.randn(case["tokens"], case["dim"], generator=gen)
-        for k in (list(layers) if i % 2 == 0 else list(reversed(layers))):
-            t, outs[k] = step(fns[k], layers[k], x, g)
-            if i >= warmup:
-                times[k].append(t)
+    reads = HostReads()
+    try:
+        for i in range(warmup + steps):
+            x = torch.randn(case["tokens"], case["dim"], generator=gen)
+            g = torch.randn(case["tokens"], case["dim"], generator=gen)
+            for k in (list(layers) if i % 2 == 0 else list(reversed(layers))):
+                t, outs[k], n = step(fns[k], layers[k], x, g, reads)
+                if i >= warmup:
+                    times[k].append(t)
+                    host_reads[k].append(n)
+    finally:
+        reads.restore()
     metrics.pop()
     base = outs["naive mask loop"]
     rows = []
     for k in layers:
         med = statistics.median(times[k])
         rows.append({"case": name, **case, "variant": k, "step_s": times[k], "step_s_median": med,
+                     "host_reads_per_step": statistics.mean(host_reads[k]),
                      "tokens_per_s": case["tokens"] / med,
                      "max_abs_diff_vs_naive": (outs[k] - base).abs().max().item()})
     naive = rows[0]["step_s_median"]
@@ -167,24 +190,29 @@ def ep_worker(case: dict, warmup: int, steps: int) -> dict:
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens
     times = {ep: [] for ep in layers}
     comm = {ep: [] for ep in layers}
+    host_reads = {ep: [] for ep in layers}
     outs = {}
+    reads = HostReads()
     for i in range(warmup + steps):
         x = torch.randn(case["tokens"], case["dim"], generator=gen)
         g = torch.randn(case["tokens"], case["dim"], generator=gen)
         for ep in ((1, 2) if i % 2 == 0 else (2, 1)):
             dist.barrier()
             timer.seconds = 0.0
-            t, outs[ep] = step(layers[ep], layers[ep], x, g)
+            t, outs[ep], n = step(layers[ep], layers[ep], x, g, reads)
             if i >= warmup:
                 times[ep].append(t)
                 comm[ep].append(timer.seconds)
+                host_reads[ep].append(n)
+    reads.restore()
     metrics.pop()
     slowest = torch.tensor([times[1], times[2], comm[1], comm[2]], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     diff = torch.tensor((outs[2] - outs[1]).abs().max().item(), dtype=torch.float64)
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     return {"step_s": {1: slowest[0].tolist(), 2: slowest[1].tolist()},
-            "comm_s": {1: slowest[2].tolist(), 2: slowest[3].tolist()}, "max_abs_diff": diff.item()}
+            "comm_s": {1: slowest[2].tolist(), 2: slowest[3].tolist()}, "max_abs_diff": diff.item(),
+            "host_reads": {ep: statistics.mean(host_reads[ep]) for ep in layers}}
 
 
 def ep_rows(case: dict, warmup: int, steps: int) -> list[dict]:
@@ -194,6 +222,7 @@ def ep_rows(case: dict, warmup: int, steps: int) -> list[dict]:
         med = statistics.median(res["step_s"][ep])
         rows.append({"ep": ep, **case, "step_s": res["step_s"][ep], "step_s_median": med,
                      "comm_s_median": statistics.median(res["comm_s"][ep]),
+                     "host_reads_per_step": res["host_reads"][ep],
                      "tokens_per_s": 2 * case["tokens"] / med, "max_abs_diff_ep2_vs_ep1": res["max_abs_diff"]})
     for r in rows:
         r["relative_to_ep1"] = r["step_s_median"] / rows[0]["step_s_median"]
@@ -204,18 +233,20 @@ def ep_rows(case: dict, warmup: int, steps: int) -> list[dict]:
 def dispatch_table(rows: list[dict]) -> str:
     body = [[r["case"], f"{r['tokens']}", f"{r['dim']} / {r['hidden']}", r["variant"],
              f"{r['step_s_median'] * 1e3:.0f}", f"{min(r['step_s']) * 1e3:.0f}-{max(r['step_s']) * 1e3:.0f}",
-             f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_naive']:.2f}x", f"{r['max_abs_diff_vs_naive']:.1e}"]
+             f"{r['tokens_per_s']:,.0f}", f"{r['speedup_vs_naive']:.2f}x", f"{r['max_abs_diff_vs_naive']:.1e}",
+             f"{r['host_reads_per_step']:g}"]
             for r in rows]
     return table(["case", "tokens", "dim / hidden", "variant", "fwd+bwd ms (median)", "min-max", "tokens/s",
-                  "vs naive", "max |out - naive|"], body)
+                  "vs naive", "max |out - naive|", "host reads / step"], body)
 
 
 def ep_table(rows: list[dict]) -> str:
     body = [[r["ep"], f"{r['step_s_median'] * 1e3:.0f}", f"{min(r['step_s']) * 1e3:.0f}-{max(r['step_s']) * 1e3:.0f}",
-             f"{r['comm_s_median'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['relative_to_ep1']:.2f}x"]
+             f"{r['comm_s_median'] * 1e3:.1f}", f"{r['tokens_per_s']:,.0f}", f"{r['relative_to_ep1']:.2f}x",
+             f"{r['host_reads_per_step']:g}"]
             for r in rows]
     return table(["ep", "fwd+bwd ms (median, slowest rank)", "min-max", "all_to_all ms (median)",
-                  "tokens/s (both ranks)", "step vs ep=1"], body)
+                  "tokens/s (both ranks)", "step vs ep=1", "host reads / step (rank 0)"], body)
 
 
 def report(drows: list[dict], erows: list[dict], cfg: dict, info: dict) -> str:
@@ -236,12 +267,15 @@ def report(drows: list[dict], erows: list[dict], cfg: dict, info: dict) -> str:
     ])
 
 
-def parse_args(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None, *, doc: str = __doc__, warmup: int = 2, out: Path = RESULTS,
+               name: str = "moe_dispatch") -> dict:
+    """The MoE benchmarks' command line (this one's, and moe_expert_tp.py's with its own
+    docstring, warm-up and result name)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant (default 5)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed steps first (default {warmup})")
     p.add_argument("--quick", action="store_true", help="smoke mode: small shapes, 2 steps, seconds")
-    p.add_argument("--out", type=Path, default=RESULTS, help="folder for moe_dispatch.json and .md")
+    p.add_argument("--out", type=Path, default=out, help=f"folder for {name}.json and .md")
     a = p.parse_args(argv)
     if a.steps < 1 or a.warmup < 0:
         p.error(f"--steps must be >= 1 and --warmup >= 0, got {a.steps} and {a.warmup}")

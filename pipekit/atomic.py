@@ -6,10 +6,15 @@ the directory entry is fsynced; a reader sees the old file or the new one, and
 a crash leaves at worst a stray `.NAME.*.tmp`. Directories (checkpoints, a
 HuggingFace export) are built under a temporary name and published the same
 way by `publish_dir`.
+
+A write that fails because the disk is full says so (`no_space_left`), whatever
+form the error took on its way up (torch.save reports a short write as
+`RuntimeError: ... unexpected pos`), and leaves no temporary file behind.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -32,8 +37,44 @@ def write_atomic(path: str, data: bytes | str | Callable[[BinaryIO], None]) -> N
             fh.flush()
             os.fsync(fh.fileno())
         publish(tmp, path)
+    except Exception as e:
+        remove(tmp)
+        if no_space_left(e, parent):
+            raise OSError(errno.ENOSPC, f"no space left on device to write {path} ({free_space(parent)} free "
+                                        f"there)") from e
+        raise
     finally:
         remove(tmp)
+
+
+def no_space_left(e: BaseException, directory: str, needed: int = 0) -> bool:
+    """Whether the write that raised `e` failed for want of space in `directory`'s file
+    system: ENOSPC or EDQUOT anywhere in the exception's chain, or (for an error that lost
+    its chain, as one pickled from another rank does) less than `needed` bytes free there."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return needed > 0 and shutil.disk_usage(directory).free < needed
+    except OSError:
+        return False
+
+
+def free_space(directory: str) -> str:
+    """The space left to this user in `directory`'s file system, for a message ("3.2 MiB")."""
+    try:
+        free = float(shutil.disk_usage(directory).free)
+    except OSError:
+        return "unknown space"
+    if free < 1024:
+        return f"{free:.0f} bytes"
+    for unit in ("KiB", "MiB"):
+        free /= 1024
+        if free < 1024:
+            return f"{free:.1f} {unit}"
+    return f"{free / 1024:.1f} GiB"
 
 
 def torch_save_atomic(obj, path: str) -> None:

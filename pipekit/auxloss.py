@@ -12,8 +12,17 @@ the fp16 loss scale; outside an engine it is 1.0, as for a plain
 
 Values go to `metrics`, a per-process tracker: `metrics.record(name, value)`
 accumulates a detached tensor per name during forward passes (not during the
-recomputation of activation checkpointing, which runs inside backward), and
-`metrics.pop()` returns and clears the step's sums.
+recomputation of activation checkpointing, which runs inside backward, nor
+during a pre-pass), and `metrics.pop()` returns and clears the step's sums.
+
+Layers that need the step as a whole (`StepStatistic`): a loss built on a
+statistic of the whole step's batch (the MoE global-batch balancing loss,
+whose expert loads are summed over the step's microbatches and dp ranks
+before any of the step's backward passes), or an update once per step (the
+aux-free bias). The engine finds them in its module (`step_layers`); when one
+`needs_prepass` it first runs the step's forward passes once more, without
+autograd, inside `prepass(layers, dp_group)`, then the step itself, then
+`end_step(layers, dp_group)` after the optimizer step.
 """
 
 from __future__ import annotations
@@ -66,6 +75,63 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+# ---- layers that need the whole step --------------------------------------------------
+class StepStatistic:
+    """A mixin for a layer (an nn.Module) with work around a training step beyond its forward.
+
+    `needs_prepass`: its forward needs a statistic of the whole step's batch, gathered by a
+    pre-pass: `begin_prepass()` resets it, the layer gathers it in the forward passes run
+    while `in_prepass()`, and `end_prepass(group)` completes it over `group`, the data-parallel
+    group of the layer's stage (every rank of it calls this at the same point: it may
+    communicate there). `end_step(group)` runs once after each optimizer step, likewise."""
+
+    needs_prepass: bool = False
+
+    def begin_prepass(self) -> None:
+        """Reset what the pre-pass gathers."""
+
+    def end_prepass(self, group) -> None:
+        """Complete what the pre-pass gathered over `group` (None: one rank)."""
+
+    def end_step(self, group) -> None:
+        """After the optimizer step: anything done once per step, over `group`."""
+
+
+_prepassing = False
+
+
+def in_prepass() -> bool:
+    """True during a pre-pass: forward passes that only gather the step's statistics."""
+    return _prepassing
+
+
+def step_layers(module: torch.nn.Module) -> list[StepStatistic]:
+    """The `StepStatistic` layers of `module`, in module order (the order their collectives run in)."""
+    return [m for m in module.modules() if isinstance(m, StepStatistic)]
+
+
+@contextlib.contextmanager
+def prepass(layers: list[StepStatistic], group):
+    """Run the pre-pass's forwards inside: resets `layers` first, completes them over `group` after
+    (not when the forwards raised). Metrics are not recorded meanwhile."""
+    global _prepassing
+    for layer in layers:
+        layer.begin_prepass()
+    _prepassing = True
+    try:
+        yield
+    finally:
+        _prepassing = False
+    for layer in layers:
+        layer.end_prepass(group)
+
+
+def end_step(layers: list[StepStatistic], group) -> None:
+    """`end_step(group)` on each of `layers`, in order: after the optimizer step."""
+    for layer in layers:
+        layer.end_step(group)
+
+
 class MetricsTracker:
     """Sums of named, detached tensors over a step's forward passes."""
 
@@ -74,8 +140,8 @@ class MetricsTracker:
         self._counts: dict[str, int] = {}
 
     def record(self, name: str, value: torch.Tensor) -> None:
-        if in_backward():
-            return  # a recomputed forward: already recorded
+        if in_backward() or _prepassing:
+            return  # a recomputed forward (already recorded), or a pre-pass (recorded by the step's own)
         value = value.detach().float()
         if name in self._sums:
             self._sums[name] = self._sums[name] + value

@@ -2,7 +2,9 @@
 
 A parameter's name is the same in every layout (`layers.7.attn.q.weight`,
 `tied.embed.wte.weight`), and a tensor-parallel shard is a slice of the full
-tensor along the dim recorded in its `tp_shard_dim` attribute. So a *full*
+tensor along the dim recorded in its `tp_shard_dim` attribute (an expert
+tensor: along `ep_shard_dim` over ep, and with expert tensor parallelism also
+along its hidden dim over tp). So a *full*
 state dict — every name once, every tensor whole — describes the model
 independently of pp/dp/tp, and is what `pipekit train` saves at the end,
 what `pipekit generate` loads, and what HuggingFace conversion reads and
@@ -16,6 +18,7 @@ reader never sees a half-written file.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -26,18 +29,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException as DCPException  # a BaseException
 
-from .atomic import fsync_dir, publish_dir, torch_save_atomic, write_atomic
+from .atomic import free_space, fsync_dir, no_space_left, publish_dir, torch_save_atomic, write_atomic
 from .pipeline import PipelineModule
 
+Sharding = tuple[tuple[int, str], ...]  # ((dim, axis), ...): split along each dim over the "ep" or "tp" axis
 
-def _shard_dim(t: torch.Tensor) -> tuple[int, str] | None:
-    """(dim, axis) of a sharded parameter: a tp shard along its `tp_shard_dim`, or an expert
-    shard (`expert_parallel`) along its `ep_shard_dim` over the ep group; None: replicated."""
+
+def _shard_dim(t: torch.Tensor) -> Sharding:
+    """How a parameter is split: an expert shard (`expert_parallel`) along its `ep_shard_dim`
+    over ep, a tp shard along its `tp_shard_dim` over tp (an expert-TP shard: both); () when
+    replicated."""
+    out = []
     ep_dim = getattr(t, "ep_shard_dim", None)
     if getattr(t, "expert_parallel", False) and ep_dim is not None:
-        return ep_dim, "ep"
+        out.append((ep_dim, "ep"))
     dim = getattr(t, "tp_shard_dim", None)
-    return None if dim is None else (dim, "tp")
+    if dim is not None:
+        out.append((dim, "tp"))
+    return tuple(out)
 
 
 def _axis(module: PipelineModule, axis: str) -> tuple[int, int, object]:
@@ -64,11 +73,12 @@ def full_state_dict(module: PipelineModule) -> dict[str, torch.Tensor]:
     for name, t in _local_tensors(module).items():
         sharding = _shard_dim(t)  # read before detach(), which drops the attribute
         t = t.detach()
-        if sharding is not None and _axis(module, sharding[1])[0] > 1:
-            size, _, group = _axis(module, sharding[1])
-            parts = [torch.empty_like(t) for _ in range(size)]
-            dist.all_gather(parts, t.contiguous(), group=group)
-            t = torch.cat(parts, dim=sharding[0])
+        for dim, axis in sharding:
+            size, _, group = _axis(module, axis)
+            if size > 1:
+                parts = [torch.empty_like(t) for _ in range(size)]
+                dist.all_gather(parts, t.contiguous(), group=group)
+                t = torch.cat(parts, dim=dim)
         local[name] = t.to("cpu", copy=True)  # a copy: later training must not change what was returned
     if topo.pp_group is None:
         return local
@@ -92,10 +102,9 @@ def load_full_state_dict(module: PipelineModule, full: dict[str, torch.Tensor], 
             if name not in full:
                 continue
             src = full[name]
-            sharding = _shard_dim(t)
-            if sharding is not None:
-                size, index, _ = _axis(module, sharding[1])
-                src = src.chunk(size, dim=sharding[0])[index]
+            for dim, axis in _shard_dim(t):
+                size, index, _ = _axis(module, axis)
+                src = src.chunk(size, dim=dim)[index]
             if src.shape != t.shape:
                 raise ValueError(
                     f"{name}: this rank holds shape {tuple(t.shape)}, the state dict gives {tuple(src.shape)}")
@@ -124,7 +133,8 @@ def atomic_save(obj, path: str) -> None:
 #
 # Atomic: written into `<path>.tmp`, then renamed to `<path>` by rank 0 once every rank
 # has finished; a directory without `.metadata` and `pipekit.json`, or ending in `.tmp`,
-# is not a checkpoint.
+# is not a checkpoint. `pipekit.json` lists every other file's size and sha256, taken as
+# it was written and checked on every load: a damaged file is refused, never trained on.
 
 META = "pipekit.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -199,23 +209,26 @@ def _rank() -> int:
     return dist.get_rank() if _distributed() else 0
 
 
-def _global(module: PipelineModule, t: torch.Tensor, sharding: tuple[int, str] | None):
-    """`t` as DCP should see it: a DTensor sharded along its dim over the tp (or ep) mesh, or itself."""
-    if sharding is None or _axis(module, sharding[1])[0] == 1:
+def _global(module: PipelineModule, t: torch.Tensor, sharding: Sharding):
+    """`t` as DCP should see it: a DTensor sharded along its dims over the tp and/or ep mesh
+    axes of size > 1 (an expert-TP shard: a 2-D (ep, tp) mesh), or itself."""
+    split = [(dim, axis) for dim, axis in sharding if _axis(module, axis)[0] > 1]
+    if not split:
         return t
     from torch.distributed.tensor import DTensor, Shard
 
     topo = module.topology
-    axis = "ep" if sharding[1] == "ep" else "tp"
-    grid = topo.moe_mesh if axis == "ep" else topo.mesh
-    assert grid is not None, f"an {axis} axis of size > 1 lies on a device mesh"
-    return DTensor.from_local(t, grid[axis], [Shard(sharding[0])], run_check=False)
+    grid = topo.moe_mesh if any(axis == "ep" for _, axis in split) else topo.mesh
+    assert grid is not None, "an ep or tp axis of size > 1 lies on a device mesh"
+    axes = tuple(axis for _, axis in split)
+    return DTensor.from_local(t, grid[axes if len(axes) > 1 else axes[0]], [Shard(dim) for dim, _ in split],
+                              run_check=False)
 
 
-def _full_shape(module: PipelineModule, t: torch.Tensor, sharding: tuple[int, str] | None) -> tuple[int, ...]:
+def _full_shape(module: PipelineModule, t: torch.Tensor, sharding: Sharding) -> tuple[int, ...]:
     shape = list(t.shape)
-    if sharding is not None:
-        shape[sharding[0]] *= _axis(module, sharding[1])[0]
+    for dim, axis in sharding:
+        shape[dim] *= _axis(module, axis)[0]
     return tuple(shape)
 
 
@@ -235,9 +248,9 @@ def _load_param_state(optimizer, per_param: dict) -> None:
         optimizer.state[p] = {k: v.clone() for k, v in state.items()}
 
 
-def _entry_dim(p: torch.Tensor, value: torch.Tensor) -> tuple[int, str] | None:
+def _entry_dim(p: torch.Tensor, value: torch.Tensor) -> Sharding:
     """The sharding of an optimizer entry of `p`: p's own, except for a 0-dim one (a step count)."""
-    return _shard_dim(p) if value.dim() == p.dim() and value.dim() > 0 else None
+    return _shard_dim(p) if value.dim() == p.dim() and value.dim() > 0 else ()
 
 
 def _layout(module: PipelineModule) -> dict:
@@ -251,7 +264,13 @@ def save_checkpoint(path: str, module: PipelineModule, optimizer=None, *, meta: 
                     keep: int | None = None) -> str:
     """Save `module`'s weights, `optimizer`'s state and every rank's RNG to the directory
     `path` (collective: every rank calls it), plus `meta` (JSON-able) in `pipekit.json`.
-    With `keep`, older checkpoints beside `path` beyond the newest `keep` are deleted."""
+    With `keep`, older checkpoints beside `path` beyond the newest `keep` are deleted.
+
+    Each rank records the size and sha256 of the files it wrote, and `pipekit.json` lists
+    them all (`verify_checkpoint` checks them on every load). A save that fails on any rank
+    (a full disk, said as such) removes `<path>.tmp` and raises the same CheckpointError on
+    every rank; the previous checkpoints are left as they were. Communication beyond DCP's:
+    one all_gather_object of each rank's file list, one broadcast of rank 0's verdict."""
     import torch.distributed.checkpoint as dcp
 
     path = os.path.abspath(path)
@@ -260,7 +279,33 @@ def save_checkpoint(path: str, module: PipelineModule, optimizer=None, *, meta: 
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    state: dict[str, torch.Tensor] = {}
+    state = _checkpoint_state(module, optimizer)
+    need = sum(_nbytes(t) for t in state.values())
+    files: dict[str, dict] = {}
+    failed = None
+    try:
+        with _quiet():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not _distributed())
+        files = _file_digests(tmp, _rank())
+    except (Exception, DCPException) as e:  # noqa: BLE001 - DCP wraps each rank's error; said once, below
+        failed = _why_not_saved(e, tmp, need)
+    reports: list = [(files, failed)]
+    if _distributed():
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, (files, failed))
+    verdict: list[str | None] = [None]
+    if _rank() == 0:
+        verdict = [_publish(tmp, path, reports, {"format": 1, "layout": _layout(module), **(meta or {})}, keep)]
+    if _distributed():
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(verdict[0])
+    return path
+
+
+def _checkpoint_state(module: PipelineModule, optimizer) -> dict:
+    """What this rank gives DCP to save: weights, optimizer state (by parameter name) and RNG."""
+    state: dict = {}
     names = {}
     for name, t in _local_tensors(module).items():
         dim = _shard_dim(t)
@@ -273,21 +318,94 @@ def save_checkpoint(path: str, module: PipelineModule, optimizer=None, *, meta: 
     state[f"rng/{_rank()}"] = torch.get_rng_state()
     if torch.cuda.is_available() and module.topology.device.type == "cuda":
         state[f"rng_cuda/{_rank()}"] = torch.cuda.get_rng_state(module.topology.device).cpu()
-    try:
-        with _quiet():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), no_dist=not _distributed())
-    except (Exception, DCPException) as e:  # noqa: BLE001 - DCP wraps each rank's error; name the first one
-        raise CheckpointError(f"could not save checkpoint {path}: {_root_cause(e)} (the previous checkpoints "
-                              f"are intact)") from e
-    if _rank() == 0:
-        record = {"format": 1, "layout": _layout(module), **(meta or {})}
-        write_atomic(os.path.join(tmp, META), json.dumps(record, indent=1, default=_jsonable))
-        fsync_dir(tmp)
-        publish_dir(tmp, path)
+    return state
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    local = getattr(t, "_local_tensor", t)  # a DTensor: this rank's shard
+    return local.numel() * local.element_size()
+
+
+def _why_not_saved(e: BaseException, tmp: str, need: int) -> str:
+    """Why this rank's part of a save failed, in a few words (a full disk said as such)."""
+    failures = getattr(e, "failures", None) or {}
+    causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()] or [e]
+    if any(isinstance(c, BaseException) and no_space_left(c, os.path.dirname(tmp), need) for c in [e, *causes]):
+        return f"no space left on device ({free_space(os.path.dirname(tmp))} free there)"
+    return _root_cause(e)
+
+
+def _publish(tmp: str, path: str, reports: list, record: dict, keep: int | None) -> str | None:
+    """Rank 0: write `pipekit.json` with every rank's file digests and rename `tmp` to `path`
+    (then prune to `keep`); None when published, else the one-line error every rank raises,
+    after removing `tmp`."""
+    failed = [why for _, why in reports if why]
+    why = next((w for w in failed if w.startswith("no space")), failed[0] if failed else None)
+    if why is None:
+        record["files"] = {name: digest for files, _ in reports for name, digest in sorted(files.items())}
+        try:
+            write_atomic(os.path.join(tmp, META), json.dumps(record, indent=1, default=_jsonable))
+            fsync_dir(tmp)
+            publish_dir(tmp, path)
+        except Exception as e:  # noqa: BLE001 - said on every rank, below
+            why = _why_not_saved(e, tmp, 0)
+    if why is None:
         if keep is not None:
             prune_checkpoints(os.path.dirname(path), keep)
-    _barrier()
-    return path
+        return None
+    shutil.rmtree(tmp, ignore_errors=True)
+    previous = latest_checkpoint(os.path.dirname(path))
+    kept = f"the previous checkpoint {previous} is intact" if previous else "there is no earlier checkpoint"
+    return f"could not save checkpoint {path}: {why}; removed the partial {os.path.basename(tmp)}, and {kept}"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_digests(directory: str, rank: int) -> dict[str, dict]:
+    """{file name: {"bytes", "sha256"}} of the files DCP wrote for `rank` in `directory`
+    (`__<rank>_*.distcp`; rank 0 also its `.metadata`)."""
+    mine = [n for n in os.listdir(directory) if n.startswith(f"__{rank}_") or (rank == 0 and n == ".metadata")]
+    return {n: {"bytes": os.path.getsize(os.path.join(directory, n)), "sha256": _sha256(os.path.join(directory, n))}
+            for n in sorted(mine)}
+
+
+def verify_checkpoint(path: str, meta: dict, share: tuple[int, int] = (0, 1)) -> list[str]:
+    """What is wrong with the files of checkpoint `path` against the sizes and sha256 sums its
+    `pipekit.json` recorded when they were written ([] when nothing is); `share=(i, n)`
+    checks only every n-th file from the i-th (n ranks share the reading). A checkpoint
+    saved before pipekit recorded digests has nothing to check."""
+    problems = []
+    for i, (name, want) in enumerate(sorted(meta.get("files", {}).items())):
+        if i % share[1] != share[0]:
+            continue
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            problems.append(f"{name} is missing")
+        elif os.path.getsize(file) != want["bytes"]:
+            problems.append(f"{name} holds {os.path.getsize(file)} bytes but {want['bytes']} were written (truncated "
+                            f"or overwritten)")
+        elif _sha256(file) != want["sha256"]:
+            problems.append(f"{name} differs from what was written (its sha256 does not match)")
+    return problems
+
+
+def _refuse_damaged(path: str, problems: list[str]) -> None:
+    """Raise CheckpointError naming the first problem and the previous complete checkpoint."""
+    if not problems:
+        return
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    path = os.path.abspath(path)
+    m = _STEP_DIR.match(os.path.basename(path))
+    earlier = [p for step, p in list_checkpoints(os.path.dirname(path)) if m and step < int(m.group(1))]
+    hint = (f"the previous complete checkpoint is {earlier[-1]}: continue from it with train.resume={earlier[-1]}"
+            if earlier else "there is no earlier checkpoint beside it")
+    raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}{more}; {hint}")
 
 
 def _jsonable(x):
@@ -296,11 +414,19 @@ def _jsonable(x):
     raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
 
 
-def _open(path: str):
-    """(pipekit.json, a DCP reader, what the checkpoint holds by key) of checkpoint `path`."""
+def _open(path: str, collective: bool = False):
+    """(pipekit.json, a DCP reader, what the checkpoint holds by key) of checkpoint `path`,
+    once its files are checked against their recorded digests (`collective`: every rank
+    checks a share and all learn the result, by one all_gather_object)."""
     import torch.distributed.checkpoint as dcp
 
     meta = read_meta(path)
+    if collective and _distributed():
+        found: list = [None] * dist.get_world_size()
+        dist.all_gather_object(found, verify_checkpoint(path, meta, (_rank(), dist.get_world_size())))
+        _refuse_damaged(path, sorted(p for part in found for p in part))
+    else:
+        _refuse_damaged(path, verify_checkpoint(path, meta))
     reader = dcp.FileSystemReader(path)
     try:
         saved = reader.read_metadata().state_dict_metadata
@@ -315,7 +441,7 @@ def load_checkpoint(path: str, module: PipelineModule, optimizer=None) -> dict:
     checkpoint lacks one this model needs or holds it in another shape."""
     import torch.distributed.checkpoint as dcp
 
-    meta, reader, saved = _open(path)
+    meta, reader, saved = _open(path, collective=True)
     local = _local_tensors(module)
     state, targets = {}, {}
     for name, t in local.items():

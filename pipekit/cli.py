@@ -14,24 +14,13 @@ import argparse
 import json
 import math
 import os
-import pickle
-import signal
 import sys
-import tempfile
-import time
-import traceback
 from dataclasses import asdict
 
-import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args
-from torch.distributed.run import run as torchrun
 
-from . import __version__, planner, profiler
+from . import __version__, launch, planner, profiler, rundirs
 from .atomic import write_atomic
-from .comm import PeerClosed
 from .config import ConfigError, Run, load_run
 from .data import prepare_data
 from .env import format_report, report
@@ -39,16 +28,34 @@ from .generate import generate_text
 from .preflight import check_before_launch
 from .schedules import ScheduleError, TimelineEvent, plan_report, render_png, render_text, to_chrome_trace
 from .topology import fell_back, local_workers, resolve_device
-from .train import partition_of, train
+from .train import partition_of
+
+
+def _config_and_overrides(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """The config file and the key=value overrides of a command line, in whatever order the
+    user gave them (the file first, last or between overrides). ConfigError, in one line,
+    for a word that is neither (`train.steps 3`: said as `train.steps=3`) or two files."""
+    words = [w for w in (config, *overrides) if w is not None]
+    files = [w for w in words if "=" not in w and (w.endswith((".yaml", ".yml")) or os.path.exists(w))]
+    if len(files) > 1:
+        raise ConfigError(f"one config file, got {len(files)}: {' and '.join(files)}; a second file's settings "
+                          "go in as key=value overrides")
+    rest = [w for w in words if w not in files]
+    for i, word in enumerate(rest):
+        if "=" not in word:
+            after = rest[i + 1] if i + 1 < len(rest) and "=" not in rest[i + 1] else None
+            hint = f" (did you mean {word}={after}?)" if after is not None else ""
+            raise ConfigError(f"{word!r} is neither a config file (not found) nor a key=value override{hint}")
+    return (files[0] if files else None), rest
 
 
 def _train(args: argparse.Namespace) -> int:
     """Resolve the run (its errors before any worker starts), check the paths it names,
     then launch the workers (each resolves the same run again from the same argv) or,
     as one of them, train."""
-    if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
-        args.overrides, args.config = [args.config, *args.overrides], None
+    launch.die_with_launcher()
     try:
+        args.config, args.overrides = _config_and_overrides(args.config, args.overrides)
         run = load_run(args.config, args.overrides)
     except ConfigError as e:
         print(f"pipekit train: {e}", file=sys.stderr)
@@ -69,26 +76,35 @@ def _train(args: argparse.Namespace) -> int:
     # Checked here, or by every worker a user's own torchrun started (before the first collective,
     # so before any rank writes), but not in workers of this command's launcher or a restart.
     checked = "PIPEKIT_ERROR_DIR" in os.environ or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if not checked and (taken := _out_dir_taken(cfg)):
+    if not checked and os.environ.get("RANK", "0") == "0" and (busy := rundirs.held_by_a_live_run(cfg)):
+        print(f"pipekit train: {busy}", file=sys.stderr)
+        return 2
+    if not checked and (taken := rundirs.out_dir_taken(cfg)):
         if os.environ.get("RANK", "0") == "0":
             print(f"pipekit train: {taken}", file=sys.stderr)
         return 2
-    lock = _lock_out_dir(cfg) if "RANK" not in os.environ else None  # held until this command returns
-    if isinstance(lock, str):
-        print(f"pipekit train: {lock}", file=sys.stderr)
+    made = [] if checked else rundirs.dirs_to_make(cfg)
+    locks = rundirs.hold_run_dirs(cfg)  # held until this process exits
+    if isinstance(locks, str):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pipekit train: {locks}", file=sys.stderr)
         return 2
-    if cfg.world_size > 1 and "RANK" not in os.environ:
-        # The workers take this process's answer: after auto -> cpu with a GPU visible they must
-        # not resolve again (each would call set_device on an ordinal that is not there).
-        argv = ["train", *([args.config] if args.config else []), *args.overrides, f"train.device={device}"]
-        if run.partition == "profile":  # once, here, before the workers share the cores
-            argv += _profiled_partition(run, device)
-        return _launch(cfg.world_size, argv, max_restarts=args.max_restarts)
-    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
-        print(f"pipekit train: torchrun started {os.environ['WORLD_SIZE']} workers but the config asks for "
-              f"pp*dp*tp = {cfg.world_size}", file=sys.stderr)
-        return 2
-    return _run_worker(run)
+    try:
+        if cfg.world_size > 1 and "RANK" not in os.environ:
+            # The workers take this process's answer: after auto -> cpu with a GPU visible they must
+            # not resolve again (each would call set_device on an ordinal that is not there).
+            argv = ["train", *([args.config] if args.config else []), *args.overrides, f"train.device={device}"]
+            if run.partition == "profile":  # once, here, before the workers share the cores
+                argv += _profiled_partition(run, device)
+            return launch.launch(cfg.world_size, argv, max_restarts=args.max_restarts,
+                           grace=cfg.checkpoint.stop_grace_s)
+        if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
+            print(f"pipekit train: torchrun started {os.environ['WORLD_SIZE']} workers but the config asks for "
+                  f"pp*dp*tp = {cfg.world_size}", file=sys.stderr)
+            return 2
+        return launch.run_worker(run)
+    finally:
+        rundirs.leave_no_trace(made)
 
 
 def _profiled_partition(run: Run, device: str) -> list[str]:
@@ -97,101 +113,6 @@ def _profiled_partition(run: Run, device: str) -> list[str]:
     print(f"pipekit: schedule.partition=profile -> boundaries {bounds} (layer times measured on this machine)",
           flush=True)
     return [f"schedule.partition={','.join(map(str, bounds))}", "schedule.memory_budget_gb=null"]
-
-
-def _run_worker(run: Run) -> int:
-    """Train on this process (one of the workers, or the only one). An error is reported once,
-    from the rank where it started: a rank that failed only because a peer stopped stays
-    quiet (exit status PEER_STOPPED); the launcher collects the rest (see `_report_failures`)."""
-    try:
-        summary = train(run)
-    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - reported once, below
-        return _worker_failed(e)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    stopped = summary.get("stopped_by") if isinstance(summary, dict) else None
-    if stopped in ("SIGINT", "SIGTERM") and "RANK" not in os.environ:
-        return 128 + getattr(signal, stopped)  # the shell's convention for a run ended by a signal
-    return 0
-
-
-PEER_STOPPED = 3  # a worker's exit status when it failed only because another rank stopped first
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "closed its connection")
-
-
-def _caused_by_peer(e: BaseException | None) -> bool:
-    while e is not None:
-        if isinstance(e, PeerClosed) or any(mark in str(e) for mark in _PEER_GONE):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def _worker_failed(e: BaseException) -> int:
-    """Report a worker's error once and return its exit status: 2 for a user's mistake (one
-    line), 1 for anything else (the traceback), PEER_STOPPED (nothing printed) when the rank
-    only lost a peer. Under `pipekit train`'s launcher the report goes to a file the launcher
-    prints from; under a user's own torchrun it is printed here."""
-    rank = int(os.environ.get("RANK", "0"))
-    if isinstance(e, KeyboardInterrupt):
-        return 130
-    peer = _caused_by_peer(e)
-    user = isinstance(e, USER_ERRORS) and not peer
-    if os.environ.get("PIPEKIT_DEBUG") == "1":
-        user = False
-    text = _first_line(e) if user else "".join(traceback.format_exception(e)).rstrip()
-    status = PEER_STOPPED if peer else (2 if user else 1)
-    report_dir = os.environ.get("PIPEKIT_ERROR_DIR")
-    if report_dir:
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        write_atomic(os.path.join(report_dir, f"attempt{attempt}-rank{rank}.json"),
-                     json.dumps({"rank": rank, "peer": peer, "user": user, "text": text, "time": time.time()}))
-    elif not peer:
-        who = f"rank {rank}: " if "RANK" in os.environ else ""
-        print(f"pipekit train: {who}{text}" if user else text, file=sys.stderr, flush=True)
-    return status
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-RUN_FILES = ("metrics.jsonl", "model.pt", "checkpoints")
-
-
-def _out_dir_taken(cfg) -> str | None:
-    """Why this run must not write into `logging.out_dir` (another run's files are there,
-    and neither `train.resume` nor `logging.overwrite` is set), or None."""
-    out = cfg.logging.out_dir
-    if not out or cfg.logging.overwrite or cfg.train.resume or not os.path.isdir(out):
-        return None
-    found = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
-    if not found:
-        return None
-    return (f"logging.out_dir={out} holds another run ({', '.join(found)}); continue it with train.resume=auto, "
-            f"choose another logging.out_dir, or pass logging.overwrite=true to replace it")
-
-
-def _lock_out_dir(cfg):
-    """An open, exclusively locked `out_dir/.pipekit.lock` (the lock lasts as long as this
-    process), None without an out_dir or where file locks are unavailable, or the reason
-    another live run holds it. Taken after every other pre-launch check has passed."""
-    out = cfg.logging.out_dir
-    try:
-        import fcntl
-    except ImportError:  # not on this platform: no lock
-        return None
-    if not out:
-        return None
-    os.makedirs(out, exist_ok=True)
-    handle = open(os.path.join(out, ".pipekit.lock"), "a")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        return f"another pipekit run is writing to logging.out_dir={out}; wait for it or choose another out_dir"
-    return handle
 
 
 def _device(cfg) -> str | None:
@@ -208,58 +129,6 @@ def _device(cfg) -> str | None:
     return device
 
 
-def _launch(nproc: int, argv: list[str], max_restarts: int = 0) -> int:
-    """Start `nproc` workers on this machine through torch.distributed.run, each running
-    `pipekit argv`; with `max_restarts`, a failed group is restarted (and resumes from its
-    newest checkpoint) up to that many times. Errors are reported once (`_report_failures`)."""
-    print(f"pipekit: launching {nproc} workers with torch.distributed.run"
-          + (f" (up to {max_restarts} restarts)" if max_restarts else ""), flush=True)
-    with tempfile.TemporaryDirectory(prefix="pipekit-errors-") as reports:
-        os.environ["PIPEKIT_ERROR_DIR"] = reports
-        try:
-            torchrun(parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                            "-m", "pipekit.cli", *argv]))
-        except ChildFailedError as e:
-            return _report_failures(e, reports)
-        except SignalException as e:  # Ctrl-C or SIGTERM: the workers save, say where, and stop
-            return 128 + int(e.sigval)
-        finally:
-            os.environ.pop("PIPEKIT_ERROR_DIR", None)
-    return 0
-
-
-def _report_failures(e, reports: str) -> int:
-    """Print each distinct error of the last attempt once (the earliest first), naming the
-    ranks it came from, then one line on the ranks that stopped only because a peer did."""
-    found = []
-    for name in os.listdir(reports):
-        try:
-            with open(os.path.join(reports, name)) as f:
-                found.append((name.split("-")[0], json.load(f)))
-        except (OSError, ValueError):
-            continue
-    last = max((a for a, _ in found), key=lambda a: int(a.removeprefix("attempt")), default=None)
-    reports_now = sorted((r for a, r in found if a == last), key=lambda r: r["time"])
-    origins: dict[str, list[int]] = {}
-    for r in reports_now:
-        if not r["peer"]:
-            origins.setdefault(r["text"], []).append(r["rank"])
-    for text, ranks in origins.items():
-        who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
-        print(f"pipekit train: {who}: {text}" if "\n" not in text else f"pipekit train: {who} failed:\n{text}",
-              file=sys.stderr)
-    failed = sorted(e.failures)
-    silent = [r for r in failed if not any(r in ranks for ranks in origins.values())]
-    if not origins:
-        print(f"pipekit train: worker rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed "
-              f"(the first failure is rank {e.get_first_failure()[0]}; see its output above)", file=sys.stderr)
-    elif silent:
-        print(f"pipekit train: rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped because "
-              f"another rank did", file=sys.stderr)
-    users = all(r["user"] for r in reports_now if not r["peer"]) and origins
-    return 2 if users else 1
-
-
 def _plan(args: argparse.Namespace) -> int:
     """Every input, including where --trace and --png go (and matplotlib for --png), is
     checked before either file is written: a mistake writes nothing."""
@@ -268,6 +137,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.pp is None or args.microbatches is None:
         raise ValueError("give a training config (pipekit plan CONFIG [key=value ...]), or --pp and "
                          "--microbatches to simulate one schedule under unit costs")
+    args.schedule = args.schedule or "1f1b"
+    args.f_cost = 1.0 if args.f_cost is None else args.f_cost
+    args.b_cost = 2.0 if args.b_cost is None else args.b_cost
     for flag, cost in (("--f-cost", args.f_cost), ("--b-cost", args.b_cost)):
         if not math.isfinite(cost):
             raise ValueError(f"{flag} {cost} must be a finite number >= 0")
@@ -305,21 +177,34 @@ def _plan_config(args: argparse.Namespace) -> int:
     """`pipekit plan CONFIG`: profile the run's layers, predict every schedule, partition
     and microbatch count, recommend the fastest that fits. Every flag and output path is
     checked (and the run resolved) before anything is measured or written."""
-    overrides = list(args.overrides)
-    if "=" in args.config and not args.config.endswith((".yaml", ".yml")):
-        overrides, args.config = [args.config, *overrides], None
     try:
+        args.config, overrides = _config_and_overrides(args.config, args.overrides)
         run = load_run(args.config, overrides)
     except ConfigError as e:
         print(f"pipekit plan: {e}", file=sys.stderr)
         return 2
     if not _plan_flags_ok(args):
         return 2
+    for flag, value, instead in (("--pp", args.pp, "parallel.pp=N"), ("--virtual", args.virtual,
+                                                                     "schedule.chunks_per_rank=N"),
+                                 ("--f-cost", args.f_cost, None), ("--b-cost", args.b_cost, None)):
+        if value is not None:
+            raise ValueError(f"{flag} {value} applies without a CONFIG; with one, "
+                             + (f"override {instead}" if instead else "the costs are the profiled layers'"))
+    if args.schedule is not None and args.schedule not in planner.SCHEDULES:
+        raise ValueError(f"--schedule {args.schedule} is not one of {list(planner.SCHEDULES)}")
+    counts = [m for m, _ in planner.microbatch_options(run)]
+    if args.microbatches is not None and args.microbatches not in counts:
+        raise ValueError(f"--microbatches {args.microbatches} does not divide this run's batch per replica "
+                         f"({counts[-1]} rows); valid: {counts}")
     profile, comm = _plan_costs(run, args)
     budget = args.memory_gb * 2**30 if args.memory_gb else None
-    candidates = planner.plan(run, profile, comm, budget=budget)
+    candidates = planner.plan(run, profile, comm, budget=budget, schedules=args.schedule and [args.schedule],
+                              microbatches=args.microbatches and [args.microbatches])
     if not candidates:
-        raise ValueError(f"no schedule runs pp={run.pp} with this model's {len(profile.layers)} layers")
+        only = "".join(f", {flag} {v}" for flag, v in (("--schedule", args.schedule),
+                                                      ("--microbatches", args.microbatches)) if v is not None)
+        raise ValueError(f"no schedule runs pp={run.pp} with this model's {len(profile.layers)} layers{only}")
     best, tokens = candidates[0], run.config.train.seq_len * run.dp
     command = _recommended_command(args.config, overrides, best)
     if args.json:
@@ -420,7 +305,7 @@ def _check_output_file(flag: str, path: str) -> None:
 def _prepare_data(args: argparse.Namespace) -> int:
     try:
         meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
-                            seed=args.seed)
+                            seed=args.seed, overwrite=args.overwrite)
     except ImportError as e:  # --tokenizer needs the optional tokenizers package
         if e.name != "tokenizers":
             raise
@@ -494,6 +379,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def _count(text: str) -> int:
+    """An argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pipekit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"pipekit {__version__}")
@@ -503,7 +399,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="YAML config (see configs/)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.pp=2")
     t.add_argument("--show", action="store_true", help="print the merged, checked config (every key) and exit")
-    t.add_argument("--max-restarts", type=int, default=0, metavar="N",
+    t.add_argument("--max-restarts", type=_count, default=0, metavar="N",
                    help="restart failed workers up to N times (torchrun's --max-restarts); each restart resumes "
                         "from the newest checkpoint")
     t.set_defaults(fn=_train)
@@ -518,13 +414,15 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--latency", type=float, default=None, metavar="SECONDS",
                    help="with CONFIG: message latency instead of measuring it")
     q.add_argument("--top", type=int, default=12, help="with CONFIG: candidates to list")
-    q.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | dualpipe_v")
-    q.add_argument("--pp", type=int, default=None)
-    q.add_argument("--microbatches", type=int, default=None)
+    q.add_argument("--schedule", default=None,
+                   help="gpipe | 1f1b | interleaved_1f1b | zb_h1 | zbv | dualpipe_v (default 1f1b; with CONFIG: "
+                        "plan only this schedule)")
+    q.add_argument("--pp", type=int, default=None, help="without CONFIG (with one, parallel.pp=N)")
+    q.add_argument("--microbatches", type=int, default=None, help="(with CONFIG: plan only this count)")
     q.add_argument("--virtual", type=int, default=None,
                    help="virtual stages per rank (interleaved_1f1b; default: the schedule's own)")
-    q.add_argument("--f-cost", type=float, default=1.0)
-    q.add_argument("--b-cost", type=float, default=2.0)
+    q.add_argument("--f-cost", type=float, default=None, help="without CONFIG: a forward's cost (default 1)")
+    q.add_argument("--b-cost", type=float, default=None, help="without CONFIG: a backward's cost (default 2)")
     q.add_argument("--json", action="store_true", help="print one JSON object")
     q.add_argument("--trace", metavar="FILE", help="also write the timeline as Chrome-trace JSON (Perfetto)")
     q.add_argument("--png", metavar="FILE", help="also draw the timeline as a PNG (needs matplotlib)")
@@ -536,6 +434,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer", default=None, help="a HuggingFace tokenizer.json (default: bytes)")
     d.add_argument("--val-fraction", type=float, default=0.01)
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
     d.set_defaults(fn=_prepare_data)
 
     c = sub.add_parser("convert", help="import weights from / export to HuggingFace transformers")
@@ -556,16 +455,18 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# What a user's mistake raises (a missing or unreadable file, a bad value): one line and exit
-# status 2 instead of a traceback. PIPEKIT_DEBUG=1 shows the traceback.
-USER_ERRORS = (OSError, ValueError, EOFError, pickle.UnpicklingError)
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, extra = p.parse_known_args(argv)  # `train CONFIG --max-restarts 1 key=value`: overrides after a flag
+    if extra:
+        unknown = [w for w in extra if w.startswith("-")] if args.command in ("train", "plan") else extra
+        if unknown:
+            p.exit(2, f"pipekit {args.command}: unrecognized arguments: {' '.join(unknown)} "
+                      f"(see pipekit {args.command} --help)\n")
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.fn(args)
-    except USER_ERRORS as e:
+    except launch.USER_ERRORS as e:
         if os.environ.get("PIPEKIT_DEBUG") == "1":
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -574,4 +475,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if launch.trained_in_a_group():
+        launch.exit_worker(status)
+    sys.exit(status)

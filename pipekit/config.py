@@ -31,11 +31,12 @@ import sys
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, cast
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .kernels import dispatch as kernel_dispatch
 from .models import FAMILIES, get_model, model_keys, model_specs, model_vocab
+from .optim.factory import FUSED
 from .partition import check_boundaries, layer_weights
 from .precision import PRECISION_NAMES, Precision, precision_policy
 from .schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, load_schedule
@@ -44,7 +45,7 @@ from .topology import local_workers, resolve_device
 
 # The ModelConfig keys that are sizes: when set, each must be >= 1 (checked with the key named as given).
 _MODEL_SIZES = ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden",
-                "vocab_pad_multiple", "n_experts", "top_k")
+                "vocab_pad_multiple", "n_experts", "top_k", "n_groups", "topk_groups")
 
 
 @dataclass
@@ -63,14 +64,22 @@ class ModelConfig:
     tie_embeddings: Optional[bool] = None
     rope_theta: Optional[float] = None
     vocab_pad_multiple: Optional[int] = None  # tables padded to a multiple of this (default 128; masked, exact)
+    fused_loss: Optional[bool] = None  # gpt2 | llama | mixtral: head fused into the loss, no logits in training
     # mixtral (MoE): routed experts, experts per token, always-on shared experts, router settings
     n_experts: Optional[int] = None
     top_k: Optional[int] = None
     n_shared_experts: Optional[int] = None
     score: Optional[str] = None  # softmax | sigmoid
     aux_loss_coef: Optional[float] = None
+    global_balance: Optional[bool] = None  # the balancing loss on the whole step's loads (microbatches x dp):
+    #                                        the same training at any micro_batch / dp / ep; an extra forward
     z_loss_coef: Optional[float] = None
+    bias_update_rate: Optional[float] = None  # DeepSeek-V3 aux-loss-free bias: its move per step (0: off)
+    n_groups: Optional[int] = None  # device-limited routing (DeepSeek-V3's n_group / topk_group): experts in
+    topk_groups: Optional[int] = None  # n_groups groups, each token in its topk_groups best (n_groups=ep: ranks)
     capacity_factor: Optional[float] = None  # unset: dropless
+    token_drop_policy: Optional[str] = None  # with a capacity: position | probs (Megatron's moe_token_drop_policy)
+    pad_expert_input_to_capacity: Optional[bool] = None  # with a capacity: experts padded to exactly capacity rows
 
 
 @dataclass
@@ -79,6 +88,10 @@ class ParallelConfig:
     dp: int = 1  # data-parallel replicas
     tp: int = 1  # tensor-parallel ranks per stage
     ep: int = 1  # expert-parallel ranks: MoE experts sharded over groups of ep dp ranks (divides dp)
+    # expert tensor parallelism (Megatron's expert-TP): with tp > 1, split each MoE expert's hidden
+    # dimension over the tp ranks, so none repeats another's expert work (false: every tp rank runs its
+    # experts whole). Needs the experts' hidden divisible by tp.
+    expert_tp: bool = False
 
 
 @dataclass
@@ -111,6 +124,8 @@ class OptimizerConfig:
     momentum: float = 0.0  # sgd only
     zero_stage: int = 0  # 0: replicated; 1: optimizer state + master weights sharded over dp; 2: gradients too
     bucket_mb: float = 25.0  # ZeRO-2 reduce-scatter bucket size, in MB of gradients
+    fused: str = "auto"  # auto | true | false: AdamW as one Triton kernel per bucket (pipekit.kernels.adamw);
+    #                      auto: on where the master weights are CUDA float32
 
 
 @dataclass
@@ -142,8 +157,13 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda (auto: CUDA when every node has a GPU per local worker)
     precision: str = "fp32"  # fp32 | bf16 | fp16: weights and activations; master weights stay fp32
     compile: bool = False  # torch.compile each layer (transformer block) separately
-    resume: Optional[str] = None  # auto: the newest complete checkpoint in checkpoint.dir (none: start fresh);
-    #                               or a checkpoint directory (checkpoints/step_00000100)
+    resume: Optional[str] = None  # auto: the newest complete checkpoint in checkpoint.dir (none: start fresh,
+    #                               where out_dir holds no other run); or a checkpoint directory
+    #                               (checkpoints/step_00000100; an older one of this run starts a branch)
+    allow_changed: Optional[str] = None  # on resume, keys that make it another run which may differ from the
+    #                                      checkpoint's anyway, comma-separated: model.KEY (as the checkpoint's
+    #                                      model names it, e.g. model.aux_loss_coef), train.seed,
+    #                                      train.seq_len, data.source (other keys may always change)
 
 
 @dataclass
@@ -165,6 +185,9 @@ class CheckpointConfig:
     keep: int = 2  # keep the newest this many complete checkpoints; older ones are deleted
     dir: Optional[str] = None  # default: {logging.out_dir}/checkpoints (no out_dir: no checkpoints)
     at_end: bool = True  # save one after the last step
+    # After passing SIGTERM, SIGINT, SIGHUP or SIGUSR1 on to its workers, `pipekit train`'s launcher
+    # waits this long for them to finish the step and save, then kills them: allow a step and a save.
+    stop_grace_s: int = 600
 
 
 @dataclass
@@ -188,6 +211,11 @@ class ConfigError(ValueError):
     """A config value is wrong; the message names the key."""
 
 
+# The keys besides the model's whose change makes a resumed run another run (other weights or
+# other batches at the same step): refused on resume unless named in train.allow_changed.
+RUN_DEFINING = ("train.seed", "train.seq_len", "data.source")
+
+
 def load_run(path: str | None = None, overrides: list[str] | None = None) -> Run:
     """Read the YAML file and the `key=value` overrides, check them and resolve the run:
     what `pipekit train` and `pipekit plan` call, in the launcher and in each worker."""
@@ -206,7 +234,12 @@ def _merged(path: str | None, overrides: list[str] | None) -> Config:
     try:
         parts = [schema]
         if path:
-            parts.append(OmegaConf.load(path))
+            loaded = OmegaConf.load(path)
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError(f"{path} holds a YAML {'list' if isinstance(loaded, ListConfig) else 'value'} at its "
+                                  "top level; a config is a mapping of sections (model:, train:, ...), as in "
+                                  "configs/gpt2_tiny.yaml")
+            parts.append(loaded)
         parts.append(OmegaConf.from_dotlist(list(overrides or [])))
         # to_object's declared return covers any container; merged onto the Config schema it is a Config
         cfg = cast(Config, OmegaConf.to_object(OmegaConf.merge(*parts)))
@@ -224,6 +257,10 @@ def _merged(path: str | None, overrides: list[str] | None) -> Config:
         raise
     if cfg.train.global_batch is None:
         cfg.train.global_batch = cfg.train.micro_batch * cfg.schedule.microbatches * cfg.parallel.dp
+    for section, key in (("logging", "out_dir"), ("checkpoint", "dir"), ("train", "resume"), ("data", "source")):
+        value = getattr(getattr(cfg, section), key)  # `~/runs/x` is the user's home, as in a shell
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(getattr(cfg, section), key, os.path.expanduser(value))
     check_config(cfg)
     return cfg
 
@@ -268,6 +305,7 @@ def check_config(cfg: Config) -> None:
     _check_choice("optimizer.decay", cfg.optimizer.decay, ("cosine", "constant"))
     _check_choice("optimizer.name", cfg.optimizer.name, ("adamw", "sgd"))
     _check_choice("optimizer.zero_stage", cfg.optimizer.zero_stage, (0, 1, 2))
+    _check_choice("optimizer.fused", str(cfg.optimizer.fused).lower(), FUSED)
     _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
     _check_choice("train.precision", t.precision, PRECISION_NAMES)
     _check_kernels(cfg)
@@ -285,6 +323,9 @@ def check_config(cfg: Config) -> None:
 
 def _check_optimizer(cfg: Config) -> None:
     o = cfg.optimizer
+    if o.name != "adamw" and str(o.fused).lower() == "true":
+        raise ConfigError(f"optimizer.fused=true is fused AdamW, but optimizer.name={o.name}; "
+                          "use optimizer.name=adamw, or optimizer.fused=auto or false")
     _check_rules([
         ("optimizer.lr", o.lr, _finite(o.lr) and o.lr > 0, "a finite number > 0"),
         ("optimizer.min_lr", o.min_lr, _finite(o.min_lr) and 0 <= o.min_lr <= o.lr,
@@ -328,11 +369,17 @@ def _check_runtime(cfg: Config) -> None:
         ("train.resume", repr(t.resume), t.resume is None or (t.resume.strip() != "" and "\0" not in t.resume),
          "auto (the newest checkpoint in checkpoint.dir), a checkpoint directory, or null (start fresh)"),
         ("checkpoint.every", ck.every, ck.every >= 0, ">= 0 (0: only at the end of the run)"),
+        ("checkpoint.stop_grace_s", ck.stop_grace_s, ck.stop_grace_s >= 1,
+         ">= 1 (seconds for the step in flight and the save after a stop signal)"),
         ("logging.trace_step", log.trace_step, log.trace_step is None or 1 <= log.trace_step <= t.steps,
          f"a step in 1..train.steps={t.steps}, or null (no trace)"),
         ("logging.peak_tflops", log.peak_tflops, log.peak_tflops is None or (
             _finite(log.peak_tflops) and log.peak_tflops > 0), "a finite number > 0, or null (look it up or measure)"),
     ])
+    for key in (k.strip() for k in (t.allow_changed or "").split(",") if k.strip()):
+        if key not in RUN_DEFINING and not re.fullmatch(r"model\.\w+", key):
+            raise ConfigError(f"train.allow_changed: {key!r} is not a key that needs allowing; give model.KEY, "
+                              f"{', '.join(RUN_DEFINING)} (comma-separated; other keys may change on resume anyway)")
     nowhere = "; neither checkpoint.dir nor logging.out_dir is set (the default is {logging.out_dir}/checkpoints)"
     if t.resume == "auto" and not (ck.dir or log.out_dir):
         raise ConfigError(f"train.resume=auto looks for the newest checkpoint in checkpoint.dir{nowhere}; "
@@ -448,9 +495,26 @@ def _check_model_fits(cfg: Config, model, specs: list, chunks: int) -> None:
     if experts is None and p.ep > 1:
         raise ConfigError(f"parallel.ep={p.ep} shards experts, but model.family={cfg.model.family} has none; "
                           f"use parallel.ep=1 or an MoE family (mixtral)")
+    _check_expert_tp(cfg, model)
     max_len = getattr(model, "max_seq_len", None)
     if max_len is not None and cfg.train.seq_len > max_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={max_len}")
+
+
+def _check_expert_tp(cfg: Config, model) -> None:
+    """parallel.expert_tp needs experts, and their hidden width divisible by tp (GPT-2's
+    experts are 4*dim wide, which the head check already makes divisible)."""
+    p = cfg.parallel
+    if not p.expert_tp:
+        return
+    if getattr(model, "n_experts", None) is None:
+        raise ConfigError(f"parallel.expert_tp=true splits MoE experts over tp, but model.family="
+                          f"{cfg.model.family} has none; use parallel.expert_tp=false or an MoE model")
+    hidden = getattr(model, "hidden", None)
+    if hidden is not None and hidden % p.tp:
+        raise ConfigError(f"model.hidden={hidden} (each expert's width) is not divisible by parallel.tp={p.tp}, "
+                          f"over which parallel.expert_tp=true splits it; use a hidden multiple of {p.tp}, or "
+                          "parallel.expert_tp=false")
 
 
 def _check_model_family(m: ModelConfig) -> None:

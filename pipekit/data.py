@@ -220,6 +220,7 @@ def prepare_data(
     seed: int = 0,
     *,
     source: str | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """Tokenise `inputs` (files or directories, see `list_files`) into `out_dir`; return the meta dict.
 
@@ -233,10 +234,14 @@ def prepare_data(
     `.*.tmp` file). Bad arguments (inputs, tokenizer, out_dir, fraction, seed)
     are refused before `out_dir` is made, and a run that fails later (no
     readable text) removes the directories it made. `source` is the description
-    kept in meta (default: the inputs)."""
+    kept in meta (default: the inputs). A dataset already in `out_dir` (its
+    meta.json) is replaced only with `overwrite`."""
     _check_fraction(val_fraction)
     _check_seed(seed)
     _check_out_dir(out_dir)
+    if not overwrite and os.path.exists(os.path.join(out_dir, "meta.json")):
+        raise FileExistsError(f"{out_dir!r} already holds a prepared dataset (meta.json); choose another --out, or "
+                              "pass --overwrite to replace it")
     files = list_files(inputs)
     if not files:
         rule = ", ".join("*" + s for s in TEXT_SUFFIXES)

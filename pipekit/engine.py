@@ -387,9 +387,9 @@ class PipelineEngine:
         self.tie_groups = module.tie_groups
         self._stage_params = {s: self._params_of_stage(s) for s in module.local_stages}
         self._final_params = self._params_final_after()
-        self._io_meta: list = []
-        self._io_key: tuple | None = None  # the input shapes `_io_meta` was made for
+        self._io: dict[bool, tuple] = {}  # module.training -> (input shapes, `stage_io_meta` for them)
         self._shapes = _InputShapes(self)
+        self._step_layers = auxloss.step_layers(module)  # layers with work around a step (auxloss.StepStatistic)
 
     # ---- what the optimizer reports ---------------------------------------
     @property
@@ -446,11 +446,13 @@ class PipelineEngine:
         return out
 
     def _stage_io(self, example_input) -> list:
+        """Every stage's (input, output) meta tensors, kept per mode (training, eval) for the
+        input shapes last seen in it: a layer may give other shapes in eval (a fused loss's head)."""
         key = tuple((t.shape, t.dtype) for t in _all_tensors(example_input))
-        if key != self._io_key:
-            self._io_meta = self.module.stage_io_meta(example_input)
-            self._io_key = key
-        return self._io_meta
+        mode = self.module.training
+        if self._io.get(mode, (None,))[0] != key:
+            self._io[mode] = (key, self.module.stage_io_meta(example_input))
+        return self._io[mode][1]
 
     # ---- the public steps ---------------------------------------------
     def train_batch(self, data=None, *, reduce_loss: bool = False):
@@ -468,13 +470,22 @@ class PipelineEngine:
         ranks holding the last stage, and None on the others. `reduce_loss=True`
         returns the loss of the global batch (as in one process) as a float on every
         rank: a collective (an all-reduce over pp and over dp) and a host read, so
-        every rank must pass it. The gradients and the step are the same either way."""
+        every rank must pass it. The gradients and the step are the same either way.
+
+        Layers that need a statistic of the whole step (`pipekit.auxloss.StepStatistic`, e.g.
+        MoE global-batch balancing) get a pre-pass first: the step's forward actions, without
+        autograd (an extra forward of every microbatch; not in the timeline)."""
         if self.optimizer is None:
             raise RuntimeError("train_batch needs an optimizer; pass optimizer=... to PipelineEngine")
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        step = self._run(self.actions, _next_batch(data), training=True)
+        batch = _next_batch(data)
+        if any(layer.needs_prepass for layer in self._step_layers):
+            with torch.no_grad(), auxloss.prepass(self._step_layers, self.topo.dp_group):
+                self._run(self.eval_actions, batch, training=False)
+        step = self._run(self.actions, batch, training=True)
         self.optimizer.step()  # reduction, unscaling, overflow check, clipping, update
+        auxloss.end_step(self._step_layers, self.topo.dp_group)
         if self.lr_scheduler is not None and not self.last_step_skipped:
             self.lr_scheduler.step()
         return self._step_loss(step, reduce_loss)
@@ -596,6 +607,9 @@ class PipelineEngine:
             st.outbox[(s, Kind.SEND_F, m)] = _all_tensors(out)
 
     def _finish_forward(self, st: Step, x, out, m: int) -> None:
+        """The loss of the last stage's output (half-precision layers: taken to float32 first,
+        unless the loss says `keeps_output_dtype` and does its own precision, as the fused
+        linear cross-entropy does: its matmul runs in the head weight's dtype)."""
         if not self.module.has_loss:
             if st.training:
                 raise RuntimeError("training needs a loss; pass loss_fn=... to PipelineModule")
@@ -603,7 +617,8 @@ class PipelineEngine:
             return
         loss_fn, labels = self.module.loss_fn, st.micro_labels
         assert loss_fn is not None and labels is not None  # built on the last stage's rank; labels checked
-        loss = loss_fn(_cast_floats(out, torch.float32 if self.module.param_dtype else None), labels[m])
+        upcast = self.module.param_dtype and not getattr(loss_fn, "keeps_output_dtype", False)
+        loss = loss_fn(_cast_floats(out, torch.float32 if upcast else None), labels[m])
         st.losses.append(loss.detach() * st.weights[m].to(loss.dtype))
         st.raw_losses.append(loss.detach())
         if st.training:
@@ -756,10 +771,18 @@ class PipelineEngine:
         total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
         if st.losses:
             total += torch.stack(st.losses).double().sum()
-        if self.topo.pp_group is not None:
-            dist.all_reduce(total, group=self.topo.pp_group)
+        for axis, group in (("pp", self.topo.pp_group), ("dp", self.topo.dp_group)):
+            if group is None:
+                continue
+            work = dist.all_reduce(total, group=group, async_op=True)
+            try:
+                work.wait(timeout=self.timeout)
+            except RuntimeError as e:
+                raise PipelineError(
+                    f"rank {self.topo.rank}: the step's loss all-reduce over {axis} (reduce_loss=True) was not joined "
+                    f"within {self.timeout.total_seconds():g} s: every rank must pass the same reduce_loss to "
+                    f"train_batch / eval_batch, and run the same steps ({str(e).strip().splitlines()[0]})") from e
         if self.topo.dp_group is not None:
-            dist.all_reduce(total, group=self.topo.dp_group)
             total /= self.topo.dp
         return total.item()
 

@@ -254,7 +254,9 @@ def read_model_file(path: str) -> dict:
         raise IsADirectoryError(f"{path} is a directory; give a model.pt written by pipekit train or convert")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+    except PermissionError:
+        raise
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:  # a cut zip: EINVAL
         raise ValueError(f"{path} is not a readable pipekit model file: truncated, corrupt or not written by "
                          f"pipekit ({type(e).__name__} while reading it)") from e
     if not isinstance(obj, dict) or not {"family", "config", "state_dict"} <= set(obj):

@@ -175,10 +175,11 @@ class Logger:
     """Rank 0's progress bar, metrics.jsonl, TensorBoard events and summary table."""
 
     def __init__(self, run: Run, topo: Topology, engine: PipelineEngine, notice: str | None = None,
-                 start_step: int = 0):
+                 start_step: int = 0, continues: bool = True):
         cfg = run.config
         self.run, self.cfg, self.engine, self.active = run, cfg, engine, topo.rank == 0
         self.start_step = start_step  # steps done before this process started (a resumed run)
+        self.continues = continues  # the run whose metrics.jsonl is in out_dir (not another run's checkpoint)
         self.device, self.notice = topo.device.type, notice
         self.tokens_per_step = run.global_batch * cfg.train.seq_len
         n_params = _count_params(engine)
@@ -197,7 +198,7 @@ class Logger:
         out = self.cfg.logging.out_dir
         if out:
             os.makedirs(out, exist_ok=True)
-            self.file = _metrics_file(os.path.join(out, "metrics.jsonl"), self.start_step)
+            self.file = _metrics_file(os.path.join(out, "metrics.jsonl"), self.start_step if self.continues else 0)
             if self.cfg.logging.tensorboard:
                 self.tb = _tensorboard(out)
         if self.cfg.logging.progress:
@@ -206,7 +207,10 @@ class Logger:
         self._print(f"{self.cfg.model.family}/{self.cfg.model.flavour}: {self.n_params / 1e6:.2f} M parameters, "
                     f"pp={p.pp} dp={p.dp} tp={p.tp}, schedule {self.run.schedule.name}, "
                     f"{self.tokens_per_step:,} tokens per step, on {self.device}")
-        for line in (self.notice, None if self.peak else f"MFU: {self.peak_source}"):
+        nowhere = (None if self.cfg.logging.out_dir else
+                   "logging.out_dir is not set: no metrics.jsonl, checkpoints or model.pt will be written "
+                   "(set logging.out_dir=runs/NAME to keep them)")
+        for line in (self.notice, nowhere, None if self.peak else f"MFU: {self.peak_source}"):
             if line:
                 self._print(line)
 
@@ -215,6 +219,15 @@ class Logger:
             self.bar.write(text)
         else:
             print(text, flush=True)
+
+    def say(self, text: str) -> None:
+        """Print a line from rank 0 (above the progress bar), nothing elsewhere."""
+        if self.active:
+            self._print(text)
+
+    def saved(self, step: int, path: str, seconds: float) -> None:
+        """Say where the checkpoint of `step` went and how long saving it took."""
+        self.say(f"pipekit: saved the checkpoint of step {step} to {path} in {seconds:.2f} s")
 
     @contextlib.contextmanager
     def paused(self):

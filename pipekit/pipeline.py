@@ -23,6 +23,7 @@ stable names are untouched.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers.parallel import expert_parallel, tensor_parallel
+from .layers.parallel import expert_parallel, expert_tensor_parallel, tensor_parallel
 from .partition import partition as partition_specs
 from .precision import Precision, precision_policy
 from .schedules import SCHEDULES, Schedule, build_schedule
@@ -85,6 +86,20 @@ def declare_schedule(schedule, pp: int, microbatches: int | None, chunks_per_ran
     return schedule
 
 
+def _check_same_seed(seed: int, topology: Topology) -> None:
+    """ValueError on every rank when the ranks of a group were given different seeds (a
+    per-rank seed gives dp replicas that differ and stages that are not one model's).
+    Collective over the world: one all-reduce of two ints at construction."""
+    if getattr(topology, "world_size", 1) == 1 or not dist.is_initialized():
+        return
+    seen = torch.tensor([seed, -seed], dtype=torch.int64, device=topology.device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    high, low = seen[0].item(), -seen[1].item()
+    if high != low:
+        raise ValueError(f"PipelineModule(seed=...) differs across ranks (from {low} to {high}; this rank: {seed}): "
+                         "every rank must pass the same seed, since layers are seeded by their global index")
+
+
 class PipelineModule(nn.Module):
     """This rank's share of a model given as a list of specs.
 
@@ -95,6 +110,8 @@ class PipelineModule(nn.Module):
             stage; a LayerSpec is built here, only on the rank holding the
             last stage (inside the tp context, so a vocab-parallel loss gets
             its group), so a loss with parameters is trained and saved once.
+            A loss with a `bind_head(layer)` method is given that rank's copy of
+            the last layer (a fused linear cross-entropy reads the head's weight).
         partition: "parameters", "uniform", "type:REGEX", or explicit boundaries.
         seed: base seed; layer i is initialised from (seed, i).
         schedule: the pipeline schedule this module is built for, declared once: a
@@ -143,6 +160,7 @@ class PipelineModule(nn.Module):
         self.has_loss = loss_fn is not None  # on every rank, also where a loss module is not built
         self.topology = topology if topology is not None else Topology(pp=1, dp=1)
         self.seed = seed
+        _check_same_seed(seed, self.topology)
         if activation_checkpoint_interval < 0:
             raise ValueError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
         self.precision = precision if isinstance(precision, Precision) else precision_policy(precision)
@@ -159,7 +177,7 @@ class PipelineModule(nn.Module):
         self.layers = nn.ModuleDict()
         self.tied = nn.ModuleDict()
         self._funcs: dict[int, Callable] = {}
-        with tensor_parallel(self.topology.tp_group), expert_parallel(getattr(self.topology, "ep_group", None)):
+        with self._groups():
             for stage in self.local_stages:
                 for i in self.stage_layers(stage):
                     self._build(i)
@@ -167,6 +185,9 @@ class PipelineModule(nn.Module):
                 last_here = self.num_stages - 1 in self.local_stages
                 self.loss_fn = (loss_fn.build(seed=seed, index=len(self.specs), device=self.device)
                                 if last_here else None)  # kept fp32: it sees fp32 outputs
+        bind_head = getattr(self.loss_fn, "bind_head", None)
+        if bind_head is not None and self.num_stages - 1 in self.local_stages:
+            bind_head(self.layer(len(self.specs) - 1))
         self.tie_groups = self._make_tie_groups()
 
     @property
@@ -175,6 +196,14 @@ class PipelineModule(nn.Module):
         return self.precision.param_dtype if self.precision.mixed else None
 
     # ---- construction -------------------------------------------------
+    @contextlib.contextmanager
+    def _groups(self):
+        """The topology's tp, ep and expert-tp groups as the current ones, for building layers."""
+        topo = self.topology
+        with tensor_parallel(topo.tp_group), expert_parallel(getattr(topo, "ep_group", None)), \
+                expert_tensor_parallel(getattr(topo, "etp_group", None)):
+            yield
+
     def _build(self, i: int) -> None:
         spec = self.specs[i]
         if isinstance(spec, TiedLayerSpec):
@@ -224,7 +253,8 @@ class PipelineModule(nn.Module):
     def counted_in_norm(self) -> dict[str, bool]:
         """Whether each local parameter (by name) counts in the global gradient norm on this
         rank, so that summing over pp and tp counts every parameter once: a tp-replicated one
-        only on tp rank 0, a tied one only on the first pipeline rank that holds it."""
+        only on tp rank 0, a tied one only on the first pipeline rank that holds it (an
+        expert-TP shard carries `tp_shard_dim`, so each tp rank counts its own)."""
         topo = self.topology
         first_owner = {k: owners[0] for k, owners in self.tied_owners().items()}
         return {name: not ((getattr(p, "tp_shard_dim", None) is None and topo.tp_rank != 0)
@@ -241,14 +271,20 @@ class PipelineModule(nn.Module):
                     owners.setdefault(spec.key, set()).add(self.placement[stage])
         return {k: sorted(v) for k, v in owners.items()}
 
+    def layer(self, i: int) -> nn.Module | Callable:
+        """This rank's layer `i` (a tied one: the module its key shares); it must be local."""
+        spec = self.specs[i]
+        if isinstance(spec, TiedLayerSpec):
+            return self.tied[spec.key]
+        return self.layers[str(i)] if str(i) in self.layers else self._funcs[i]
+
     # ---- running ------------------------------------------------------
     def run_layer(self, i: int, x, layer: nn.Module | Callable | None = None):
         """Apply layer `i` (this rank's copy, or `layer` when given) to `x`."""
         spec = self.specs[i]
-        if isinstance(spec, TiedLayerSpec):
-            module = layer if layer is not None else self.tied[spec.key]
-            return spec.forward_fn(module, x) if spec.forward_fn is not None else module(x)
-        fn = layer if layer is not None else (self.layers[str(i)] if str(i) in self.layers else self._funcs[i])
+        fn = layer if layer is not None else self.layer(i)
+        if isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None:
+            return spec.forward_fn(fn, x)
         return fn(x)
 
     def _segments(self, stage: int) -> list[tuple[list[int], bool]]:
@@ -284,11 +320,16 @@ class PipelineModule(nn.Module):
     # ---- shapes -------------------------------------------------------
     def stage_io_meta(self, example_input) -> list[tuple[Any, Any]]:
         """(input, output) of every virtual stage as meta tensors, for a microbatch
-        shaped like `example_input`; found by running the whole spec list on the
-        meta device, so it costs no memory and needs no communication. Also
-        checks that every layer returns a tensor or a tuple of tensors."""
-        with tensor_parallel(self.topology.tp_group), expert_parallel(getattr(self.topology, "ep_group", None)):
+        shaped like `example_input`, in the module's mode (a layer may give other
+        shapes in training and eval: a fused loss's head); found by running the
+        whole spec list on the meta device, so it costs no memory and needs no
+        communication. Also checks that every layer returns a tensor or a tuple of
+        tensors."""
+        with self._groups():
             meta_layers = self._meta_layers()
+        for layer in meta_layers.values():
+            if isinstance(layer, nn.Module):
+                layer.train(self.training)
         x = to_meta(example_input)
         io = []
         for stage in range(self.num_stages):

@@ -24,7 +24,7 @@ from .config import ConfigError, Run
 from .data import ByteTokenizer
 from .data import read_meta as read_data_meta
 from .models import model_vocab
-from .resume import check_same_model, resume_path
+from .resume import compare_settings, resume_path
 
 BUILT_IN_SOURCES = ("stdlib", "synthetic")
 
@@ -100,30 +100,28 @@ def _nearest_existing(path: str) -> str:
 
 
 def _check_resume_path(run: Run) -> None:
-    """train.resume, when a path, names an existing directory holding a complete checkpoint;
-    the checkpoint it resumes from (that path, or the newest one for "auto") was saved from
-    this config's model and is not past train.steps."""
+    """train.resume, when a path this run would load, names an existing directory holding a
+    complete checkpoint; the checkpoint it resumes from (that path, or the newest one for
+    "auto" and after a restart) was saved from this config's model and run-defining settings
+    (`resume.compare_settings`) and is not past train.steps."""
     cfg = run.config
-    path = cfg.train.resume
-    if path is None:
-        return
-    if path != "auto":
+    path, chosen = cfg.train.resume, resume_path(cfg)
+    if path not in (None, "auto") and chosen == path:
         valid = "give a checkpoint directory such as checkpoints/step_00000100, or auto"
         if not os.path.exists(path):
             raise ConfigError(f"train.resume={path} does not exist; {valid}")
         if not os.path.isdir(path):
             raise ConfigError(f"train.resume={path} is a file, not a checkpoint directory; {valid}")
-    chosen = resume_path(cfg)
     if chosen is None:
         return
     try:
         meta = read_meta(chosen)
-        check_same_model(meta, run, chosen)
+        compare_settings(meta, run, chosen)
     except CheckpointError as e:
-        raise ConfigError(f"train.resume={path}: {e}") from e
+        raise ConfigError(f"train.resume={path or 'auto'}: {e}") from e
     step = meta.get("step")
     if not isinstance(step, int) or step < 0:
-        raise ConfigError(f"train.resume={path}: {chosen}/pipekit.json has no valid step ({step!r})")
+        raise ConfigError(f"train.resume={path or 'auto'}: {chosen}/pipekit.json has no valid step ({step!r})")
     if step > cfg.train.steps:
-        raise ConfigError(f"train.resume={path}: the checkpoint is at step {step}, past train.steps="
+        raise ConfigError(f"train.resume={path or 'auto'}: the checkpoint is at step {step}, past train.steps="
                           f"{cfg.train.steps}; raise train.steps to train on")

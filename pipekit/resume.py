@@ -3,10 +3,20 @@
 `checkpoint_root(cfg)` is `checkpoint.dir`, else `{logging.out_dir}/checkpoints`.
 A fresh run refuses to start over another run's checkpoints unless
 `logging.overwrite` (then they are deleted: `clear_old_checkpoints`). A run
-continues from `train.resume` (a path, or "auto": the newest complete one; also
-"auto" after a torchrun restart), and only if the checkpoint was saved from the
-same model (`check_same_model`, which the launcher's pre-flight checks call too).
-The layout-free files themselves are `pipekit.checkpoint`'s.
+continues from `train.resume`: a path, or "auto" (the newest complete one). A
+torchrun restart continues from the newest complete checkpoint of this run
+(the path it started from only while it has saved none). Rank 0 chooses and
+every rank loads that one. A resume from an older step of this run starts a new
+branch: the later checkpoints are moved aside to `abandoned/`, so neither
+"auto" nor a restart can mistake them for this branch's.
+
+On resume the checkpoint's settings are compared with this config's
+(`compare_settings`, which the launcher's pre-flight checks call too): a change
+of the model or of a key in `config.RUN_DEFINING` (other weights or other
+batches: another run) is refused unless `train.allow_changed` names it; any
+other change (lr, schedule, steps, clipping, logging, layout) takes effect and
+is listed in one line. The LR schedule is this config's, at the checkpoint's
+position. The layout-free files themselves are `pipekit.checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -14,11 +24,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from dataclasses import asdict
-from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from .atomic import fsync_dir
 from .checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -28,8 +40,9 @@ from .checkpoint import (
     save_checkpoint,
     step_dir,
 )
-from .config import Config, Run
+from .config import RUN_DEFINING, Config, Run
 from .engine import PipelineEngine
+from .interchange import checkpoint_dir
 from .topology import Topology
 
 
@@ -42,7 +55,8 @@ def checkpoint_root(cfg: Config) -> str | None:
 
 def clear_old_checkpoints(cfg: Config, topo: Topology) -> None:
     """A fresh run must not leave another run's checkpoints where `train.resume=auto` would
-    find them: with logging.overwrite they are deleted, otherwise the run refuses to start."""
+    find them: with logging.overwrite they are deleted (and the abandoned branches with them),
+    otherwise the run refuses to start."""
     root = checkpoint_root(cfg)
     old = list_checkpoints(root) if root else []
     if not old:
@@ -52,39 +66,53 @@ def clear_old_checkpoints(cfg: Config, topo: Topology) -> None:
                               f"train.resume=auto, or pass logging.overwrite=true to start afresh and delete them")
     if dist.is_initialized():
         dist.barrier()  # every rank has looked before rank 0 deletes
-    if topo.rank == 0:
-        for _, path in old:
+    if topo.rank == 0 and root:
+        for path in [p for _, p in old] + [os.path.join(root, ABANDONED)]:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def is_own(cfg: Config, path: str) -> bool:
+    """Whether checkpoint `path` lies in this run's checkpoint root (else it is another run's)."""
+    root = checkpoint_root(cfg)
+    return root is not None and os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(root)
+
+
 def resume_path(cfg: Config) -> str | None:
-    """The checkpoint this run continues from: `train.resume` (a path, or "auto": the newest
-    complete one under checkpoint_root, or none), also "auto" after a torchrun restart."""
+    """The checkpoint this run continues from: `train.resume` (a checkpoint, a checkpoints
+    root: its newest complete one, or "auto": the newest complete one under checkpoint_root,
+    or none). After a torchrun restart: the newest
+    complete one under checkpoint_root, or `train.resume` while this run has saved none."""
     wanted = cfg.train.resume
-    if wanted is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        wanted = "auto"  # a restarted worker continues from where the group got to
-    if wanted is None:
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if wanted is None and not restarted:
         return None
-    if wanted == "auto":
-        root = checkpoint_root(cfg)
-        return latest_checkpoint(root) if root else None
-    return wanted
+    root = checkpoint_root(cfg)
+    newest = latest_checkpoint(root) if root else None
+    if wanted in (None, "auto"):
+        return newest
+    if restarted and newest:
+        return newest
+    try:  # a checkpoints root (as generate and convert take it): its newest complete checkpoint
+        return checkpoint_dir(wanted) if os.path.isdir(wanted) else wanted
+    except (OSError, CheckpointError):
+        return wanted  # not a checkpoint: the pre-launch check says what it is
 
 
-def resume(run: Run, topo: Topology, engine: PipelineEngine) -> int:
+def resume(run: Run, topo: Topology, engine: PipelineEngine) -> tuple[int, str | None]:
     """Load the checkpoint to resume from, if any, into `engine` (weights, optimizer state,
-    LR schedule, loss scale, RNG); returns the number of steps already done."""
+    the LR schedule's position, loss scale, RNG); returns (the number of steps already done,
+    the checkpoint's path). Collective: rank 0 chooses the checkpoint and every rank loads it."""
     cfg = run.config
-    path = resume_path(cfg)
+    chosen = [resume_path(cfg) if topo.rank == 0 else None]
+    if dist.is_initialized() and topo.world_size > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    path = chosen[0]
     if path is None:
-        return 0
-    check_same_model(read_meta(path), run, path)
+        return 0, None
+    changed = compare_settings(read_meta(path), run, path)
     meta = load_checkpoint(path, engine.module, engine.optimizer)
     if engine.lr_scheduler is not None and meta.get("lr_scheduler"):
-        engine.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-        assert engine.optimizer is not None  # an LR scheduler is built on the engine's optimizer
-        for group, lr in zip(engine.optimizer.param_groups, engine.lr_scheduler.get_last_lr()):
-            group["lr"] = lr
+        _restore_schedule(engine, int(meta["lr_scheduler"]["last_epoch"]))
     scaler = getattr(engine.optimizer, "loss_scaler", None)
     if scaler is not None and meta.get("loss_scaler"):
         scaler.load_state_dict(meta["loss_scaler"])
@@ -94,19 +122,88 @@ def resume(run: Run, topo: Topology, engine: PipelineEngine) -> int:
                               f"raise train.steps to train on")
     if topo.rank == 0:
         print(f"resuming from {path} (step {step})", flush=True)
-    return step
+        if changed:
+            print(f"pipekit: changed since the checkpoint: {', '.join(changed)}", flush=True)
+        root = checkpoint_root(cfg)
+        if root and is_own(cfg, path):
+            _start_branch(root, step)
+    return step, path
 
 
-def check_same_model(meta: dict, run: Run, path: str) -> None:
-    """A checkpoint continues only the model (and data) it was saved from."""
-    mine: dict[str, Any] = {"family": run.family, "config": _model_record(run)}
-    theirs: dict[str, Any] = {"family": meta.get("family"), "config": meta.get("model_config")}
-    if theirs != mine:
-        saved = theirs["config"] or {}
-        diff = sorted(k for k in set(mine["config"]) | set(saved) if saved.get(k) != mine["config"].get(k))
-        shown = ", ".join(f"{k}={saved.get(k)} (this config: {mine['config'].get(k)})" for k in diff[:3])
-        raise CheckpointError(f"checkpoint {path} was saved from another model ({theirs['family']}: "
-                              f"{shown or 'family'}); resume it with the config it was saved with")
+def _restore_schedule(engine: PipelineEngine, last_epoch: int) -> None:
+    """Put this config's LR schedule (its peak, floor, warmup and length: a changed
+    optimizer.lr takes effect) at the checkpoint's position, and the optimizer's lr with it;
+    the same numbers LambdaLR.step gives, so an unchanged config resumes bit for bit."""
+    sched, optimizer = engine.lr_scheduler, engine.optimizer
+    assert isinstance(sched, torch.optim.lr_scheduler.LambdaLR) and optimizer is not None  # train.build's
+    sched.last_epoch = last_epoch
+    lrs = [base * f(last_epoch) for base, f in zip(sched.base_lrs, sched.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    sched._last_lr = lrs
+
+
+ABANDONED = "abandoned"  # under the checkpoint root: checkpoints of branches a resume left
+
+
+def _start_branch(root: str, step: int) -> None:
+    """A resume from `step` of this run, with later checkpoints beside it, starts a new branch:
+    move those aside (`{root}/abandoned/<time>-from-step<N>/`) and say so."""
+    later = [(s, p) for s, p in list_checkpoints(root) if s > step]
+    if not later:
+        return
+    aside = os.path.join(root, ABANDONED, f"{time.strftime('%Y%m%d-%H%M%S')}-from-step{step}")
+    os.makedirs(aside, exist_ok=True)
+    for _, p in later:
+        os.replace(p, os.path.join(aside, os.path.basename(p)))
+    fsync_dir(root)
+    print(f"pipekit: resuming from step {step} starts a new branch; the later checkpoints (step "
+          f"{', '.join(str(s) for s, _ in later)}) were moved to {aside} (delete them when not needed)", flush=True)
+
+
+_NOT_COMPARED = ("train.resume", "train.allow_changed", "train.device")  # how to start, not what is trained
+
+
+def compare_settings(meta: dict, run: Run, path: str) -> list[str]:
+    """The settings this config changes from checkpoint `path`'s ("optimizer.lr 0.003 -> 0.001"),
+    model ones first; CheckpointError for a change that makes it another run (the model, or a
+    key of RUN_DEFINING) unless train.allow_changed names it."""
+    allowed = {k.strip() for k in (run.config.train.allow_changed or "").split(",") if k.strip()}
+    if meta.get("family") != run.family:
+        raise CheckpointError(f"checkpoint {path} was saved from another model ({meta.get('family')}, this config: "
+                              f"{run.family}); resume it with the config it was saved with")
+    saved_model, mine = meta.get("model_config") or {}, _model_record(run)
+    model_diff = sorted(k for k in set(mine) | set(saved_model) if saved_model.get(k) != mine.get(k))
+    refused = [k for k in model_diff if f"model.{k}" not in allowed]
+    if refused:
+        shown = ", ".join(f"{k}={saved_model.get(k)} (this config: {mine.get(k)})" for k in refused[:3])
+        raise CheckpointError(f"checkpoint {path} was saved from another model ({run.family}: {shown}); resume it "
+                              f"with the config it was saved with, or allow the change with "
+                              f"train.allow_changed=model.{refused[0]}")
+    changed = [f"model.{k} {saved_model.get(k)} -> {mine.get(k)}" for k in model_diff]
+    if "config" not in meta:  # saved before checkpoints recorded their config
+        return changed
+    theirs, ours = _flat(meta["config"]), _flat(json.loads(json.dumps(asdict(run.config))))
+    for key in sorted(set(theirs) | set(ours)):
+        if key.startswith("model.") or key in _NOT_COMPARED or theirs.get(key) == ours.get(key):
+            continue
+        if key in RUN_DEFINING and key not in allowed:
+            raise CheckpointError(f"checkpoint {path} was saved with {key}={theirs.get(key)} (this config: "
+                                  f"{ours.get(key)}), which makes this another run; resume with {key}="
+                                  f"{theirs.get(key)}, or allow the change with train.allow_changed={key}")
+        changed.append(f"{key} {theirs.get(key)} -> {ours.get(key)}")
+    return changed
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{"optimizer.lr": 0.003, ...} of a nested config dict."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _model_record(run: Run) -> dict:

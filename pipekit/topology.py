@@ -190,6 +190,10 @@ class Topology:
     With `ep` > 1 (dividing dp) the dp axis is also split into (edp, ep): experts are
     sharded over `ep_group` and their gradients reduced over `edp_group`.
 
+    With `expert_tp` (Megatron's expert tensor parallelism), MoE layers split each
+    expert's hidden dimension over the tp group (`etp_group`, the tp group itself; None
+    without it, or at tp=1): `etp` is then tp, else 1.
+
     `Topology(pp=2, tp=2)` on 8 ranks gives dp=2. Uses the default process group;
     when none is up but a launcher's RANK and WORLD_SIZE > 1 are in the
     environment (torchrun, or torch.multiprocessing workers that set them), it
@@ -208,7 +212,7 @@ class Topology:
     moe_mesh: DeviceMesh | None  # the (pp, edp, ep, tp) mesh when ep > 1, else None
 
     def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1, device_type: str | None = None,
-                 device: str | None = None, ep: int = 1):
+                 device: str | None = None, ep: int = 1, expert_tp: bool = False):
         device = _one_device_arg(device, device_type)
         if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # a launcher's workers
             init_distributed(device=device or "auto")
@@ -216,6 +220,7 @@ class Topology:
             self._init_single(pp, dp, tp, device)
             if ep != 1:
                 raise ValueError(f"ep={ep} must divide dp=1 (experts are sharded over ranks carved out of dp)")
+            self.etp, self.etp_group = 1, None
             return
         self.world_size = dist.get_world_size()
         self.pp, self.dp, self.tp = grid_sizes(self.world_size, pp, dp, tp)
@@ -231,6 +236,7 @@ class Topology:
             for name, size in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp))
         )
         self._init_expert_groups(ep, device_type)
+        self.etp, self.etp_group = (self.tp, self.tp_group) if expert_tp else (1, None)
 
     def _init_expert_groups(self, ep: int, device_type: str) -> None:
         """Expert parallelism: each run of `ep` consecutive dp ranks shares out the experts
@@ -277,7 +283,8 @@ class Topology:
         return (
             f"Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}" + (f", ep={self.ep}" if self.ep > 1 else "")
             + f", rank={self.rank} -> pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, tp_rank={self.tp_rank}"
-            + (f", ep_rank={self.ep_rank})" if self.ep > 1 else ")")
+            + (f", ep_rank={self.ep_rank}" if self.ep > 1 else "")
+            + (f", expert_tp={self.etp})" if self.etp > 1 else ")")
         )
 
 

@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import threading
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -40,7 +41,7 @@ from .pipeline import PipelineModule
 from .planner import profile_boundaries
 from .precision import default_dtype
 from .profiler import profile_layers
-from .resume import checkpoint_root, clear_old_checkpoints, resume, save
+from .resume import checkpoint_root, clear_old_checkpoints, is_own, resume, save
 from .schedules import Schedule, TimelineEvent, mean_costs, render_png, simulate, to_chrome_trace
 from .topology import Topology, fell_back, init_distributed, local_workers, resolve_device
 
@@ -150,8 +151,9 @@ def _train(run: Run) -> dict:
     path = data_dir(cfg)
     check_vocab(run, path)
     engine = build(run, topo)
-    start = resume(run, topo, engine)
-    if start == 0:
+    start, resumed_from = resume(run, topo, engine)
+    own = resumed_from is None or is_own(cfg, resumed_from)  # else: another run's checkpoint, a new run here
+    if start == 0 or not own:
         clear_old_checkpoints(cfg, topo)
     if start == cfg.train.steps:
         if topo.rank == 0:
@@ -159,7 +161,7 @@ def _train(run: Run) -> dict:
                   flush=True)
         save_weights(run, topo, engine, path)
         return {"steps": 0, "resumed_from": start}
-    log = Logger(run, topo, engine, notice=notice, start_step=start)
+    log = Logger(run, topo, engine, notice=notice, start_step=start, continues=own)
     summary = _steps(run, topo, engine, log, path, start)
     if "stopped_by" not in summary:
         save_weights(run, topo, engine, path)
@@ -173,7 +175,8 @@ def _join(run: Run) -> tuple[Topology, str | None]:
     device, reason = resolve_device(run.config.train.device, local_workers(run.world_size))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or run.world_size > 1:
         init_distributed(device=device)
-    topo = Topology(pp=run.pp, dp=run.dp, tp=run.tp, ep=run.ep, device=device)
+    topo = Topology(pp=run.pp, dp=run.dp, tp=run.tp, ep=run.ep, device=device,
+                    expert_tp=run.config.parallel.expert_tp)
     return topo, reason if fell_back(run.config.train.device, device) else None
 
 
@@ -199,7 +202,7 @@ def _steps(run: Run, topo: Topology, engine: PipelineEngine, log: Logger, path: 
             val = None
             if _due(step, cfg.data.val_every, cfg.train.steps):
                 with log.paused():
-                    val = validate(run, topo, engine, path)
+                    val = validate(run, topo, engine, path, stop, say=log.say)
                 auxloss.metrics.pop()  # validation's forward passes are not the step's
             moe = moe_summary(topo, routed) if has_moe and log.logged(step, val) else None
             log.step(step, loss, lr, val, moe)
@@ -208,7 +211,9 @@ def _steps(run: Run, topo: Topology, engine: PipelineEngine, log: Logger, path: 
             if root and (_due(step, cfg.checkpoint.every, -1) or stopping
                          or (step == cfg.train.steps and cfg.checkpoint.at_end)):
                 with log.paused():
+                    began = time.perf_counter()
                     saved_at = save(run, topo, engine, root, step)
+                    log.saved(step, saved_at, time.perf_counter() - began)
             if stopping:
                 log.stopped(step, stop.signal_name, saved_at if saved_at and saved_at.endswith(f"{step:08d}") else None)
                 return {**log.finish(), "stopped_by": stop.signal_name}
@@ -242,14 +247,22 @@ def check_finite(loss: float, step: int, engine: PipelineEngine, root: str | Non
 
 
 class StopRequests:
-    """SIGTERM (a scheduler's preemption) or SIGINT (Ctrl-C) asks the run to stop at the next
-    step boundary, after saving a checkpoint; a second signal stops it at once. Every rank
-    agrees on the step: `requested` is collective (one 1-element all-reduce per step)."""
+    """SIGTERM (a scheduler's preemption), SIGINT (Ctrl-C), SIGHUP (the terminal or SSH
+    session closed) or SIGUSR1 (Slurm's warning before the end of a job's time) asks the run
+    to stop at the next step boundary, or between two validation batches, after saving a
+    checkpoint; a second signal, 2 s or more after the first, stops it at once. Every rank agrees on where: `requested`
+    is collective (one 1-element all-reduce per step and per validation batch). Rank 0 says
+    at once that the signal came; after SIGHUP, a closed terminal's stdout and stderr are
+    replaced by /dev/null, so that the saving run's prints do not fail."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+    # A second signal within this many seconds of the first is the same request arriving twice
+    # (a launcher's forward beside a scheduler's own, a parent's death relayed), not "stop now".
+    ECHO_S = 2.0
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self._since = 0.0  # when the first signal came (time.monotonic)
         self._old: dict = {}
 
     def __enter__(self):
@@ -264,10 +277,20 @@ class StopRequests:
         return False
 
     def _handle(self, signum, frame):
-        if self.signal_name is not None:  # the second one: stop now
+        if self.signal_name is not None:  # the second one: stop now, unless it is the first one's echo
+            if time.monotonic() - self._since < self.ECHO_S:
+                return
             signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
             raise KeyboardInterrupt
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name, self._since = signal.Signals(signum).name, time.monotonic()
+        if signum == signal.SIGHUP:
+            _detach_from_closed_terminal()
+        if os.environ.get("RANK", "0") == "0":
+            try:  # os.write: a print interrupted by this handler would refuse a reentrant one
+                os.write(1, f"pipekit: {self.signal_name} received: stopping after this step (or validation "
+                            f"batch) and a checkpoint; a second signal stops at once, unsaved\n".encode())
+            except OSError:
+                pass
 
     def requested(self, topo: Topology) -> bool:
         flag = torch.tensor([1.0 if self.signal_name else 0.0], device=topo.device)
@@ -278,14 +301,50 @@ class StopRequests:
         return bool(flag.item())
 
 
+def _detach_from_closed_terminal() -> None:
+    """Point stdout and stderr that are a terminal at /dev/null (after SIGHUP, writing to it fails)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        if os.isatty(fd):
+            os.dup2(null, fd)
+    os.close(null)
+
+
 def _due(step: int, every: int, last: int) -> bool:
     return every > 0 and (step % every == 0 or step == last)
 
 
-def validate(run: Run, topo: Topology, engine: PipelineEngine, path: str | None) -> float:
-    """Mean loss over `data.val_batches` held-out batches (the same ones every time)."""
+# A validation expected to take longer than this is reported as it goes, then every PROGRESS_EVERY_S.
+PROGRESS_AFTER_S, PROGRESS_EVERY_S = 10.0, 30.0
+
+
+def validate(run: Run, topo: Topology, engine: PipelineEngine, path: str | None,
+             stop: StopRequests | None = None, say=None) -> float | None:
+    """Mean loss over `data.val_batches` held-out batches (the same ones every time), or None
+    when `stop` was requested before the last batch (checked between batches: collective).
+    A validation expected to last over PROGRESS_AFTER_S seconds is reported through `say`
+    (rank 0's printer) after its first batch, then every PROGRESS_EVERY_S, with the time left."""
     data, n = batches(run, topo, "val", path), run.config.data.val_batches
-    return sum(engine.eval_batch(data, reduce_loss=True) for _ in range(n)) / n
+    total, began, said = 0.0, time.perf_counter(), None
+    for done in range(1, n + 1):
+        total += engine.eval_batch(data, reduce_loss=True)
+        if done == n:
+            break
+        if stop is not None and stop.requested(topo):
+            return None
+        now = time.perf_counter()
+        left = (now - began) / done * (n - done)
+        if say is not None and (now - began + left > PROGRESS_AFTER_S if said is None
+                                else now - said > PROGRESS_EVERY_S):
+            say(f"validating: {done}/{n} batches, about {_duration(left)} left")
+            said = now
+    return total / n
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def write_trace(run: Run, topo: Topology, engine: PipelineEngine, step: int) -> None:

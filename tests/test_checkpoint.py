@@ -8,8 +8,11 @@ the parent resumes the same checkpoint in one process.
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -17,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipekit.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_full_weights, read_meta
+from pipekit.checkpoint import CheckpointError, list_checkpoints, load_full_weights, read_meta
 from pipekit.config import load_run
 from pipekit.testing import run_distributed
 from pipekit.train import train
@@ -154,7 +157,7 @@ def test_an_in_process_run_leaves_the_callers_default_dtype_alone(tmp_path):
     assert torch.get_default_dtype() == torch.float32  # a later HF model in this process is built in float32
 
 
-def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+def test_a_full_disk_is_said_and_the_partial_save_removed(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     out = str(tmp_path / "run")
@@ -164,23 +167,117 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatc
               for p in os.listdir(os.path.join(root, "step_00000002"))}
     real = dcp.FileSystemWriter.write_data
 
-    def crash_midway(self, plan, planner):  # write part of the shard files, then die
+    def fill_the_disk(self, plan, planner):  # write part of the shard files, then run out of space
         real(self, plan, planner).wait()
         for name in os.listdir(self.path):
             if name.endswith(".distcp"):
                 with open(os.path.join(self.path, name), "r+b") as f:
                     f.truncate(max(1, os.path.getsize(f.name) // 2))
-        raise OSError("No space left on device (simulated)")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", crash_midway)
-    with pytest.raises(CheckpointError, match=r"could not save checkpoint .*step_00000004: OSError: No space left on "
-                                              r"device \(simulated\) \(the previous checkpoints are intact\)"):
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", fill_the_disk)
+    with pytest.raises(CheckpointError, match=r"could not save checkpoint .*step_00000004: no space left on device "
+                                              r"\(.* free there\); removed the partial step_00000004.tmp, and the "
+                                              r"previous checkpoint .*step_00000002 is intact$"):
         train(load_run(None, [*ONE, f"logging.out_dir={out}", "train.steps=4", "train.resume=auto"]))
     monkeypatch.undo()
-    assert latest_checkpoint(root) == os.path.join(root, "step_00000002")
+    assert sorted(os.listdir(root)) == ["step_00000002"]  # no step_00000004.tmp left to fill the disk
     assert {p: open(os.path.join(root, "step_00000002", p), "rb").read() for p in before} == before
-    got = _run("one_process", out, "train.resume=auto", "train.steps=4")  # the half-written one is ignored
+    got = _run("one_process", out, "train.resume=auto", "train.steps=4")
     assert list(got) == [1, 2, 3, 4]
+
+
+class _FillingDisk(io.RawIOBase):
+    """A file on a disk with `room` bytes left: the write past them fails with ENOSPC."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        if len(b) > self.room:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(b)
+        return self.f.write(b)
+
+
+def _disk_full_after(room: int) -> None:
+    """From now on in this process, DCP's files fit only `room` bytes (torch.save then reports
+    `RuntimeError: ... unexpected pos`, the ENOSPC only as its context), and the file system
+    says 0 bytes are free, as a full one does."""
+    import contextlib
+    from collections import namedtuple
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with open(path, mode) as f:
+            yield io.BufferedWriter(_FillingDisk(f, room), 64) if "w" in mode else f
+
+    FileSystem.create_stream = create_stream  # type: ignore[method-assign]
+    shutil.disk_usage = lambda path: namedtuple("usage", "total used free")(1 << 30, 1 << 30, 0)
+
+
+def _full_disk_on_rank_1(tmp: str) -> dict:
+    """pp=2: a run to step 2; its continuation to step 4 with rank 1's disk full at the save;
+    then, with room again, the continuation from step 2 (and an undisturbed run to compare)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    rank = torch.distributed.get_rank()
+    layout = ["parallel.pp=2", "train.micro_batch=2", "schedule.microbatches=2", "train.dtype=float64"]
+    ref = _run_layout(layout, os.path.join(tmp, "ref"), "train.steps=4")
+    out = os.path.join(tmp, "run")
+    _run_layout(layout, out, "train.steps=2")
+    disk, stream = shutil.disk_usage, FileSystem.create_stream
+    if rank == 1:
+        _disk_full_after(200)
+    try:
+        _run_layout(layout, out, "train.steps=4", "train.resume=auto")
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    shutil.disk_usage, FileSystem.create_stream = disk, stream  # type: ignore[method-assign]
+    left = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    torch.distributed.barrier()
+    got = _run_layout(layout, out, "train.steps=4", "train.resume=auto")
+    return {"error": error, "left": left, "got": got, "ref": ref}
+
+
+def _run_layout(layout: list[str], out: str, *extra: str) -> dict[int, float]:
+    train(load_run(None, [*MODEL, *layout, f"logging.out_dir={out}", *extra]))
+    return losses(out)
+
+
+def test_a_full_disk_on_one_rank_is_said_by_every_rank_and_the_previous_checkpoint_resumes(tmp_path):
+    results = run_distributed(_full_disk_on_rank_1, 2, str(tmp_path), timeout=300)
+    assert results[0]["error"] == results[1]["error"]  # one line, however many ranks report it
+    assert re.fullmatch(r"could not save checkpoint .*step_00000004: no space left on device \(0 bytes free there\); "
+                        r"removed the partial step_00000004.tmp, and the previous checkpoint .*step_00000002 is intact",
+                        results[0]["error"]), results[0]["error"]
+    assert results[0]["left"] == ["step_00000002"]
+    got, ref = results[0]["got"], results[0]["ref"]
+    assert sorted(got) == [1, 2, 3, 4]  # metrics.jsonl: each step once
+    for step in got:
+        assert got[step] == pytest.approx(ref[step], abs=1e-12), step
+
+
+def test_a_model_file_that_does_not_fit_is_said_in_one_line(tmp_path, monkeypatch):
+    import pipekit.atomic
+    from pipekit.atomic import torch_save_atomic
+
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"the previous model")
+    real = os.fdopen
+    monkeypatch.setattr(pipekit.atomic.os, "fdopen", lambda fd, mode: io.BufferedWriter(
+        _FillingDisk(real(fd, mode), 600), 64))
+    with pytest.raises(OSError, match=rf"^\[Errno {errno.ENOSPC}\] no space left on device to write {path} "
+                                      rf"\(.* free there\)$") as caught:
+        torch_save_atomic({"w": torch.zeros(1000)}, str(path))
+    assert caught.value.errno == errno.ENOSPC  # an OSError: pipekit's commands say it in one line
+    assert os.listdir(tmp_path) == ["model.pt"] and path.read_bytes() == b"the previous model"
 
 
 def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
@@ -191,18 +288,33 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(tmp_path):
         train(load_run(None, [*ONE, "model.dim=64", f"logging.out_dir={tmp_path / 'b'}", f"train.resume={ckpt}"]))
 
 
-def test_a_damaged_checkpoint_is_named(tmp_path):
+def test_a_damaged_checkpoint_is_refused_naming_the_previous_complete_one(tmp_path):
     out = str(tmp_path / "run")
-    train(load_run(None, [*ONE, f"logging.out_dir={out}", "train.steps=2"]))
-    ckpt = os.path.join(out, "checkpoints", "step_00000002")
-    shard = next(p for p in os.listdir(ckpt) if p.endswith(".distcp"))
-    with open(os.path.join(ckpt, shard), "r+b") as f:
-        f.truncate(100)
-    with pytest.raises(CheckpointError, match="could not read checkpoint"):
+    full = _run("one_process", out, "train.steps=4")
+    root = os.path.join(out, "checkpoints")
+    ckpt, previous = os.path.join(root, "step_00000004"), os.path.join(root, "step_00000002")
+    shard = os.path.join(ckpt, next(p for p in os.listdir(ckpt) if p.endswith(".distcp")))
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:  # zeroed bytes inside the shard: same size, other numbers
+        f.seek(size // 2)
+        f.write(bytes(64))
+    said = (rf"checkpoint {ckpt} is damaged: {os.path.basename(shard)} differs from what was written \(its sha256 "
+            rf"does not match\); the previous complete checkpoint is {previous}: continue from it with "
+            rf"train.resume={previous}$")
+    with pytest.raises(CheckpointError, match=said):
         train(load_run(None, [*ONE, f"logging.out_dir={tmp_path / 'b'}", f"train.resume={ckpt}"]))
+    with pytest.raises(CheckpointError, match=said):  # generate and convert read it the same way
+        load_full_weights(ckpt)
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError, match=rf"damaged: {os.path.basename(shard)} holds 100 bytes but {size} were "
+                                              rf"written \(truncated or overwritten\); the previous complete"):
+        train(load_run(None, [*ONE, f"logging.out_dir={tmp_path / 'c'}", "train.steps=4", f"train.resume={ckpt}"]))
+    got = _run("one_process", str(tmp_path / "d"), "train.steps=4", f"train.resume={previous}")
+    assert got == {3: full[3], 4: full[4]}  # the named checkpoint continues the run bitwise
     os.remove(os.path.join(ckpt, "pipekit.json"))
     with pytest.raises(CheckpointError, match="not a complete pipekit checkpoint"):
-        train(load_run(None, [*ONE, f"logging.out_dir={tmp_path / 'c'}", f"train.resume={ckpt}"]))
+        train(load_run(None, [*ONE, f"logging.out_dir={tmp_path / 'e'}", f"train.resume={ckpt}"]))
     shutil.rmtree(ckpt)
     with pytest.raises(CheckpointError, match="no checkpoint at"):
-        train(load_run(None, [*ONE, f"logging.out_dir={tmp_path / 'd'}", f"train.resume={ckpt}"]))
+        train(load_run(None, [*ONE, f"logging.out_dir={tmp_path / 'f'}", f"train.resume={ckpt}"]))

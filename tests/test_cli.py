@@ -152,3 +152,49 @@ def test_two_live_runs_cannot_share_an_out_dir(tmp_path, capsys):
         assert main(["train", str(ROOT / "configs/toy.yaml"), f"logging.out_dir={tmp_path}"]) == 2
         assert "another pipekit run is writing to logging.out_dir" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == [".pipekit.lock"]  # nothing else was written
+
+
+def test_home_paths_expand_and_a_run_without_out_dir_says_so(tmp_path, capsys, monkeypatch):
+    """`logging.out_dir=~/x` is the user's home, as in a shell (not a directory named `~`);
+    a run with no out_dir says in one line that it keeps nothing."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(str(ROOT / "configs/toy.yaml"), ["logging.out_dir=~/runs/x", "checkpoint.dir=~/ck"])
+    assert (cfg.logging.out_dir, cfg.checkpoint.dir) == (str(tmp_path / "runs/x"), str(tmp_path / "ck"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", str(ROOT / "configs/toy.yaml"), "parallel.pp=1", "train.steps=2", "logging.progress=false",
+                 "logging.out_dir=null", "data.val_every=0"]) == 0
+    assert "logging.out_dir is not set: no metrics.jsonl, checkpoints or model.pt will be written" in \
+        capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_that_writes_nothing_leaves_no_out_dir(tmp_path, monkeypatch, capsys):
+    """A run that fails before its first file (here: its worker returns 1 at once) removes the
+    lock file and the directories it made for it, not one that holds anything else."""
+    import pipekit.launch
+
+    monkeypatch.setattr(pipekit.launch, "run_worker", lambda run: 1)
+    toy = [str(ROOT / "configs/toy.yaml"), "parallel.pp=1", "logging.progress=false"]
+    assert main(["train", *toy, f"logging.out_dir={tmp_path / 'new' / 'run'}"]) == 1
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    assert main(["train", *toy, f"logging.out_dir={tmp_path / 'kept'}", "logging.overwrite=true"]) == 1
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [".pipekit.lock", "notes.txt"]
+
+
+def test_a_worker_killed_without_a_word_is_named_with_its_signal(tmp_path, capsys):
+    """A worker SIGKILLed (by hand, or the kernel's OOM killer) writes no error report: the
+    launcher names the rank and the signal, and says how to continue."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    import pipekit.launch
+
+    failures = {1: ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file=str(tmp_path / "none.json")),
+                0: ProcessFailure(local_rank=0, pid=10, exitcode=3, error_file=str(tmp_path / "none.json"))}
+    failures[1].timestamp += 1  # rank 0, which only lost its peer (PEER_STOPPED), was seen to fail first
+    assert pipekit.launch.report_failures(ChildFailedError("pipekit.cli", failures), str(tmp_path)) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("pipekit train: worker rank 1 was killed by SIGKILL (sent from outside, or by the kernel's "
+                   "out-of-memory killer) and left no error of its own; rank 0 stopped with it; continue from "
+                   "the newest checkpoint with train.resume=auto (--max-restarts N restarts by itself)"), err

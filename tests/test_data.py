@@ -104,7 +104,9 @@ def test_rerun_overwrites_atomically_and_leaves_no_temp_files(corpus, tmp_path):
     out = tmp_path / "data"
     prepare_data([str(corpus)], str(out), val_fraction=0.2)
     (corpus / "extra.txt").write_text("one more document\n")
-    meta = prepare_data([str(corpus)], str(out), val_fraction=0.0)
+    with pytest.raises(FileExistsError, match="already holds a prepared dataset"):
+        prepare_data([str(corpus)], str(out), val_fraction=0.0)
+    meta = prepare_data([str(corpus)], str(out), val_fraction=0.0, overwrite=True)
     assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
     assert meta["n_files"] == 21 and meta["n_tokens"]["val"] == 0
     assert TokenDataset(str(out), "train").n_tokens == meta["n_tokens"]["train"]

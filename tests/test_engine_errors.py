@@ -148,3 +148,37 @@ def test_a_closed_peer_is_told_apart_from_a_silent_one():
     assert "rank 1 closed its connection before sending" in text and "no message from rank" not in text
     assert "0RECV_B0 (stage 0, RECV_B, microbatch 0)" in text
     assert float(waited) < 30, f"waited {waited} s"
+
+
+def _ranks_that_disagree() -> list[str]:
+    """Two mistakes on one pp=2 group: seeds that differ per rank (refused on every rank at
+    construction), then reduce_loss=True on rank 0 only (rank 0 fails within the engine's
+    timeout, saying what the ranks must agree on)."""
+    topo = pipekit.Topology(pp=2)
+    said = []
+    try:
+        pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo, seed=topo.rank, microbatches=2)
+        said.append("no error")
+    except ValueError as e:
+        said.append(str(e))
+    module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=topo, microbatches=2)
+    engine = pipekit.PipelineEngine(module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1),
+                                    timeout=datetime.timedelta(seconds=2))
+    if topo.pp_rank == 1:
+        engine.train_batch(synthetic_batches(CFG.vocab, 4, 3), reduce_loss=False)
+        time.sleep(6)
+        return said
+    try:
+        engine.train_batch(synthetic_batches(CFG.vocab, 4, 3), reduce_loss=True)
+        said.append("no error")
+    except pipekit.PipelineError as e:
+        said.append(str(e))
+    return said
+
+
+def test_ranks_must_agree_on_the_seed_and_on_reduce_loss():
+    results = run_distributed(_ranks_that_disagree, 2, timeout=90)
+    for said in results:
+        assert "PipelineModule(seed=...) differs across ranks (from 0 to 1" in said[0], said[0]
+    assert "the step's loss all-reduce over pp (reduce_loss=True) was not joined within 2 s" in results[0][1]
+    assert "every rank must pass the same reduce_loss" in results[0][1]

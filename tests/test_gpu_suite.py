@@ -28,10 +28,10 @@ def test_cpu_smoke_writes_every_section(tmp_path):
     for check in ("rms_norm float32", "rms_norm + residual float32", "layer_norm + residual float32",
                   "apply_rotary float32", "swiglu float32", "geglu float32", "linear_cross_entropy float32",
                   "moe triton gemm float32", "NCCL path at world size 1", "torch._grouped_mm vs the loop gemm",
-                  "fp16 + ZeroOptimizer + LossScaler", "torch.compile of a Llama block"):
+                  "fp16 + ZeroOptimizer + LossScaler", "torch.compile of a Llama block", "fused adamw float32"):
         assert f"| {check}" in report, check
     assert "| FAIL |" not in report, report
-    for kernel in ("rms_norm", "layer_norm", "apply_rotary", "swiglu", "geglu", "linear_cross_entropy"):
+    for kernel in ("rms_norm", "layer_norm", "apply_rotary", "swiglu", "geglu", "linear_cross_entropy", "adamw"):
         assert f"| {kernel} | " in report.split("## kernels")[1].split("## end_to_end")[0], kernel
     e2e = report.split("## end_to_end")[1]
     for row in ("| GPT-2 tiny | fp32 | plain |", "| GPT-2 tiny | fp32 | pipekit |", "| GPT-2 tiny | fp32+kernels |",

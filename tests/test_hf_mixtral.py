@@ -228,7 +228,8 @@ def test_config_round_trip(flavour):
     assert hf.config_from_hf(hf.hf_config_from(odd)) == odd
 
 
-@pytest.mark.parametrize("overrides", [{"n_shared_experts": 1}, {"score": "sigmoid"}, "deepseek_tiny"])
+@pytest.mark.parametrize("overrides", [{"n_shared_experts": 1}, {"score": "sigmoid"}, {"n_groups": 4, "topk_groups": 2},
+                                       {"bias_update_rate": 0.01}, "deepseek_tiny"])
 def test_configs_without_a_hf_form_are_refused_in_one_line(cases, overrides, tmp_path, capsys):
     if overrides == "deepseek_tiny":
         cfg = get_model("mixtral", "deepseek_tiny")

@@ -5,9 +5,17 @@ On a GPU, every read of a device value by the host (`.item()`, `.tolist()`,
 drain its queue, so a step should make none beyond what the user asks for
 (`reduce_loss=True` returns a float: that read is asked for; `last_grad_norm`
 is read lazily). Here the Tensor methods that read a value are wrapped in
-each worker and counted during `engine.train_batch`, after a first step (which
+each worker (`pipekit.testing.HostReads`) and counted during `engine.train_batch`, after a first step (which
 agrees on the input shapes once, by design). Each counted call is reported
 with the pipekit function that made it, so a failure says where.
+
+MoE (issue 17): one spawned group of two ranks trains a tiny model with two
+MoE blocks over two microbatches, at ep=1 (dp=2) and ep=2, dropless and with
+a capacity, with a gemm that takes device offsets (grouped_mm) and with the
+loop. The counts are pipekit/moe/dispatch.py's named ones: none at ep=1 with
+grouped_mm and none with a capacity (padded to it: static shapes and splits);
+one per MoE layer per microbatch for the dropless exchange sizes at ep=2;
+one more for the loop gemm, which slices on the host.
 
 One spawned group of four ranks (pp=2 x dp=2) runs: a plain torch optimizer
 (SGD with momentum, clipping, a token-level loss with masked labels), and
@@ -22,19 +30,21 @@ pipekit's alone.
 
 from __future__ import annotations
 
-import collections
-import traceback
-
 import torch
+from torch import nn
 
 import pipekit
+from pipekit import LayerSpec, TiedLayerSpec
+from pipekit.auxloss import metrics
+from pipekit.kernels.dispatch import kernels, use_triton
+from pipekit.models import toy
 from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
+from pipekit.moe import MoEMLP
 from pipekit.optim import LossScaler, ZeroOptimizer
-from pipekit.testing import run_distributed
+from pipekit.testing import HostReads, run_distributed
 
 CFG = ToyConfig(vocab=16, dim=8, wide_dim=8, blocks=1)
 BATCH, SEQ, STEPS = 8, 3, 3
-READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
 
 
 def _batch(step: int):
@@ -45,37 +55,7 @@ def _batch(step: int):
     return x, y
 
 
-class _Counter:
-    """Wraps the value-reading Tensor methods; counts calls while `on`, by pipekit call site."""
-
-    def __init__(self):
-        self.on, self.sites = False, collections.Counter()
-        self._real = {name: getattr(torch.Tensor, name) for name in READS}
-        for name, real in self._real.items():
-            setattr(torch.Tensor, name, self._wrap(name, real))
-
-    def _wrap(self, name, real):
-        def read(t, *args, **kwargs):
-            if self.on:
-                self.on = False  # a read inside a read (tolist -> item) counts once
-                try:
-                    self.sites[f"{name} at {_site()}"] += 1
-                finally:
-                    self.on = True
-            return real(t, *args, **kwargs)
-        return read
-
-    def restore(self) -> None:
-        for name, real in self._real.items():
-            setattr(torch.Tensor, name, real)
-
-
-def _site() -> str:
-    frames = [f for f in traceback.extract_stack()[:-2] if "/pipekit/" in f.filename.replace("\\", "/")]
-    return f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].name}" if frames else "?"
-
-
-def _count(engine, counter: _Counter, reduce_loss: bool = False) -> dict:
+def _count(engine, counter: HostReads, reduce_loss: bool = False) -> dict:
     """Host reads per train_batch, after a first step (the shapes' agreement)."""
     engine.train_batch(_batch(0))
     counter.sites.clear()
@@ -103,7 +83,7 @@ def _zero_fp16(topo):
 
 def count_syncs() -> dict:
     topo = pipekit.Topology(pp=2, dp=2)
-    counter = _Counter()
+    counter = HostReads()
     try:
         return {"plain": _count(_plain(topo), counter), "zero_fp16": _count(_zero_fp16(topo), counter),
                 "reduce_loss": _count(_plain(topo), counter, reduce_loss=True)}
@@ -121,3 +101,77 @@ def test_a_training_step_reads_nothing_back_from_the_device():
         assert out["zero_fp16"]["sites"] == {"item at zero.py:_overflow": STEPS}, f"rank {rank}: {out['zero_fp16']}"
         # reduce_loss=True: the caller asks for a float, one read on every rank
         assert out["reduce_loss"]["sites"] == {"item at engine.py:_mean_loss": STEPS}, f"rank {rank}: {out}"
+
+
+# ---- MoE: the named reads of dispatch, per MoE layer per microbatch ------------------------
+MOE_LAYERS, MICROBATCHES = 2, 2
+EXCHANGE_SIZES = "tolist at dispatch.py:dispatch"  # dropless ep > 1: all_to_all_single's split sizes
+LOOP_SIZES = "tolist at grouped_gemm.py:host_sizes"  # the loop gemm slices on the host
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm residual MoEMLP on the hidden half of a (hidden, positions) pair."""
+
+    def __init__(self, dim: int, **moe):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.moe = MoEMLP(dim, dim, 4, 2, **moe)
+
+    def forward(self, x):
+        h, pos = x
+        return h + self.moe(self.norm(h)), pos
+
+
+def _moe_engine(ep: int, **moe):
+    dim = 8  # float32 rows of 32 bytes: grouped_mm runs on the CPU
+    specs = [TiedLayerSpec("embed", toy.TokenEmbedding, CFG.vocab, dim), LayerSpec(toy.AddPositions, dim),
+             *[LayerSpec(MoEBlock, dim, **moe) for _ in range(MOE_LAYERS)], toy.drop_positions,
+             TiedLayerSpec("embed", toy.TokenEmbedding, CFG.vocab, dim, forward_fn=toy.embedding_logits)]
+    module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=pipekit.Topology(dp=2, ep=ep), seed=1,
+                                    microbatches=MICROBATCHES)
+    return pipekit.PipelineEngine(module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+
+
+MOE_CASES = {  # name: (ep, MoEMLP options, the reads expected per MoE layer per microbatch)
+    "ep1 dropless grouped_mm": (1, dict(gemm="grouped_mm"), {}),
+    "ep1 dropless loop": (1, dict(gemm="loop"), {LOOP_SIZES: 1}),
+    "ep1 capacity loop": (1, dict(gemm="loop", capacity_factor=1.0, pad_to_capacity=True), {}),
+    "ep2 dropless grouped_mm": (2, dict(gemm="grouped_mm"), {EXCHANGE_SIZES: 1}),
+    "ep2 dropless loop": (2, dict(gemm="loop"), {EXCHANGE_SIZES: 1, LOOP_SIZES: 1}),
+    "ep2 capacity grouped_mm": (2, dict(gemm="grouped_mm", capacity_factor=1.0, drop_policy="probs",
+                                        pad_to_capacity=True), {}),
+    "ep2 capacity loop": (2, dict(gemm="loop", capacity_factor=0.5, pad_to_capacity=True), {}),
+}
+
+
+def count_moe_syncs() -> dict:
+    counter = HostReads()
+    try:
+        return {name: _count(_moe_engine(ep, **moe), counter) for name, (ep, moe, _) in MOE_CASES.items()}
+    finally:
+        counter.restore()
+
+
+def test_moe_dispatch_reads_back_only_its_named_sizes():
+    for rank, out in enumerate(run_distributed(count_moe_syncs, 2, timeout=300)):
+        for name, (_, _, per_call) in MOE_CASES.items():
+            want = {site: n * MOE_LAYERS * MICROBATCHES * STEPS for site, n in per_call.items()}
+            assert out[name]["sites"] == want, f"rank {rank}, {name}: host reads {out[name]}"
+
+
+def test_moe_layer_on_triton_kernels_reads_nothing_back():
+    """ep=1 dropless on the Triton permute, grouped gemm and unpermute (CPU: the interpreter):
+    the counts go to the kernels as device offsets, forward and backward read nothing."""
+    layer = MoEMLP(8, 8, 4, 2, gemm="triton")
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    counter = HostReads()
+    try:
+        with kernels("triton"):
+            assert use_triton(x), "the Triton side must run here (TRITON_INTERPRET=1 on a CPU)"
+            counter.on = True
+            layer(x).square().sum().backward()
+            counter.on = False
+    finally:
+        counter.restore()
+        metrics.pop()  # the layer's metrics, recorded in this process
+    assert dict(counter.sites) == {} and x.grad is not None and layer.experts.w_gate.grad is not None

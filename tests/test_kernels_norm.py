@@ -183,3 +183,36 @@ def test_a_block_gives_the_same_numbers_with_triton_norms(family):
     torch.testing.assert_close(results["triton"][0], results["torch"][0], **TOL)
     for name, grad in results["triton"][1].items():
         torch.testing.assert_close(grad, results["torch"][1][name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_block_fuses_its_second_residual_add_bitwise(family, monkeypatch):
+    """TransformerBlock hands its second residual add to norm2 (`residual=`); on the reference
+    side that is bitwise the plain add then the norm (float32, output and every gradient)."""
+    torch.manual_seed(1)
+    parts = llama_block_parts(4, 2, 96, 1e-5, 10000.0) if family == "llama" else gpt2_block_parts(4, 96, 1e-5)
+    block = TransformerBlock(64, **parts)
+    x = torch.randn(2, 5, 64)
+    fused_calls = []
+    forward = type(block.norm2).forward
+
+    def spy(self, h, residual=None):
+        fused_calls.append(residual is not None)
+        return forward(self, h, residual)
+
+    monkeypatch.setattr(type(block.norm2), "forward", spy)
+
+    def plain(blk, x):
+        x = x + blk.attn(blk.norm1(x))
+        return x + blk.mlp(blk.norm2(x))
+
+    results = []
+    for fn in (block, lambda x: plain(block, x)):
+        block.zero_grad()
+        with kernels("torch"):
+            y = fn(x)
+            (y * torch.linspace(-1, 1, 64)).sum().backward()
+        results.append((y.detach(), [p.grad.clone() for p in block.parameters()]))
+    assert fused_calls[:2] == [False, True]  # the block: norm1 plain, norm2 with the residual
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))

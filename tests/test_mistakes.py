@@ -40,6 +40,14 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
     ("train-config-is-a-dir", ["train", "{tmp}"], "is a directory; give a YAML file"),
     ("train-config-bad-yaml", ["train", "{tmp}/bad.yaml"], "is not valid YAML"),
     ("train-config-missing", ["train", "{tmp}/missing.yaml"], "config file not found"),
+    ("train-config-is-a-list", ["train", "{tmp}/list.yaml"], "holds a YAML list at its top level; a config is a"),
+    ("train-two-configs", ["train", "{root}/configs/toy.yaml", "{root}/configs/gpt2_tiny.yaml"],
+     "one config file, got 2"),
+    ("train-override-without-equals", train("train.steps", "3"),
+     "'train.steps' is neither a config file (not found) nor a key=value override (did you mean train.steps=3?)"),
+    ("train-max-restarts-negative", [*train(), "--max-restarts", "-1"], "argument --max-restarts: -1 must be >= 0"),
+    ("train-flag-between-overrides", [*train(), "--max-restarts", "1", "--nope", "model.dim=0"],
+     "unrecognized arguments: --nope"),
     # ---- train: values (pipekit.config.check_config)
     ("unknown-key", train("parallel.ppp=2"), "ppp"),
     ("wrong-type", train("train.steps=many"), "train.steps"),
@@ -54,6 +62,9 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
     ("eps-zero", train("optimizer.eps=0"), "optimizer.eps=0.0 must be a finite number > 0"),
     ("clip-zero", train("optimizer.clip_grad_norm=0"),
      "optimizer.clip_grad_norm=0.0 must be a finite number > 0, or null"),
+    ("fused-not-a-choice", train("optimizer.fused=maybe"), "optimizer.fused='maybe' is not one of"),
+    ("fused-sgd", train("optimizer.fused=true", "optimizer.name=sgd"),
+     "optimizer.fused=true is fused AdamW, but optimizer.name=sgd"),
     ("fp16-loss-scale", train("fp16.loss_scale=-1"), "fp16.loss_scale=-1.0 must be a finite number >= 0"),
     ("val-every-negative", train("data.val_every=-1"), "data.val_every=-1 must be >= 0"),
     ("val-batches-zero", train("data.val_batches=0"), "data.val_batches=0 must be >= 1 while data.val_every=100"),
@@ -106,7 +117,7 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
     ("resume-incomplete", train("train.resume={tmp}/ckpt_nometa"), "is not a complete pipekit checkpoint"),
     ("resume-bad-json", train("train.resume={tmp}/ckpt_badjson"), "pipekit.json is unreadable"),
     ("resume-truncated", train("train.resume={tmp}/ckpt_truncated", "logging.out_dir=null"),
-     ("could not read checkpoint", "ckpt_truncated")),
+     ("ckpt_truncated is damaged: __", ".distcp holds 100 bytes but", "(truncated or overwritten)")),
     ("resume-other-model", train("train.resume={shared}/run/checkpoints/step_00000002", "model.dim=32"),
      "was saved from another model (toy: dim=64 (this config: 32))"),
     ("resume-past-steps", train("train.resume={shared}/run/checkpoints/step_00000002", "train.steps=1"),
@@ -115,6 +126,20 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
      ("train.resume=auto", "step_00000002 was saved from another model")),
     ("out-dir-holds-a-run", train("logging.out_dir={shared}/run"),
      ("holds another run (metrics.jsonl, model.pt, checkpoints)", "train.resume=auto")),
+    # ---- train: resume (issue 18): a resume never writes into another run, nor becomes another run unasked
+    ("resume-auto-finds-nothing",
+     train("logging.out_dir={shared}/run", "train.resume=auto", "checkpoint.dir={tmp}/empty"),
+     ("train.resume=auto found no checkpoint in", "empty, but logging.out_dir=", "holds another run (metrics.jsonl")),
+    ("resume-another-runs-checkpoint-into-a-run",
+     train("train.resume={shared}/run/checkpoints/step_00000002", "logging.out_dir={tmp}/b"),
+     ("step_00000002 is another run's checkpoint, but logging.out_dir=", "b holds another run (metrics.jsonl)")),
+    ("resume-changed-seed", train("train.resume={shared}/run/checkpoints/step_00000002", "train.seed=1"),
+     ("was saved with train.seed=0 (this config: 1), which makes this another run",
+      "train.allow_changed=train.seed")),
+    ("resume-changed-seq-len", train("logging.out_dir={shared}/run", "train.resume=auto", "train.seq_len=16"),
+     "train.seq_len=32 (this config: 16), which makes this another run"),
+    ("allow-changed-not-needed", train("train.allow_changed=optimizer.lr"),
+     "train.allow_changed: 'optimizer.lr' is not a key that needs allowing"),
     ("loss-not-finite", train("optimizer.lr=1e6", "optimizer.warmup_steps=1", "optimizer.clip_grad_norm=null",
                               "logging.out_dir=null", "data.val_every=0"),
      "step 2: the loss is nan (training diverged)"),
@@ -122,6 +147,7 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
     ("generate-missing", ["generate", "{tmp}/missing.pt", "--prompt", "x"], "no such pipekit file"),
     ("generate-corrupt", ["generate", "{tmp}/corrupt.pt", "--prompt", "x"], "not a readable pipekit model file"),
     ("generate-truncated", ["generate", "{tmp}/truncated.pt"], "not a readable pipekit model file"),
+    ("generate-cut-early", ["generate", "{tmp}/cut_early.pt"], "not a readable pipekit model file"),
     ("generate-json", ["generate", "{shared}/data/meta.json"], "not a readable pipekit model file"),
     ("generate-not-a-model", ["generate", "{tmp}/list.pt"], "is not a pipekit model file"),
     ("generate-dir", ["generate", "{tmp}", "--prompt", "x"], "is a directory"),
@@ -148,7 +174,14 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
      "does not exist (want a HuggingFace tokenizer.json"),
     ("prepare-tokenizer-not-json", ["prepare-data", "{tmp}/texts", "--out", "{tmp}/data", "--tokenizer", "{tmp}/afile"],
      "is not a HuggingFace tokenizer.json"),
+    ("prepare-out-holds-a-dataset", ["prepare-data", "{tmp}/texts", "--out", "{shared}/data"],
+     "already holds a prepared dataset (meta.json); choose another --out, or pass --overwrite"),
     # ---- plan
+    ("plan-config-pp-flag", ["plan", "{root}/configs/toy.yaml", "--pp", "4"],
+     "--pp 4 applies without a CONFIG; with one, override parallel.pp=N"),
+    ("plan-config-schedule", ["plan", "{root}/configs/toy.yaml", "--schedule", "zbw"], "--schedule zbw is not one of"),
+    ("plan-config-microbatches", ["plan", "{root}/configs/toy.yaml", "--microbatches", "7"],
+     "--microbatches 7 does not divide this run's batch per replica (32 rows); valid: [1, 2, 4, 8, 16, 32]"),
     ("plan-pp-zero", ["plan", "--schedule", "1f1b", "--pp", "0", "--microbatches", "4"], "pp must be >= 1, got 0"),
     ("plan-microbatches-zero", ["plan", "--pp", "2", "--microbatches", "0"], "microbatches must be >= 1, got 0"),
     ("plan-schedule", ["plan", "--schedule", "nope", "--pp", "2", "--microbatches", "4"], "unknown schedule 'nope'"),
@@ -214,6 +247,7 @@ def tmp_files(tmp: Path, shared: Path) -> None:
     (tmp / "corrupt.pt").write_bytes(b"PK\x03\x04 not really a checkpoint")
     model = (shared / "run" / "model.pt").read_bytes()
     (tmp / "truncated.pt").write_bytes(model[: len(model) // 2])
+    (tmp / "cut_early.pt").write_bytes(model[:5000])  # torch.load: OSError EINVAL, not a RuntimeError
     torch.save([1, 2, 3], tmp / "list.pt")
     ckpt = shared / "run" / "checkpoints" / "step_00000002"
     for name in ("ckpt_nometa", "ckpt_badjson", "ckpt_truncated"):
@@ -223,7 +257,10 @@ def tmp_files(tmp: Path, shared: Path) -> None:
     shard = next((tmp / "ckpt_truncated").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     (tmp / "bad.yaml").write_text("model: [\n")
+    (tmp / "list.yaml").write_text("- model\n- train\n")
     (tmp / "empty").mkdir()
+    (tmp / "b").mkdir()
+    (tmp / "b" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     (tmp / "texts").mkdir()
     (tmp / "texts" / "a.txt").write_text(TEXT)
     (tmp / "binary").mkdir()
@@ -249,7 +286,11 @@ def test_a_mistake_gets_one_line_status_2_and_changes_nothing(argv, said, shared
     tmp_files(tmp_path, shared)
     capsys.readouterr()
     before = snapshot(tmp_path, shared)
-    assert main([a.format(tmp=tmp_path, shared=shared, root=ROOT) for a in argv]) == 2
+    try:
+        code = main([a.format(tmp=tmp_path, shared=shared, root=ROOT) for a in argv])
+    except SystemExit as stop:  # a usage mistake, said by argparse
+        code = stop.code
+    assert code == 2
     err = capsys.readouterr().err
     line = err.strip()
     assert line.startswith(f"pipekit {argv[0]}: ") and "\n" not in line and "Traceback" not in err, err
@@ -260,6 +301,17 @@ def test_a_mistake_gets_one_line_status_2_and_changes_nothing(argv, said, shared
 def test_the_table_covers_every_subcommand_but_env():
     assert {argv[0] for _, argv, _ in MISTAKES} == {"train", "generate", "prepare-data", "plan", "convert"}
     assert len({i for i, _, _ in MISTAKES}) == len(MISTAKES) >= 40
+
+
+def test_a_change_train_allow_changed_names_is_resumed_and_listed(shared, tmp_path, capsys):
+    """The other side of the resume-changed-* rows: the flag lets the run go on, and says what changed."""
+    ckpt = shared / "run" / "checkpoints" / "step_00000002"
+    argv = [a.format(root=ROOT) for a in train(f"train.resume={ckpt}", "train.steps=3", "train.seed=1",
+                                               "train.allow_changed=train.seed", f"logging.out_dir={tmp_path}",
+                                               "data.val_every=0", "logging.peak_tflops=1")]
+    assert main(argv) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "changed since the checkpoint" in line]
+    assert len(said) == 1 and "train.seed 0 -> 1" in said[0] and "train.steps 2 -> 3" in said[0], said
 
 
 def test_generate_without_a_prompt_starts_a_new_document(shared, capsys):
@@ -274,12 +326,26 @@ def test_generate_without_a_prompt_starts_a_new_document(shared, capsys):
 
 @pytest.mark.parametrize("argv, said", [
     (["plan", "--pp", "two", "--microbatches", "2"], "pipekit plan: argument --pp: invalid int value: 'two'"),
-    (["env", "extra"], "pipekit: unrecognized arguments: extra"),
+    (["env", "extra"], "pipekit env: unrecognized arguments: extra"),
     ([], "pipekit: the following arguments are required: command"),
-    (["train", "--max-restarts", "x"], "pipekit train: argument --max-restarts: invalid int value: 'x'"),
+    (["train", "--max-restarts", "x"], "pipekit train: argument --max-restarts: 'x' is not a whole number"),
 ])
 def test_a_usage_mistake_is_one_line_too(argv, said, capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv)
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.strip().startswith(said) and "\n" not in err.strip(), err
+
+
+def test_train_resume_takes_a_checkpoints_root(shared):
+    """train.resume=<run>/checkpoints (as generate and convert take it) resumes from its newest complete
+    checkpoint, which is this run's own when out_dir is that run's."""
+    from pipekit.config import load_config
+    from pipekit.resume import resume_path
+    from pipekit.rundirs import out_dir_taken
+
+    run = shared / "run"
+    cfg = load_config(str(ROOT / "configs/toy.yaml"), [f"train.resume={run / 'checkpoints'}", f"logging.out_dir={run}",
+                                                       "parallel.pp=1", "train.steps=4"])
+    assert resume_path(cfg) == str(run / "checkpoints" / "step_00000002")
+    assert out_dir_taken(cfg) is None

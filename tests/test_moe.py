@@ -189,12 +189,12 @@ def test_half_precision_routes_in_float32():
 #   t1 [3, 0, 4, 0] -> {2, 0}   p0 = 0.26
 #   t2 [5, 0, 0, 1] -> {0, 3}   p0 = 0.96
 #   t3 [1, 0, 0, 3] -> {3, 0}   p0 = 0.11
-# position keeps (t0, 0) and (t1, 0); score keeps (t2, 0) and (t0, 0). Expert 3 holds 2: nothing dropped there.
+# position keeps (t0, 0) and (t1, 0); probs keeps (t2, 0) and (t0, 0). Expert 3 holds 2: nothing dropped there.
 CAPACITY_LOGITS = [[4.0, 3.0, 0.0, 0.0], [3.0, 0.0, 4.0, 0.0], [5.0, 0.0, 0.0, 1.0], [1.0, 0.0, 0.0, 3.0]]
-DROPPED = {"position": {(2, 0), (3, 0)}, "score": {(1, 0), (3, 0)}}
+DROPPED = {"position": {(2, 0), (3, 0)}, "probs": {(1, 0), (3, 0)}}
 
 
-@pytest.mark.parametrize("policy", ["position", "score"])
+@pytest.mark.parametrize("policy", ["position", "probs"])
 def test_capacity_drops_exactly_the_slots_its_policy_names(policy):
     layer = build(dim=4, hidden=6, n_experts=4, top_k=2, capacity_factor=1.0, drop_policy=policy,
                   renormalize=False)
@@ -215,6 +215,22 @@ def test_capacity_drops_nothing_when_it_suffices_and_counts_rounding():
     layer = build(capacity_factor=16.0)  # capacity = T*K: never reached
     assert_same(run(layer, x, g), run_reference(layer, x, g))
     assert metrics.pop()["moe/dropped"][0].item() == 0
+
+
+def test_capacity_plan_pads_every_expert_to_capacity_with_zero_weights():
+    # E=4, T=4, K=2, capacity ceil(1.0 * 4 * 2 / 4) = 2: expert 0 has 4 slots (2 dropped), 2 and 3 one each
+    experts_TK = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
+    weights_TK = torch.rand(4, 2, generator=torch.Generator().manual_seed(0))
+    plan = dispatch.plan_dispatch(experts_TK, weights_TK, 4, capacity_factor=1.0, pad_to_capacity=True)
+    assert plan.capacity == 2 and plan.sizes() == [2, 2, 2, 2] and plan.token_N.shape == (8,)
+    assert plan.dropped == 2 and plan.counts_E.tolist() == [2, 2, 1, 1]
+    real = [0, 1, 2, 3, 4, 6]  # rows of expert e are 2e, 2e+1; rows 5 and 7 are padding
+    assert plan.token_N[real].tolist() == [0, 1, 0, 2, 1, 3]  # by position: earlier tokens win
+    assert torch.equal(plan.weight_N[real], weights_TK[[0, 1, 0, 2, 1, 3], [0, 0, 1, 1, 1, 0]])
+    assert plan.weight_N[[5, 7]].tolist() == [0.0, 0.0] and ((plan.token_N >= 0) & (plan.token_N < 4)).all()
+    dropless = dispatch.plan_dispatch(experts_TK, weights_TK, 4)  # device counts, no padding
+    assert dropless.capacity is None and dropless.sizes() is dropless.counts_E
+    assert torch.equal(dropless.counts_E, torch.bincount(experts_TK.flatten(), minlength=4))
 
 
 def test_a_token_with_every_slot_dropped_outputs_zero():
@@ -381,11 +397,12 @@ def test_empty_groups_in_every_gemm_keep_weight_gradients():
     x = torch.randn(5, 16, dtype=torch.float32, requires_grad=True)
     w = torch.randn(3, 16, 8, dtype=torch.float32, requires_grad=True)
     for name in ("loop", "grouped_mm", "auto"):
-        for sizes in ([0, 5, 0], [5, 0, 0]):
+        for sizes in ([0, 5, 0], [5, 0, 0], torch.tensor([0, 5, 0])):  # host ints or device counts
             y = GEMMS[name](x, w, sizes)
             assert y.shape == (5, 8)
             gx, gw = torch.autograd.grad(y.sum(), (x, w))
             assert gw.shape == w.shape and gw[[i for i, s in enumerate(sizes) if s == 0]].abs().sum() == 0
+            torch.testing.assert_close(y, GEMMS["loop"](x, w, [int(s) for s in sizes]))
 
 
 @pytest.mark.skipif(megablocks_available(), reason="megablocks is installed here")
@@ -425,9 +442,9 @@ def test_a_registered_dispatcher_carries_every_row_once_per_forward(monkeypatch)
 def test_auto_dispatcher_is_local_without_ep_and_alltoall_with_it():
     assert type(MoEMLP(12, 8, 8, 2).dispatcher) is LocalDispatcher
     assert type(MoEMLP(12, 8, 8, 2, ep_group=FakeGroup(1)).dispatcher) is LocalDispatcher
-    layer = MoEMLP(12, 8, 8, 2, ep_group=FakeGroup(2, 1), capacity_factor=1.5, drop_policy="score")
+    layer = MoEMLP(12, 8, 8, 2, ep_group=FakeGroup(2, 1), capacity_factor=1.5, drop_policy="probs")
     assert type(layer.dispatcher) is AllToAllDispatcher and layer.dispatcher.group.size() == 2
-    assert "AllToAllDispatcher(ep=2, capacity_factor=1.5, drop_policy='score')" in repr(layer)
+    assert "AllToAllDispatcher(ep=2, capacity_factor=1.5, drop_policy='probs')" in repr(layer)
     assert copy.deepcopy(layer).dispatcher.group is layer.dispatcher.group  # shared, not copied
 
 
@@ -503,7 +520,7 @@ def test_metrics_per_layer_name():
     (dict(capacity_factor=0.0), r"capacity_factor=0.0 must be > 0"),
     (dict(capacity_factor=-1), r"capacity_factor=-1 must be > 0"),
     (dict(score="tanh"), r"score='tanh' is not one of \('softmax', 'sigmoid'\)"),
-    (dict(drop_policy="random"), r"drop_policy='random' is not one of \('position', 'score'\)"),
+    (dict(drop_policy="random"), r"drop_policy='random' is not one of \('position', 'probs'\)"),
     (dict(activation="relu"), r"activation='relu' is not one of \('swiglu', 'gelu'\)"),
     (dict(gemm="cutlass"), r"gemm='cutlass' is not one of \[.*'loop'.*\]"),
     (dict(dispatcher="deepep"), r"dispatcher='deepep' is not one of \['auto', 'alltoall', 'local'.*\]"),

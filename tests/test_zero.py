@@ -8,12 +8,16 @@ norm against `torch.optim.AdamW` + `clip_grad_norm_` on one plain
 several and stage 2's in-order, during-backward reduce-scatters are exercised.
 A toy model whose second of four pipeline stages is a lone parameterless
 function checks that a rank with nothing to optimise still joins the norm.
+At dp=2, fused AdamW (`fused=True`: pipekit.kernels.adamw, whose float64 side is its
+reference) trains the same model, and equals the unfused optimizer bit for bit with an
+fp16-style overflow on one rank only (tests/test_kernels_adamw.py has its one-rank checks).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_kernels_adamw import fused_equals_unfused_at_dp
 
 import pipekit
 from pipekit.models import get_model, model_loss, model_specs
@@ -51,7 +55,7 @@ def _decay_groups(module):
 
 
 def train_and_compare(specs, loss, ref_loss_fn, batches, *, pp, dp, tp, stage, microbatches, chunks=1,
-                      optimizer="adamw", partition="parameters", **hyper) -> dict:
+                      optimizer="adamw", partition="parameters", fused=False, **hyper) -> dict:
     """Train `specs` at a layout with ZeroOptimizer and the reference with the torch optimizer."""
     torch.set_default_dtype(torch.float64)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp)
@@ -59,7 +63,7 @@ def train_and_compare(specs, loss, ref_loss_fn, batches, *, pp, dp, tp, stage, m
                                     schedule="interleaved_1f1b" if chunks > 1 else "1f1b", microbatches=microbatches,
                                     chunks_per_rank=chunks)
     opt = ZeroOptimizer(_decay_groups(module), optimizer, module=module, stage=stage, bucket_mb=TINY_BUCKETS,
-                        lr=LR, **hyper)
+                        lr=LR, fused=fused, **hyper)
     engine = pipekit.PipelineEngine(module, optimizer=opt, clip_grad_norm=CLIP)
     ref = reference_model(specs, SEED)
     torch_opt = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
@@ -160,13 +164,20 @@ def _sometimes_batches():
         yield x, (5 * x + 3) % 12
 
 
-def untouched_parameters_layout(stage) -> dict:
+def fused_layout(stage) -> dict:
+    """Fused AdamW (pipekit.kernels.adamw; float64 takes its reference) at dp=2."""
+    cfg = get_model("gpt2", "tiny", **GPT)
+    return train_and_compare(model_specs(cfg), model_loss(cfg), model_loss(cfg).build(), _gpt_batches,
+                             pp=1, dp=2, tp=1, stage=stage, microbatches=2, fused=True)
+
+
+def untouched_parameters_layout(stage, fused=False) -> dict:
     """A parameter that gets no gradient anywhere (`never`; `rare` in steps 1 and 4) is left
     alone by the step, weight decay, moments and step count included, as torch's AdamW leaves
     a parameter whose .grad is None; one used on one dp rank only is updated on both."""
     specs = [LayerSpec(EmbedKeepIds, 12, 8), LayerSpec(Sometimes, 8), LayerSpec(torch.nn.Linear, 8, 12)]
     return train_and_compare(specs, lm_loss, lm_loss, _sometimes_batches, pp=1, dp=2, tp=1, stage=stage,
-                             microbatches=2)
+                             microbatches=2, fused=fused)
 
 
 def run_world(world: int) -> list:
@@ -174,6 +185,8 @@ def run_world(world: int) -> list:
     if world == 2:
         out += [sgd_layout(1), sgd_layout(2), nccl_collectives_layout(1), nccl_collectives_layout(2)]
         out += [untouched_parameters_layout(stage) for stage in (0, 1, 2)]
+        out += [fused_layout(1), fused_layout(2), untouched_parameters_layout(2, fused=True)]
+        out += [fused_equals_unfused_at_dp(1), fused_equals_unfused_at_dp(2)]
     if world == 4:
         out += [toy_parameterless_stage(1), toy_parameterless_stage(2)]
     return out
@@ -185,6 +198,8 @@ def _names(world: int) -> list[str]:
     if world == 2:
         names += ["SGD ZeRO-1", "SGD ZeRO-2", "NCCL-branch collectives ZeRO-1", "NCCL-branch collectives ZeRO-2"]
         names += [f"untouched parameters ZeRO-{stage}" for stage in (0, 1, 2)]
+        names += ["fused AdamW ZeRO-1", "fused AdamW ZeRO-2", "fused AdamW, untouched parameters ZeRO-2"]
+        names += ["fused vs unfused, fp16 overflow on rank 1, ZeRO-1", "fused vs unfused, ... ZeRO-2"]
     if world == 4:
         names += ["parameterless stage ZeRO-1", "parameterless stage ZeRO-2"]
     return names
@@ -227,6 +242,58 @@ def test_one_rank_zero_is_plain_adamw_in_a_plain_loop():
         assert opt.master_dtype == torch.float64  # float64 models keep float64 masters: no precision lost
 
 
+def test_accumulation_hooks_once_per_step_and_skips_untouched(monkeypatch):
+    """Gradient accumulation in a plain loop (3 backward calls per step): a parameter used only in
+    the last microbatch counts as touched, one never used is skipped (as torch skips grad None),
+    weights equal torch's AdamW; at stages 0/1 (gradients accumulate in the bucket in place) each
+    parameter's hook runs once per step, not per microbatch; a backward after step() without
+    zero_grad() is still refused by the re-armed hook."""
+    calls = []
+    on_grad = ZeroOptimizer._on_grad
+
+    def counted(self, p):
+        calls.append(id(p))
+        on_grad(self, p)
+
+    monkeypatch.setattr(ZeroOptimizer, "_on_grad", counted)
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.ModuleList(torch.nn.Linear(4, 4).double() for _ in range(3))
+
+    def loss(m, x, micro):
+        y = m[0](x)
+        if micro == 2:
+            y = m[1](y)  # m[1] only in the last microbatch; m[2] never
+        return y.square().mean()
+
+    gen = torch.Generator().manual_seed(1)
+    batches = [[torch.randn(2, 4, generator=gen, dtype=torch.float64) for _ in range(3)] for _ in range(3)]
+    ref = make()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    for xs in batches:
+        ref_opt.zero_grad()
+        for i, x in enumerate(xs):
+            loss(ref, x, i).backward()
+        ref_opt.step()
+    for stage in (0, 1, 2):
+        m = make()
+        opt = ZeroOptimizer(m, "adamw", stage=stage, lr=0.1)
+        for xs in batches:
+            opt.zero_grad()
+            calls.clear()
+            for i, x in enumerate(xs):
+                loss(m, x, i).backward()
+            used = 4 if stage < 2 else 2 * 3 + 2  # m[0]'s two tensors every microbatch, m[1]'s once
+            assert len(calls) == used, f"stage {stage}: {len(calls)} hook calls"
+            opt.step()
+        for a, b in zip(m.parameters(), ref.parameters()):
+            assert (a - b).abs().max().item() <= TOL, f"stage {stage}"
+        if stage < 2:
+            with pytest.raises(RuntimeError, match="after its bucket was reduced"):
+                loss(m, batches[0][0], 0).backward()
+
+
 def test_master_weights_are_float32_for_a_bf16_model():
     model = torch.nn.Linear(8, 4).to(torch.bfloat16)
     opt = ZeroOptimizer(model, "adamw", stage=0, lr=1e-3)
@@ -263,3 +330,12 @@ def test_bad_stage_and_optimizer_are_named():
         ZeroOptimizer(model, stage=3)
     with pytest.raises(ValueError, match="'lamb' is not one of"):
         ZeroOptimizer(model, "lamb")
+    # the checks torch's optimizers make on their arguments, made on every param group
+    with pytest.raises(ValueError, match="lr=-1 must be a finite number >= 0"):
+        ZeroOptimizer(model, lr=-1)
+    with pytest.raises(ValueError, match=r"lr=nan \(param group 1\) must be a finite number >= 0"):
+        ZeroOptimizer([{"params": [model.weight]}, {"params": [model.bias], "lr": float("nan")}], module=model)
+    with pytest.raises(ValueError, match=r"betas=\(0.9, 1.0\) must each be in \[0, 1\)"):
+        ZeroOptimizer(model, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="weight_decay=-0.1 must be a finite number >= 0"):
+        ZeroOptimizer(model, weight_decay=-0.1)

@@ -1,7 +1,9 @@
 """Triton kernels, each in one file beside its autograd Function and its PyTorch
 reference; `dispatch.py` holds the one rule that picks a side (Triton on CUDA in
-fp32/fp16/bf16, the reference otherwise; float64 always the reference)."""
+fp32/fp16/bf16, the reference otherwise; float64 always the reference). `FusedAdamW` is the
+one optimizer among them: ZeroOptimizer steps its master shards with it (`fused=`)."""
 
+from .adamw import FusedAdamW, adamw_step_, adamw_step_reference, unscale_and_check_, unscale_and_check_reference
 from .dispatch import MODES, kernels, kernels_mode, set_kernels, use_triton
 from .glu import geglu, geglu_reference, swiglu, swiglu_reference
 from .grouped_gemm import grouped_gemm, grouped_gemm_reference
@@ -39,4 +41,9 @@ __all__ = [
     "moe_permute_reference",
     "moe_unpermute",
     "moe_unpermute_reference",
+    "FusedAdamW",
+    "adamw_step_",
+    "adamw_step_reference",
+    "unscale_and_check_",
+    "unscale_and_check_reference",
 ]

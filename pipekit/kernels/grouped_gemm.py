@@ -22,13 +22,13 @@ gradient runs one program per (group, I tile, O tile), looping over that group's
 The input gradient is the forward program reading w through swapped strides (no copy
 of w.T).
 
-Host syncs: none inside the kernels. `sizes` may be a Python list (what the MoE
-dispatchers hand over today; they have read the counts on the host already, one sync
-per layer, see pipekit/moe/layer.py) or an int tensor on x's device. A list is copied to
+Host syncs: none inside the kernels. `sizes` may be an int tensor on x's device (what
+the MoE dispatchers hand over when the counts are data: no sync on the Triton side) or a
+Python list (capacity mode's static sizes, known from the shapes). A list is copied to
 the device once per distinct list (a small cache keyed by the list and device: the
-three gemms of an expert MLP reuse it), which is a blocking host-to-device copy; a
-device tensor makes no sync on the Triton side. The reference slices by a list, so a
-device tensor there is read with `.tolist()` (a sync).
+three gemms of an expert MLP reuse it), a blocking host-to-device copy the first time.
+The reference slices by a list, so a device tensor there is read on the host by
+`host_sizes` (a sync), once per tensor: the three gemms of an expert MLP share the read.
 
 Precision: tiles are loaded in their dtype and multiplied by `tl.dot` with float32
 accumulation; float32 inputs use input_precision "tf32" only when
@@ -41,6 +41,7 @@ reference runs.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -55,10 +56,25 @@ except ImportError:  # the package imports without triton; only the Triton side 
 Sizes = list[int] | torch.Tensor
 
 
+_LAST_READ: list = [None, -1, []]  # (weak reference to the sizes tensor read last, its version, its values)
+
+
+def host_sizes(sizes: Sizes) -> list[int]:
+    """`sizes` as Python ints. A tensor is read with `.tolist()` (a host sync, the one a gemm
+    that slices on the host makes), once: the same unmodified tensor again reuses the read."""
+    if not isinstance(sizes, torch.Tensor):
+        return list(sizes)
+    ref, version, values = _LAST_READ
+    if ref is None or ref() is not sizes or version != sizes._version:
+        values = sizes.tolist()
+        _LAST_READ[:] = [weakref.ref(sizes), sizes._version, values]
+    return list(values)
+
+
 def grouped_gemm_reference(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: Sizes) -> torch.Tensor:
     """A loop of `x[a:b] @ w[e]` over contiguous slices: the MoE gemm "loop" (`loop_mm` in
-    pipekit/moe/grouped.py is this function). A tensor of sizes is read on the host (a sync)."""
-    sizes_list = sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
+    pipekit/moe/grouped.py is this function). A tensor of sizes is read on the host (`host_sizes`)."""
+    sizes_list = host_sizes(sizes)
     # unbind, not w[e]: each w[e]'s backward would add a full (E, I, O) zero-padded gradient
     # (E^2 I O work: 7x slower at E=64); unbind's backward stacks the E pieces once
     return torch.cat([piece @ w_I_O for piece, w_I_O in zip(torch.split(x_NI, sizes_list), w_EIO.unbind(0))])

@@ -13,10 +13,15 @@ overwriting the logits, and turns dlogits into this chunk's rows of dh (N, D) an
 adds its share of dw (V, D) with two more matmuls. So the gradients are made in
 the forward pass and kept (dh in h's dtype, dw accumulated in float32 or float64);
 backward only multiplies them by the incoming gradient (in place: one backward
-per forward, `retain_graph` double backward raises). When neither h nor w needs a
-gradient the chunk stops at the loss. Peak memory beyond the inputs: dh (N, D),
-dw (V, D) and one chunk's logits (C, V); the eager loss holds (N, V) logits, their
-softmax and their gradient. The default chunk (Liger's rule) makes the chunk's
+per forward, `retain_graph` double backward raises). Each reaches its tensor
+through its own small autograd node (`_Gradient`, 0 in value, added to the loss),
+so a backward split into input and weight passes (zero-bubble schedules,
+`pipekit.split_backward`) hands dh back in the first and dw in the second, with
+nothing computed twice. When neither h nor w needs a gradient the chunk stops at
+the loss. The loss is float32 (float64 for float64 h) whatever h's dtype: a
+bf16 loss would round the microbatch weights that scale it and its gradients.
+Peak memory beyond the inputs: dh (N, D), dw (V, D) and one chunk's logits (C, V);
+the eager loss holds (N, V) logits, their softmax and their gradient. The default chunk (Liger's rule) makes the chunk's
 logits about as large as h: C = next power of 2 of N / ceil(V / D), at least 64
 tokens (`default_chunk_tokens`). The torch side holds about two chunk-sized
 buffers at once (the logits and one temporary), the Triton side one.
@@ -87,7 +92,7 @@ def linear_cross_entropy(h_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: torch
     `vocab_parallel_cross_entropy`); chunk_tokens: tokens per chunk (None: the
     module docstring's rule); vocab_size: the true vocabulary (global ids >= it
     are padding, masked; None: no padding); tp_group: the group the vocabulary
-    is split over (None: one rank). Returns a scalar loss in h's dtype.
+    is split over (None: one rank). Returns a scalar loss in float32 (float64 for float64 h).
     Communication with tp: per chunk an all-reduce (max) of (C,) and one (sum) of
     (2, C); after the loop one all-reduce of dh (N, D); none in backward.
     """
@@ -103,9 +108,16 @@ def linear_cross_entropy(h_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: torch
     if chunk < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be >= 1")
     n_real = v_local if vocab_size is None else min(max(vocab_size - vocab_start, 0), v_local)
-    triton_side = use_triton(h_ND, w_VD)
-    return _LinearCrossEntropy.apply(h_ND, w_VD, labels_N, weights_N, ignore_index, reduction, chunk,
-                                     n_real, vocab_start, tp_group, triton_side)
+    want_dh = h_ND.requires_grad and torch.is_grad_enabled()
+    want_dw = w_VD.requires_grad and torch.is_grad_enabled()
+    with torch.no_grad():  # the gradients are made here, in forward
+        loss, dh, dw = _chunked(h_ND, w_VD, labels_N, weights_N, ignore_index, reduction, chunk, n_real,
+                                vocab_start, tp_group, use_triton(h_ND, w_VD), want_dh, want_dw)
+    if dh is not None:
+        loss = loss + _Gradient.apply(h_ND, dh)
+    if dw is not None:
+        loss = loss + _Gradient.apply(w_VD, dw)
+    return loss
 
 
 def linear_cross_entropy_reference(h_ND: torch.Tensor, w_VD: torch.Tensor, labels_N: torch.Tensor,
@@ -134,7 +146,7 @@ def linear_cross_entropy_eager(h_ND: torch.Tensor, w_VD: torch.Tensor, labels_N:
     loss = per_token.sum()
     if reduction == "mean":
         loss = loss / (labels != ignore_index).sum().clamp(min=1)
-    return loss.to(h_ND.dtype)
+    return loss
 
 
 MIN_CHUNK_TOKENS = 64  # each chunk reads and writes all of dw (V, D): fewer tokens make that the bottleneck
@@ -155,62 +167,68 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, w, labels, weights, ignore_index, reduction, chunk, n_real, vocab_start, group,
-                triton_side):
-        d, v_local = h.shape[-1], w.shape[0]
-        h2 = h.reshape(-1, d)  # (N, D)
-        acc = torch.promote_types(h.dtype, torch.float32)  # logits, softmax, dw: float32 or float64
-        t = labels.reshape(-1)  # (N,)
-        valid = t != ignore_index
-        local_t = t - vocab_start
-        here = valid & (local_t >= 0) & (local_t < v_local)  # the target's row is on this rank
-        local_t = local_t.masked_fill(~here, -1)  # -1: matches no column
-        scale = valid.to(acc) if weights is None else weights.reshape(-1).to(acc) * valid
-        if reduction == "mean":
-            scale = scale / valid.sum().clamp(min=1)
-        want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dh = torch.empty_like(h2) if want_dh else None
-        dw = torch.zeros(w.shape, dtype=acc, device=w.device) if want_dw else None
-        loss = torch.zeros((), dtype=acc, device=h.device)
-        step = _TritonStep if triton_side else _TorchStep
-        for lo in range(0, h2.shape[0], chunk):
-            hi = min(lo + chunk, h2.shape[0])
-            x = (h2[lo:hi] @ w.T).to(acc)  # (C, V_local) logits; the one chunk-sized buffer
-            if n_real < v_local:
-                x[:, n_real:] = float("-inf")  # padded ids
-            tc = local_t[lo:hi]
-            m_r, s_r, x_t = step.stats(x, tc)  # (C,) each
-            m = _all_reduce(m_r.clone(), group, dist.ReduceOp.MAX)
-            z = torch.where(here[lo:hi], x_t - m, 0.0)
-            s, z = _all_reduce(torch.stack([s_r * (m_r - m).exp(), z]), group)  # (2, C)
-            loss += ((s.log() - z) * scale[lo:hi]).sum()
-            if not (want_dh or want_dw):
-                continue
-            step.grad_(x, tc, m + s.log(), scale[lo:hi])  # x is now dlogits (C, V_local)
-            if want_dh:
-                torch.matmul(x.to(h.dtype), w, out=dh[lo:hi])
-            if want_dw:
-                dw.addmm_(x.T, h2[lo:hi].to(acc))
-        if dh is not None:
-            dh = _all_reduce(dh, group).view(h.shape)  # the partial sums over the vocabulary slices
-        ctx.grads = (dh, dw)
-        ctx.w_dtype = w.dtype
-        return loss.to(h.dtype)
+def _chunked(h, w, labels, weights, ignore_index, reduction, chunk, n_real, vocab_start, group, triton_side,
+             want_dh, want_dw):
+    """(loss, dh, dw) of the module docstring's chunk loop, without autograd; dh (or dw) None
+    when not wanted. The loss is in float32 (float64 for float64 h), dh in h's dtype, dw in
+    float32 or float64."""
+    d, v_local = h.shape[-1], w.shape[0]
+    h2 = h.reshape(-1, d)  # (N, D)
+    acc = torch.promote_types(h.dtype, torch.float32)  # logits, softmax, dw: float32 or float64
+    t = labels.reshape(-1)  # (N,)
+    valid = t != ignore_index
+    local_t = t - vocab_start
+    here = valid & (local_t >= 0) & (local_t < v_local)  # the target's row is on this rank
+    local_t = local_t.masked_fill(~here, -1)  # -1: matches no column
+    scale = valid.to(acc) if weights is None else weights.reshape(-1).to(acc) * valid
+    if reduction == "mean":
+        scale = scale / valid.sum().clamp(min=1)
+    dh = torch.empty_like(h2) if want_dh else None
+    dw = torch.zeros(w.shape, dtype=acc, device=w.device) if want_dw else None
+    loss = torch.zeros((), dtype=acc, device=h.device)
+    step = _TritonStep if triton_side else _TorchStep
+    for lo in range(0, h2.shape[0], chunk):
+        hi = min(lo + chunk, h2.shape[0])
+        x = (h2[lo:hi] @ w.T).to(acc)  # (C, V_local) logits; the one chunk-sized buffer
+        if n_real < v_local:
+            x[:, n_real:] = float("-inf")  # padded ids
+        tc = local_t[lo:hi]
+        m_r, s_r, x_t = step.stats(x, tc)  # (C,) each
+        m = _all_reduce(m_r.clone(), group, dist.ReduceOp.MAX)
+        z = torch.where(here[lo:hi], x_t - m, 0.0)
+        s, z = _all_reduce(torch.stack([s_r * (m_r - m).exp(), z]), group)  # (2, C)
+        loss += ((s.log() - z) * scale[lo:hi]).sum()
+        if not (want_dh or want_dw):
+            continue
+        step.grad_(x, tc, m + s.log(), scale[lo:hi])  # x is now dlogits (C, V_local)
+        if want_dh:
+            torch.matmul(x.to(h.dtype), w, out=dh[lo:hi])
+        if want_dw:
+            dw.addmm_(x.T, h2[lo:hi].to(acc))
+    if dh is not None:
+        dh = _all_reduce(dh, group).view(h.shape)  # the partial sums over the vocabulary slices
+    return loss, dh, dw
+
+
+class _Gradient(torch.autograd.Function):
+    """0 in value, `grad` as x's gradient: carries a gradient made in forward to its tensor.
+    One per differentiated input, so each is its own node of the graph: a backward split in
+    two passes (`pipekit.split_backward`, input grads first, weight grads later) runs the one
+    for h in the first and the one for w in the second, each once."""
 
     @staticmethod
-    def backward(ctx, grad):
-        if ctx.grads is None:
+    def forward(ctx, x, grad):
+        ctx.grad = grad
+        ctx.dtype = x.dtype
+        return torch.zeros((), dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.grad is None:
             raise RuntimeError("linear_cross_entropy keeps its gradients for one backward pass: it scales them "
                                "in place, so a second backward (retain_graph=True) cannot run")
-        dh, dw = ctx.grads
-        ctx.grads = None
-        if dh is not None:
-            dh = dh.mul_(grad.to(dh.dtype))
-        if dw is not None:
-            dw = dw.mul_(grad.to(dw.dtype)).to(ctx.w_dtype)
-        return dh, dw, None, None, None, None, None, None, None, None, None
+        grad, ctx.grad = ctx.grad, None
+        return grad.mul_(g.to(grad.dtype)).to(ctx.dtype), None
 
 
 class _TorchStep:

@@ -8,7 +8,7 @@ every tp size, and parameter names do not depend on the tp size.
 
 from .attention import CausalSelfAttention
 from .block import TransformerBlock
-from .cross_entropy import VocabParallelCrossEntropy, vocab_parallel_cross_entropy
+from .cross_entropy import FusedLinearCrossEntropy, VocabParallelCrossEntropy, vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .mlp import GeluMLP, SwiGLUMLP
@@ -32,6 +32,7 @@ from .rotary import apply_rotary, rotary_cos_sin
 __all__ = [
     "CausalSelfAttention",
     "ColumnParallelLinear",
+    "FusedLinearCrossEntropy",
     "GeluMLP",
     "LayerNorm",
     "RMSNorm",

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .norm import LayerNorm, RMSNorm
 from .parallel import current_tp_group
 
 
@@ -23,6 +24,10 @@ class TransformerBlock(nn.Module):
     its tp group and their init: std 0.02, and for the output projections (`attn.o`,
     `mlp.proj` / `mlp.down`) 0.02/sqrt(2*n_layers_for_init) with `n_layers_for_init`
     (GPT-2's scaled init), else 0.02.
+    The second residual add is fused into `norm2` when it is pipekit's RMSNorm or
+    LayerNorm (`norm2(a, residual=x)`: one pass over memory for the add and the norm on
+    the Triton side; the same two operations, bitwise, on the reference side); any other
+    norm module gets the plain add.
     Communication: that of the parts; for the dense ones, two all-reduces forward
     (attn.o, the MLP's output layer) and the backward all-reduces of their inputs.
     """
@@ -38,7 +43,13 @@ class TransformerBlock(nn.Module):
         self.attn = attn(dim, **init)
         self.norm2 = norm(dim)
         self.mlp = mlp(dim, **init)
+        self._fused_add = isinstance(self.norm2, (RMSNorm, LayerNorm))  # a norm that takes residual=
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        a = self.attn(self.norm1(x))
+        if self._fused_add:  # x + a and its norm in one pass (bitwise the two steps on the reference side)
+            h, x = self.norm2(a, residual=x)
+        else:
+            x = x + a
+            h = self.norm2(x)
+        return x + self.mlp(h)

@@ -13,13 +13,22 @@ with the softmax kept from forward.
 
 Precision: half-precision logits are computed in float32; float32 and float64
 stay as they are.
+
+`FusedLinearCrossEntropy` is the head and this loss in one, for training without
+the logits at all (`pipekit.kernels.linear_cross_entropy`, the same two
+all-reduces per chunk of tokens).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from ..kernels import linear_cross_entropy
 from .parallel import TensorParallelModule, _all_reduce, group_rank, group_size
 
 
@@ -84,3 +93,55 @@ class VocabParallelCrossEntropy(TensorParallelModule):
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, tp={group_size(self.group)}"
+
+
+class FusedLinearCrossEntropy(nn.Module):
+    """The head and the loss as one: `pipekit.kernels.linear_cross_entropy` of the hidden states
+    and the head's weight, so training never holds the (N, Vp/tp) logits (Liger-Kernel's
+    `fused_linear_cross_entropy`). What a zoo model with `fused_loss=True` is trained with.
+
+    Bound to the model's head by PipelineModule (`bind_head`, on the last stage's rank): the
+    last layer's module, or what `head_of` picks out of it (GPT-2's tied table, `wte`), a
+    module with `weight` (Vp/tp, D), `vocab_start` and `group`, like `VocabParallelHead` and
+    `VocabParallelEmbedding`; it stays the head's parameter (not this module's: same names,
+    same tie groups and optimizer), its gradient coming through the kernel. The head's mode
+    says what it gave: in training (a fused head passes the hidden states (..., D) through)
+    this is the kernel, vocab-parallel over the head's group (which all-reduces dh itself:
+    the head skips `copy_to_tp`), the ids >= `vocab_size` masked; in eval (the head gives its
+    logits, for eval_batch's outputs and generate) it is `vocab_parallel_cross_entropy`.
+
+    Precision (`keeps_output_dtype`: the engine does not cast the last stage's output to
+    float32 for it): h comes in the layers' dtype, as the head's weight; each chunk's logits
+    are made by a matmul in that dtype and taken to float32 for the softmax, exactly as the
+    unfused head makes its logits and the engine takes them to float32. The loss is float32.
+
+    Memory: the kernel makes the gradients in forward and keeps them until backward, dh (N, D)
+    and dw (Vp/tp, D) in float32, per microbatch whose backward has not run yet on the last
+    stage: one under 1F1B, a few where a zero-bubble schedule defers the weight pass (dw waits
+    for W), M under GPipe (as the unfused loss keeps M softmaxes of (N, Vp/tp)).
+    """
+
+    keeps_output_dtype = True
+
+    def __init__(self, vocab_size: int, ignore_index: int = -100, head_of: Callable | None = None):
+        super().__init__()
+        self.vocab_size, self.ignore_index, self.head_of = vocab_size, ignore_index, head_of
+        self._head: Any = None  # a module with weight, vocab_start and group (`bind_head`)
+
+    def bind_head(self, layer: nn.Module) -> None:
+        """Read the head's weight from `layer` (this rank's last layer) from now on."""
+        object.__setattr__(self, "_head", self.head_of(layer) if self.head_of else layer)  # not a submodule
+
+    def forward(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        head = self._head
+        if head is None:
+            raise RuntimeError("FusedLinearCrossEntropy has no head: PipelineModule(specs, loss_fn=...) binds it to "
+                               "the last layer (bind_head); call bind_head(head) when using it on its own")
+        if not head.training:  # the head gave its logits
+            return vocab_parallel_cross_entropy(out.to(torch.promote_types(out.dtype, torch.float32)), targets,
+                                                head.group, self.ignore_index)
+        return linear_cross_entropy(out.to(head.weight.dtype), head.weight, targets, ignore_index=self.ignore_index,
+                                    vocab_size=self.vocab_size, vocab_start=head.vocab_start, tp_group=head.group)
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.vocab_size}, ignore_index={self.ignore_index}"

@@ -1,6 +1,12 @@
-"""Normalisation layers; replicated on every tp rank (they see full activations)."""
+"""Normalisation layers; replicated on every tp rank (they see full activations).
+
+Both take an optional `residual`: `norm(x, residual=r)` returns `(norm(x + r), x + r)`,
+the add fused into the norm's pass over memory (`pipekit.kernels.norm`), which
+`TransformerBlock` uses for its second residual add."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,8 +29,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        """The norm of x; with `residual`, `(norm(x + residual), x + residual)` in one pass."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, residual=residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
@@ -43,8 +52,11 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.register_parameter("bias", nn.Parameter(torch.zeros(dim)) if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        """The norm of x; with `residual`, `(norm(x + residual), x + residual)` in one pass."""
+        if residual is None:
+            return layer_norm(x, self.weight, self.bias, self.eps)
+        return layer_norm(x, self.weight, self.bias, self.eps, residual=residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"

@@ -36,14 +36,19 @@ _TP_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("pipekit_tp_grou
 
 
 # ---- the current tp group ----------------------------------------------------
-@contextlib.contextmanager
-def tensor_parallel(group) -> Iterator[Any]:
-    """Make `group` the current tp group for layers constructed inside the block."""
-    token = _TP_GROUP.set(group)
+def _scoped(var: contextvars.ContextVar[Any], group) -> Iterator[Any]:
+    """Set `var` to `group` for the block of the context manager that yields from this."""
+    token = var.set(group)
     try:
         yield group
     finally:
-        _TP_GROUP.reset(token)
+        var.reset(token)
+
+
+@contextlib.contextmanager
+def tensor_parallel(group) -> Iterator[Any]:
+    """Make `group` the current tp group for layers constructed inside the block."""
+    yield from _scoped(_TP_GROUP, group)
 
 
 def current_tp_group():
@@ -57,16 +62,27 @@ _EP_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("pipekit_ep_grou
 @contextlib.contextmanager
 def expert_parallel(group) -> Iterator[Any]:
     """Make `group` the expert-parallel group for MoE layers constructed inside the block."""
-    token = _EP_GROUP.set(group)
-    try:
-        yield group
-    finally:
-        _EP_GROUP.reset(token)
+    yield from _scoped(_EP_GROUP, group)
 
 
 def current_ep_group():
     """The group set by the innermost `expert_parallel(...)`, or None (no expert parallelism)."""
     return _EP_GROUP.get()
+
+
+_ETP_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("pipekit_etp_group", default=None)
+
+
+@contextlib.contextmanager
+def expert_tensor_parallel(group) -> Iterator[Any]:
+    """Make `group` the group MoE layers constructed inside the block split each expert's
+    hidden dimension over (expert tensor parallelism; None: experts whole on every tp rank)."""
+    yield from _scoped(_ETP_GROUP, group)
+
+
+def current_etp_group():
+    """The group set by the innermost `expert_tensor_parallel(...)`, or None (experts not split)."""
+    return _ETP_GROUP.get()
 
 
 def group_size(group) -> int:

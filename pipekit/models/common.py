@@ -14,10 +14,18 @@ initialised like the others but never used: ids are < vocab_size, and the
 head sets the logits of padded ids to -inf on the shard that holds them, so
 softmax and loss are exactly the unpadded model's and the padded rows get
 zero gradient. Hugging Face import pads with zero rows, export strips them.
+
+The fused loss (`cfg.fused_loss`, Liger-Kernel's `fused_linear_cross_entropy`):
+the head stays the model's last layer with the same parameter (tied or not),
+but in training it passes the hidden states through and the loss
+(`FusedLinearCrossEntropy`, `zoo_loss`) multiplies them by the head's weight
+chunk by chunk, so the (B, T, Vp/tp) logits never exist; in eval the head gives
+its logits as without it (eval_batch's outputs, generate).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Optional
@@ -25,7 +33,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..layers import ColumnParallelLinear, VocabParallelEmbedding, copy_to_tp
+from ..layers import (
+    ColumnParallelLinear,
+    FusedLinearCrossEntropy,
+    VocabParallelCrossEntropy,
+    VocabParallelEmbedding,
+    copy_to_tp,
+)
 from ..layers.parallel import current_ep_group, group_rank
 from ..spec import LayerSpec, TiedLayerSpec
 
@@ -46,8 +60,14 @@ class MoEConfig:
     n_shared_experts: int = 0  # always-on experts beside the routed ones (one dense MLP of n_shared * hidden)
     score: str = "softmax"  # router scores: softmax | sigmoid (DeepSeek-V3)
     aux_loss_coef: float = 0.01  # load-balancing loss weight, per block
+    global_balance: bool = False  # balancing loss on the loads of the whole step (microbatches x dp; pre-pass)
     z_loss_coef: float = 0.0  # router z-loss weight, per block
+    bias_update_rate: float = 0.0  # DeepSeek-V3 aux-loss-free bias, moved once per step on the dp group's loads
+    n_groups: Optional[int] = None  # device-limited routing: experts in n_groups groups of consecutive ids ...
+    topk_groups: Optional[int] = None  # ... each token to experts of at most topk_groups of them
     capacity_factor: Optional[float] = None  # None: dropless
+    token_drop_policy: str = "position"  # over capacity: drop the last tokens (position) or lowest weights (probs)
+    pad_expert_input_to_capacity: bool = False  # with a capacity: every expert gets exactly capacity rows
 
 
 def check_positive(cfg, names: tuple[str, ...]) -> None:
@@ -59,7 +79,11 @@ def check_positive(cfg, names: tuple[str, ...]) -> None:
 
 
 def check_moe(cfg: MoEConfig) -> None:
-    """The MoE fields of a model config (n_experts, top_k, n_shared_experts, capacity_factor, score)."""
+    """The MoE fields of a model config (n_experts, top_k, n_shared_experts, capacity_factor, score,
+    the balancing and routing settings, the drop policy)."""
+    from ..moe import DROP_POLICIES
+    from ..moe.router import check_groups
+
     name = type(cfg).__name__
     check_positive(cfg, ("n_experts", "top_k"))
     assert cfg.n_experts is not None  # check_positive refused None
@@ -71,6 +95,21 @@ def check_moe(cfg: MoEConfig) -> None:
         raise ValueError(f"{name}: capacity_factor must be > 0 (or None: dropless), got {cfg.capacity_factor}")
     if cfg.score not in ("softmax", "sigmoid"):
         raise ValueError(f"{name}: score={cfg.score!r} is not one of ['softmax', 'sigmoid']")
+    rate = cfg.bias_update_rate
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < float("inf"):
+        raise ValueError(f"{name}: bias_update_rate must be a finite number >= 0 (0: off), got {rate!r}")
+    for flag in ("global_balance", "pad_expert_input_to_capacity"):
+        if not isinstance(getattr(cfg, flag), bool):
+            raise ValueError(f"{name}: {flag} must be true or false, got {getattr(cfg, flag)!r}")
+    try:
+        check_groups(cfg.n_experts, cfg.top_k, cfg.n_groups, cfg.topk_groups)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from e
+    if cfg.token_drop_policy not in DROP_POLICIES:
+        raise ValueError(f"{name}: token_drop_policy={cfg.token_drop_policy!r} is not one of {list(DROP_POLICIES)}")
+    if cfg.pad_expert_input_to_capacity and cfg.capacity_factor is None:
+        raise ValueError(f"{name}: pad_expert_input_to_capacity pads each expert to its capacity, but "
+                         "capacity_factor is None (dropless); set a capacity_factor")
 
 
 # ---- the padded, vocab-parallel token table and head ---------------------------------------
@@ -91,11 +130,16 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, vocab_start: int) -
     return logits.masked_fill(ids >= vocab_size, float("-inf"))
 
 
-def vocab_logits(embedding: VocabParallelEmbedding, h: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+def vocab_logits(embedding: VocabParallelEmbedding, h: torch.Tensor, vocab_size: int | None = None,
+                 fused: bool = False) -> torch.Tensor:
     """The tied head on a vocab-parallel table: (B, T, D) -> (B, T, Vp/tp), this rank's vocab slice,
-    the ids >= `vocab_size` (padding; None: no padding) masked to -inf.
+    the ids >= `vocab_size` (padding; None: no padding) masked to -inf. `fused` (the loss is
+    `FusedLinearCrossEntropy`, which multiplies by the table itself): `h` as it is while the
+    table is in training mode, the logits in eval.
 
     Communication: none forward; backward all-reduces the gradient of `h` over tp."""
+    if fused and embedding.training:
+        return h
     logits = F.linear(copy_to_tp(h, embedding.group), embedding.weight)
     if vocab_size is None:
         return logits
@@ -105,29 +149,47 @@ def vocab_logits(embedding: VocabParallelEmbedding, h: torch.Tensor, vocab_size:
 class VocabParallelHead(ColumnParallelLinear):
     """The untied head: a bias-free `ColumnParallelLinear(dim, padded_vocab)` whose
     logits (B, T, Vp/tp) have the padded ids (>= vocab_size) masked to -inf.
-    Same parameter (`weight`), same draws and same communication as the plain layer."""
+    Same parameter (`weight`), same draws and same communication as the plain layer.
+    `fused_loss` (the loss is `FusedLinearCrossEntropy`, which multiplies by `weight`
+    itself): in training mode the hidden states pass through unchanged; in eval, the logits."""
 
-    def __init__(self, dim: int, vocab_size: int, padded_vocab: int | None = None, init_std: float = 0.02):
+    def __init__(self, dim: int, vocab_size: int, padded_vocab: int | None = None, init_std: float = 0.02,
+                 fused_loss: bool = False):
         super().__init__(dim, padded_vocab or vocab_size, bias=False, gather_output=False, init_std=init_std)
         self.vocab_size = vocab_size
         self.vocab_start = group_rank(self.group) * self.weight.shape[0]
+        self.fused_loss = fused_loss
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_loss and self.training:
+            return x
         return mask_padded_vocab(super().forward(x), self.vocab_size, self.vocab_start)
+
+
+def zoo_loss(cfg, head_of: Callable | None = None) -> LayerSpec:
+    """The loss of a zoo model: mean next-token cross-entropy on the head's vocab-parallel logits
+    (`VocabParallelCrossEntropy`), or with `cfg.fused_loss` the head and the loss in one
+    (`FusedLinearCrossEntropy`, bound to the last layer, or to `head_of(last layer)`)."""
+    if cfg is not None and cfg.fused_loss:
+        return LayerSpec(FusedLinearCrossEntropy, cfg.vocab_size, head_of=head_of)
+    return LayerSpec(VocabParallelCrossEntropy)
 
 
 def vocab_table_and_head(cfg) -> tuple[LayerSpec, LayerSpec]:
     """The first and last entries of a model whose token table is a plain `VocabParallelEmbedding`
     (Llama, Mixtral): untied, `layers.0.weight` and a `VocabParallelHead`; tied, one
-    `TiedLayerSpec("embed")` whose head multiplies by the table's vocab shard. Both padded."""
+    `TiedLayerSpec("embed")` whose head multiplies by the table's vocab shard. Both padded;
+    with `cfg.fused_loss` the head passes the hidden states through in training (`zoo_loss`)."""
     rows = cfg.padded_vocab
     if cfg.tie_embeddings:
         embed: LayerSpec = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
         head: LayerSpec = TiedLayerSpec("embed", VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std,
-                                        forward_fn=partial(vocab_logits, vocab_size=cfg.vocab_size))
+                                        forward_fn=partial(vocab_logits, vocab_size=cfg.vocab_size,
+                                                           fused=cfg.fused_loss))
     else:
         embed = LayerSpec(VocabParallelEmbedding, rows, cfg.dim, init_std=cfg.init_std)
-        head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, rows, init_std=cfg.init_std)
+        head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, rows, init_std=cfg.init_std,
+                         fused_loss=cfg.fused_loss)
     return embed, head
 
 
@@ -136,11 +198,16 @@ def moe_mlp(dim: int, hidden: int, *, group=None, init_std: float = 0.02, out_in
             cfg, layer_index: int, activation: str = "swiglu", bias: bool = False):
     """The MoE feed-forward part of block `layer_index` of a config with MoE fields (Mixtral's,
     or GPT-2's with n_experts set), on the current expert-parallel group: a `TransformerBlock`
-    `mlp=` part (`partial(moe_mlp, hidden=..., cfg=cfg, layer_index=i)`)."""
+    `mlp=` part (`partial(moe_mlp, hidden=..., cfg=cfg, layer_index=i)`). The aux-free bias,
+    when on, moves once per step (`bias_update="step"`: after the engine's optimizer step, on
+    the loads of the stage's whole data-parallel group)."""
     from ..moe import MoEMLP
 
     return MoEMLP(dim, hidden, cfg.n_experts, cfg.top_k, activation=activation, bias=bias, score=cfg.score,
-                  aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef, capacity_factor=cfg.capacity_factor,
+                  aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef, global_balance=cfg.global_balance,
+                  bias_update_rate=cfg.bias_update_rate, bias_update="step", n_groups=cfg.n_groups,
+                  topk_groups=cfg.topk_groups, capacity_factor=cfg.capacity_factor,
+                  drop_policy=cfg.token_drop_policy, pad_to_capacity=cfg.pad_expert_input_to_capacity,
                   n_shared_experts=cfg.n_shared_experts, ep_group=current_ep_group(), layer_index=layer_index,
                   init_std=init_std, out_init_std=out_init_std)
 

@@ -7,7 +7,9 @@
 
 The head's logits stay split over the vocabulary (rank r holds ids
 [r*Vp/tp, (r+1)*Vp/tp)) and go straight into `VocabParallelCrossEntropy`, so
-the full (B, T, Vp) logits never exist on one rank. With
+the full (B, T, Vp) logits never exist on one rank; with `fused_loss` the head
+passes the hidden states through in training and `FusedLinearCrossEntropy`
+multiplies by `wte` chunk by chunk, so no logits exist at all. With
 `tie_embeddings=False` the embedding is a plain `LayerSpec` and the head a
 bias-free `VocabParallelHead` (names `layers.0.*`, `layers.{L+2}.weight`).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -37,7 +40,6 @@ from ..layers import (
     GeluMLP,
     LayerNorm,
     TransformerBlock,
-    VocabParallelCrossEntropy,
     VocabParallelEmbedding,
 )
 from ..layers.parallel import normal_full
@@ -51,6 +53,7 @@ from .common import (  # noqa: F401 - the shared helpers, importable from here a
     moe_mlp,
     padded_vocab,
     vocab_logits,
+    zoo_loss,
 )
 
 
@@ -71,6 +74,8 @@ class GPT2Config(MoEConfig):
     # The token table and the head get vocab_size rounded up to a multiple of this (1: no padding);
     # the padded ids' logits are -inf. Independent of tp, which must divide the padded size.
     vocab_pad_multiple: int = 128
+    # Train with the head fused into the loss (common.zoo_loss): no (B, T, Vp/tp) logits in training.
+    fused_loss: bool = False
 
     def __post_init__(self):
         check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "vocab_pad_multiple"))
@@ -121,9 +126,10 @@ class GPT2Embedding(nn.Module):
         return self.wte(ids) + self.wpe(pos)  # (B, T, D) + (T, D)
 
 
-def tied_logits(module: GPT2Embedding, h: torch.Tensor) -> torch.Tensor:
-    """`forward_fn` of the tied head: logits from the embedding's `wte` shard, padding masked."""
-    return vocab_logits(module.wte, h, module.vocab_size)
+def tied_logits(module: GPT2Embedding, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    """`forward_fn` of the tied head: logits from the embedding's `wte` shard, padding masked
+    (`fused`: `h` itself in training, see `common.vocab_logits`)."""
+    return vocab_logits(module.wte, h, module.vocab_size, fused)
 
 
 def gpt2_specs(cfg: GPT2Config) -> list:
@@ -132,11 +138,12 @@ def gpt2_specs(cfg: GPT2Config) -> list:
     embed_kw: dict[str, Any] = dict(init_std=cfg.init_std, padded_vocab=cfg.padded_vocab)
     if cfg.tie_embeddings:
         embed: LayerSpec = TiedLayerSpec("embed", GPT2Embedding, *embed_args, **embed_kw, tied_weight_attr="wte.weight")
-        head: LayerSpec = TiedLayerSpec("embed", GPT2Embedding, *embed_args, **embed_kw,
-                                        tied_weight_attr="wte.weight", forward_fn=tied_logits)
+        head: LayerSpec = TiedLayerSpec("embed", GPT2Embedding, *embed_args, **embed_kw, tied_weight_attr="wte.weight",
+                                        forward_fn=partial(tied_logits, fused=True) if cfg.fused_loss else tied_logits)
     else:
         embed = LayerSpec(GPT2Embedding, *embed_args, **embed_kw)
-        head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, cfg.padded_vocab, init_std=cfg.init_std)
+        head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, cfg.padded_vocab, init_std=cfg.init_std,
+                         fused_loss=cfg.fused_loss)
 
     parts = gpt2_block_parts(cfg.n_heads, 4 * cfg.dim, cfg.norm_eps)
 
@@ -159,8 +166,9 @@ def gpt2_block_parts(n_heads: int, hidden: int, norm_eps: float) -> dict:
 
 
 def gpt2_loss(cfg: GPT2Config | None = None) -> LayerSpec:
-    """Mean next-token cross-entropy on vocab-parallel logits (labels are the shifted ids)."""
-    return LayerSpec(VocabParallelCrossEntropy)
+    """Mean next-token cross-entropy on vocab-parallel logits (labels are the shifted ids); with
+    `fused_loss`, fused with the head (`common.zoo_loss`; a tied head's weight is `wte`'s)."""
+    return zoo_loss(cfg, head_of=attrgetter("wte") if cfg is not None and cfg.tie_embeddings else None)
 
 
 def gpt2_params(cfg: GPT2Config, *, padded: bool = True, active: bool = False) -> tuple[int, int]:

@@ -286,14 +286,17 @@ class MixtralAdapter(LlamaAdapter):
     defaults = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-5}
 
     def check(self) -> None:
-        """Refuse what HF's Mixtral lacks (its routing is softmax, it has no shared experts)."""
+        """Refuse what HF's Mixtral lacks (its routing is softmax, plain top-k, without an aux-free
+        bias; it has no shared experts)."""
         cfg = self.cfg
         extras = ([f"n_shared_experts={cfg.n_shared_experts}"] if cfg.n_shared_experts else []) + \
-                 ([f"score={cfg.score!r}"] if cfg.score != "softmax" else [])
+                 ([f"score={cfg.score!r}"] if cfg.score != "softmax" else []) + \
+                 ([f"n_groups={cfg.n_groups}"] if cfg.n_groups is not None else []) + \
+                 ([f"bias_update_rate={cfg.bias_update_rate}"] if cfg.bias_update_rate else [])
         if extras:
             raise ValueError(f"this Mixtral config has {' and '.join(extras)}, which Hugging Face's Mixtral lacks "
-                             f"(softmax routing, no shared experts); only configs with score='softmax' and "
-                             f"n_shared_experts=0 convert")
+                             f"(softmax, plain top-k routing, no shared experts); only configs with "
+                             f"score='softmax', n_shared_experts=0, no n_groups and bias_update_rate=0 convert")
 
     def _experts_from_hf(self, hf: _Taken, i: int) -> dict:
         """Block i's router and experts in pipekit's names and layouts, from the fused form or

@@ -10,6 +10,8 @@ and the head `layers.{L+2}.weight`; with `tie_embeddings=True` both are one
 `TiedLayerSpec("embed")` (`tied.embed.weight`) and the head multiplies by the
 embedding's vocab shard. The token table and the head have Vp =
 `padded_vocab(cfg)` rows and the padded ids' logits are -inf (see common.py).
+With `fused_loss` the head passes (B, T, D) through in training and the loss
+multiplies by its weight chunk by chunk (`common.zoo_loss`).
 A block is `TransformerBlock` with Llama's parts (`llama_block_parts`): RMSNorm,
 grouped-query attention without biases and with the rotary embedding, the SwiGLU
 MLP of width `hidden`. Rotary positions 0..T-1 are made inside attention from the
@@ -24,9 +26,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Optional
 
-from ..layers import CausalSelfAttention, RMSNorm, SwiGLUMLP, TransformerBlock, VocabParallelCrossEntropy
+from ..layers import CausalSelfAttention, RMSNorm, SwiGLUMLP, TransformerBlock
 from ..spec import LayerSpec
-from .common import check_positive, padded_vocab, vocab_table_and_head
+from .common import check_positive, padded_vocab, vocab_table_and_head, zoo_loss
 
 
 @dataclass
@@ -45,6 +47,8 @@ class LlamaConfig:
     # The token table and the head get vocab_size rounded up to a multiple of this (1: no padding);
     # the padded ids' logits are -inf. Independent of tp, which must divide the padded size.
     vocab_pad_multiple: int = 128
+    # Train with the head fused into the loss (common.zoo_loss): no (B, T, Vp/tp) logits in training.
+    fused_loss: bool = False
 
     @property
     def padded_vocab(self) -> int:
@@ -99,8 +103,9 @@ def llama_block_parts(n_heads: int, n_kv_heads: int, hidden: int, norm_eps: floa
 
 
 def llama_loss(cfg: LlamaConfig | None = None) -> LayerSpec:
-    """Mean next-token cross-entropy on vocab-parallel logits."""
-    return LayerSpec(VocabParallelCrossEntropy)
+    """Mean next-token cross-entropy on vocab-parallel logits; with `fused_loss`, fused with the
+    head (`common.zoo_loss`)."""
+    return zoo_loss(cfg)
 
 
 def llama_params(cfg: LlamaConfig, *, padded: bool = True, active: bool = False,

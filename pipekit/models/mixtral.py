@@ -26,9 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import partial
 
-from ..layers import VocabParallelCrossEntropy
 from ..spec import LayerSpec
-from .common import MoEConfig, check_moe, moe_mlp
+from .common import MoEConfig, check_moe, moe_mlp, zoo_loss
 from .llama import LlamaConfig, llama_params, llama_specs
 
 
@@ -69,8 +68,8 @@ def mixtral_specs(cfg: MixtralConfig) -> list:
 
 def mixtral_loss(cfg: MixtralConfig | None = None) -> LayerSpec:
     """Mean next-token cross-entropy on vocab-parallel logits (the router losses are attached
-    inside the blocks, pipekit.auxloss)."""
-    return LayerSpec(VocabParallelCrossEntropy)
+    inside the blocks, pipekit.auxloss); with `fused_loss`, fused with the head (`common.zoo_loss`)."""
+    return zoo_loss(cfg)
 
 
 def mixtral_params(cfg: MixtralConfig, *, padded: bool = True, active: bool = False) -> tuple[int, int]:

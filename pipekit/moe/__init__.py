@@ -1,9 +1,11 @@
 """Mixture-of-Experts (Megatron-Core / MegaBlocks style): router -> dispatcher -> experts -> combine.
 
-    router.py    Router: linear gate, softmax/sigmoid scores, top-k, load-balancing
-                 and z losses, DeepSeek-V3 aux-loss-free bias
+    router.py    Router: linear gate, softmax/sigmoid scores, top-k (optionally
+                 group-limited: device-limited routing), load-balancing and z
+                 losses, DeepSeek-V3 aux-loss-free bias
     dispatch.py  the Dispatcher seam: the dispatch plan (sort by expert, capacity
-                 drops), then dispatch / combine, locally or by all_to_all over ep
+                 drops by position or probs, padding to capacity), then
+                 dispatch / combine, locally or by all_to_all over ep
     experts.py   Experts (grouped SwiGLU/GELU weights, seeded per global expert),
                  SharedExpert (the always-on dense MLP)
     grouped.py   the experts' grouped matmul (GEMMS): loop, torch._grouped_mm, megablocks,
@@ -13,7 +15,10 @@
 Only the dispatcher's dispatch and combine communicate in a forward (and the
 layer's aux-free bias update, when it sums loads over its balance group). The
 aux losses reach the router through `pipekit.auxloss.attach` on the block's
-output; values go to `pipekit.auxloss.metrics`.
+output; values go to `pipekit.auxloss.metrics`. Around a training step the
+engine calls the layer as a `pipekit.auxloss.StepStatistic`: a pre-pass that
+counts the step's loads for global-batch balancing, and the once-per-step
+aux-free bias update, each summing loads over the data-parallel group.
 """
 
 from .dispatch import (

@@ -1,8 +1,12 @@
 """Grouped matrix products over variable-size groups: the seam where kernels plug in.
 
 A gemm is a function `fn(x_NI, w_EIO, sizes) -> y_NO`: the rows of `x` come
-sorted by expert, `sizes[e]` of them for expert e (a list of Python ints that
-sums to N, zeros allowed), and rows of group e are multiplied by `w[e]`.
+sorted by expert, `sizes[e]` of them for expert e (zeros allowed, summing to
+N), and rows of group e are multiplied by `w[e]`. `sizes` is an int64 tensor
+on x's device when the counts are data (dropless dispatch: they never leave
+the device) or a list of Python ints known from the shapes (capacity mode);
+a gemm that needs them on the host calls `host_sizes` (a named host sync, one
+per tensor however many gemms read it).
 Autograd must flow to `x` and `w`. It computes only (no communication; moving
 rows between ranks is the dispatcher's job, dispatch.py). `MoEMLP(gemm=name)`
 picks one from `GEMMS`; register new ones with `register_gemm`.
@@ -10,16 +14,19 @@ picks one from `GEMMS`; register new ones with `register_gemm`.
   loop        a Python loop of `x[a:b] @ w[e]` over contiguous slices; any
               device and dtype (float64 included). Empty groups still enter
               the graph, so `w` always gets a gradient and every rank's
-              backward reaches its collectives.
+              backward reaches its collectives. Reads device sizes on the
+              host (one sync per layer call).
   grouped_mm  `torch._grouped_mm` (one call for all groups): CUDA in bf16 in
               practice; torch 2.13 also runs it on CPU in float32/bf16. It
               needs rows of x and w[e] whose byte lengths are multiples of 16
               (else, and for float64, the loop runs). A (device, dtype) where
               its forward raises is remembered and the loop runs from then
-              on; a refusal in its backward is not caught.
+              on; a refusal in its backward is not caught. Offsets computed
+              on the device: no host sync.
   megablocks  `grouped_gemm.ops.gmm` through megablocks (CUDA, bf16); only
               when asked for by name, never required; on a CPU tensor it runs
-              the loop. Not exercised by pipekit's tests (no CUDA there).
+              the loop. Not exercised by pipekit's tests (no CUDA there). Its
+              `gmm` takes the sizes on the host: one sync per layer call.
   triton      pipekit/kernels/grouped_gemm.py: Triton programs for the forward, the
               input and the weight gradient, group offsets kept on the device; by
               `use_triton` (CUDA in fp32/fp16/bf16, or kernels='triton' under
@@ -32,18 +39,41 @@ picks one from `GEMMS`; register new ones with `register_gemm`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 
 import torch
 
 from ..kernels.dispatch import kernels_mode, use_triton
-from ..kernels.grouped_gemm import grouped_gemm, grouped_gemm_reference
+from ..kernels.grouped_gemm import Sizes, grouped_gemm, grouped_gemm_reference, host_sizes
 
-GroupedMM = Callable[[torch.Tensor, torch.Tensor, list], torch.Tensor]
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, Sizes], torch.Tensor]
 
 
 loop_mm = grouped_gemm_reference  # the gemm "loop", and the Triton gemm's reference
+
+
+def sizes_on(sizes: Sizes, device: torch.device) -> torch.Tensor:
+    """`sizes` as an int64 tensor on `device`, without a host sync once warm: a tensor is
+    moved (already there in practice); a list is copied once per distinct list and device
+    (a blocking copy, which on a GPU waits for its queue) and cached: capacity mode's sizes
+    are the same list every call."""
+    if isinstance(sizes, torch.Tensor):
+        return sizes.to(device)
+    return _list_on(tuple(int(s) for s in sizes), device)
+
+
+@functools.lru_cache(maxsize=16)
+def _list_on(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(sizes, dtype=torch.int64).to(device)
+
+
+def group_of_rows(sizes: Sizes, rows: int, device: torch.device) -> torch.Tensor:
+    """(rows,) int64, the group of each row (`sizes[e]` rows of group e in turn), on `device`; no host sync."""
+    sizes_E = sizes_on(sizes, device)
+    groups_E = torch.arange(sizes_E.numel(), device=device)
+    return torch.repeat_interleave(groups_E, sizes_E, output_size=rows)
 
 
 _REFUSED: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) where _grouped_mm raised
@@ -58,10 +88,10 @@ def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
     return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1]))
 
 
-def torch_grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+def torch_grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: Sizes) -> torch.Tensor:
     if not grouped_mm_runs(x_NI, w_EIO):
         return loop_mm(x_NI, w_EIO, sizes)
-    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(x_NI.device)
+    offs = sizes_on(sizes, x_NI.device).cumsum(0, dtype=torch.int32)
     try:
         return _ContiguousGrad.apply(torch._grouped_mm(x_NI.contiguous(), w_EIO.contiguous(), offs=offs))
     except RuntimeError:  # this (device, dtype) is not supported by this build: loop from now on
@@ -86,17 +116,18 @@ def megablocks_available() -> bool:
     return importlib.util.find_spec("megablocks") is not None
 
 
-def megablocks_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+def megablocks_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: Sizes) -> torch.Tensor:
     if x_NI.device.type != "cuda":
         return loop_mm(x_NI, w_EIO, sizes)
     from megablocks import grouped_gemm_util as gg  # noqa: PLC0415 - optional, CUDA only
 
     if not gg.grouped_gemm_is_available():
         raise RuntimeError("gemm='megablocks' needs the grouped_gemm package (pip install grouped_gemm)")
-    return gg.ops.gmm(x_NI.contiguous(), w_EIO.contiguous(), torch.tensor(sizes, dtype=torch.int64), trans_b=False)
+    return gg.ops.gmm(x_NI.contiguous(), w_EIO.contiguous(), torch.tensor(host_sizes(sizes), dtype=torch.int64),
+                  trans_b=False)
 
 
-def auto_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+def auto_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: Sizes) -> torch.Tensor:
     if kernels_mode() == "triton" and use_triton(x_NI, w_EIO):  # model.kernels=triton: every kernel Triton
         return grouped_gemm(x_NI, w_EIO, sizes)
     return torch_grouped_mm(x_NI, w_EIO, sizes)

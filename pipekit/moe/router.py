@@ -22,6 +22,24 @@ Losses (unscaled values; the layer multiplies each by its coefficient):
       f_i carries no gradient (it is a count); P_i does.
   z   = mean over tokens of logsumexp(logits)^2   (ST-MoE router z-loss)
 
+Global-batch balancing ("Demons in the Detail", Qiu et al. 2025): called with
+`balance_counts_E`, the loads of a larger batch the call's tokens belong to
+(the layer passes the whole step's, summed over microbatches and dp ranks),
+f_i is taken from those counts while P_i stays this call's mean. The loss is
+linear in P, so the mean of these per-call losses over the step's equal-sized
+microbatches is E * sum_i f_i * P_i of the whole batch, value and gradient.
+
+Device-limited routing (DeepSeek-V2/V3's group-limited top-k), `n_groups` /
+`topk_groups` (DeepSeek-V3's n_group / topk_group): the experts are split into
+`n_groups` groups of consecutive global ids; each token scores a group by the
+sum of its top-2 selection scores in it (the top-1 for groups of one expert),
+keeps its `topk_groups` best groups, and takes its top_k among their experts.
+The groups are a model setting, so the routing is the same at every ep; with
+n_groups = ep a group is the experts one ep rank holds (rank r holds ids
+[r*E/ep, (r+1)*E/ep)) and no token reaches more than `topk_groups` ep ranks,
+which caps the all-to-all traffic. Combine weights and the aux loss's P_i are
+unaffected (from the unmasked scores, as DeepSeek-V3).
+
 Auxiliary-loss-free balancing (DeepSeek-V3), `bias_update_rate > 0`: a
 per-expert buffer `expert_bias` (kept in float32 whatever the module's dtype)
 is added to the scores for top-k selection only; `update_bias(load)` moves it
@@ -34,6 +52,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import einops
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +60,12 @@ from torch import nn
 from ..layers.parallel import normal_full
 
 SCORES = ("softmax", "sigmoid")
+
+
+def count_per_expert(expert_S: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(E,) int64 slots per expert, by a scatter-add: no host sync (CUDA's `bincount` reads its max)."""
+    counts_E = torch.zeros(n_experts, dtype=torch.long, device=expert_S.device)
+    return counts_E.scatter_add_(0, expert_S, torch.ones_like(expert_S))
 
 
 @dataclass
@@ -72,10 +97,13 @@ class Router(nn.Module):
 
     def __init__(self, dim: int, n_experts: int, top_k: int, score: str = "softmax",
                  renormalize: bool | None = None, jitter: float = 0.0, aux_loss_coef: float = 0.01,
-                 z_loss_coef: float = 0.0, bias_update_rate: float = 0.0, init_std: float = 0.02):
+                 z_loss_coef: float = 0.0, bias_update_rate: float = 0.0, init_std: float = 0.02,
+                 n_groups: int | None = None, topk_groups: int | None = None):
         super().__init__()
         check_routing(n_experts, top_k, score, jitter, aux_loss_coef, z_loss_coef, bias_update_rate)
+        check_groups(n_experts, top_k, n_groups, topk_groups)
         self.dim, self.n_experts, self.top_k, self.score = dim, n_experts, top_k, score
+        self.n_groups, self.topk_groups = n_groups, topk_groups
         self.renormalize = top_k > 1 if renormalize is None else bool(renormalize)
         self.jitter, self.aux_loss_coef, self.z_loss_coef = jitter, aux_loss_coef, z_loss_coef
         self.bias_update_rate = bias_update_rate
@@ -83,7 +111,9 @@ class Router(nn.Module):
         bias = torch.zeros(n_experts, dtype=torch.float32) if bias_update_rate > 0 else None
         self.register_buffer("expert_bias", bias)
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
+    def forward(self, x_TD: torch.Tensor, balance_counts_E: torch.Tensor | None = None) -> Routing:
+        """Route the T tokens of `x_TD`; `balance_counts_E` (E,) are the loads the aux loss's f_i
+        come from (None: this call's own)."""
         dtype = route_dtype(x_TD.dtype)
         x_TD = x_TD.to(dtype)
         if self.training and self.jitter > 0:
@@ -91,16 +121,32 @@ class Router(nn.Module):
         logits_TE = F.linear(x_TD, self.weight.to(dtype))
         scores_TE = logits_TE.softmax(-1) if self.score == "softmax" else logits_TE.sigmoid()
         select_TE = scores_TE if self.expert_bias is None else scores_TE + self.expert_bias.to(dtype)
+        if self.n_groups is not None:
+            select_TE = self._limit_groups(select_TE)
         experts_TK = select_TE.topk(self.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(1, experts_TK)
         if self.renormalize:
             weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
-        counts_E = torch.bincount(experts_TK.flatten(), minlength=self.n_experts)
-        return Routing(experts_TK, weights_TK, counts_E, self._aux(scores_TE, counts_E), self._z(logits_TE))
+        counts_E = count_per_expert(experts_TK.flatten(), self.n_experts)
+        aux = self._aux(scores_TE, counts_E if balance_counts_E is None else balance_counts_E)
+        return Routing(experts_TK, weights_TK, counts_E, aux, self._z(logits_TE))
+
+    def _limit_groups(self, select_TE: torch.Tensor) -> torch.Tensor:
+        """`select_TE` with the experts outside each token's `topk_groups` best groups at -inf."""
+        assert self.n_groups is not None and self.topk_groups is not None  # set together (check_groups)
+        grouped_TGe = einops.rearrange(select_TE, "t (g e) -> t g e", g=self.n_groups)
+        best = min(2, grouped_TGe.shape[-1])
+        group_TG = grouped_TGe.topk(best, dim=-1).values.sum(-1)
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
+        keep_TG.scatter_(1, group_TG.topk(self.topk_groups, dim=-1).indices, True)
+        keep_TE = einops.repeat(keep_TG, "t g -> t (g e)", e=grouped_TGe.shape[-1])
+        return select_TE.masked_fill(~keep_TE, float("-inf"))
 
     def _aux(self, scores_TE: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """E * sum_i f_i P_i, f from `counts_E` (token-slots per expert, over whichever batch
+        they count), P the mean router probability over these T tokens."""
         probs_TE = scores_TE if self.score == "softmax" else scores_TE / scores_TE.sum(-1, keepdim=True)
-        f_E = counts_E.to(scores_TE.dtype) / max(1, scores_TE.shape[0] * self.top_k)
+        f_E = counts_E.to(scores_TE.dtype) / counts_E.sum().clamp(min=1)
         return self.n_experts * (f_E * probs_TE.mean(0)).sum()
 
     @staticmethod
@@ -130,7 +176,8 @@ class Router(nn.Module):
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, n_experts={self.n_experts}, top_k={self.top_k}, score={self.score!r}, "
                 f"renormalize={self.renormalize}, jitter={self.jitter}, aux_loss_coef={self.aux_loss_coef}, "
-                f"z_loss_coef={self.z_loss_coef}, bias_update_rate={self.bias_update_rate}")
+                f"z_loss_coef={self.z_loss_coef}, bias_update_rate={self.bias_update_rate}"
+                + ("" if self.n_groups is None else f", n_groups={self.n_groups}, topk_groups={self.topk_groups}"))
 
 
 def check_routing(n_experts: int, top_k: int, score: str, jitter: float, aux_loss_coef: float,
@@ -148,3 +195,20 @@ def check_routing(n_experts: int, top_k: int, score: str, jitter: float, aux_los
                         ("bias_update_rate", bias_update_rate)):
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
             raise ValueError(f"{name}={value!r} must be a finite number >= 0 (0 turns it off)")
+
+
+def check_groups(n_experts: int, top_k: int, n_groups: int | None, topk_groups: int | None) -> None:
+    """ValueError unless device-limited routing is off (both None) or well formed: `n_groups`
+    divides n_experts, `topk_groups` is in [1, n_groups], and those groups hold top_k experts."""
+    if n_groups is None and topk_groups is None:
+        return
+    if n_groups is None or topk_groups is None:
+        raise ValueError(f"n_groups={n_groups!r} and topk_groups={topk_groups!r} go together: set both "
+                         "(device-limited routing) or neither")
+    if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 1 or n_experts % n_groups:
+        raise ValueError(f"n_groups={n_groups!r} must be a positive int dividing n_experts={n_experts}")
+    if isinstance(topk_groups, bool) or not isinstance(topk_groups, int) or not 1 <= topk_groups <= n_groups:
+        raise ValueError(f"topk_groups={topk_groups!r} must be an int in [1, n_groups={n_groups}]")
+    if top_k > topk_groups * (n_experts // n_groups):
+        raise ValueError(f"top_k={top_k} exceeds the {topk_groups * (n_experts // n_groups)} experts of "
+                         f"topk_groups={topk_groups} groups of {n_experts // n_groups}; raise topk_groups")

@@ -4,7 +4,8 @@
 (matrices decay, vectors do not, as in nanoGPT and Megatron; expert weights in
 groups of their own, reduced over their expert-data-parallel group) and wraps
 them in a `ZeroOptimizer` at `optimizer.zero_stage`, with the precision
-policy's master and reduce dtypes and, for fp16, its loss scaler.
+policy's master and reduce dtypes and, for fp16, its loss scaler; `optimizer.fused` picks fused
+AdamW (pipekit.kernels.adamw; "auto": on for CUDA float32 master weights).
 `lr_lambda(optimizer_cfg, steps)` is the multiplier `LambdaLR` applies.
 """
 
@@ -16,6 +17,9 @@ from dataclasses import asdict
 from ..precision import Precision
 from .scaler import LossScaler
 from .zero import ZeroOptimizer
+
+# optimizer.fused, lower-cased (a YAML or command-line true reaches the str field as "True")
+FUSED: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
 
 
 def lr_lambda(o, steps: int):
@@ -58,5 +62,5 @@ def make_optimizer(module, o, precision: Precision) -> ZeroOptimizer:
     hyper = {"betas": (o.beta1, o.beta2), "eps": o.eps} if o.name == "adamw" else {"momentum": o.momentum}
     return ZeroOptimizer(param_groups(module, o.weight_decay), o.name, module=module, stage=o.zero_stage,
                          bucket_mb=o.bucket_mb, master_dtype=precision.master_dtype,
-                         grad_dtype=precision.reduce_dtype, lr=o.lr, **hyper,
+                         grad_dtype=precision.reduce_dtype, fused=FUSED[str(o.fused).lower()], lr=o.lr, **hyper,
                          loss_scaler=LossScaler(**asdict(scaling)) if scaling is not None else None)

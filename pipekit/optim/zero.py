@@ -32,7 +32,10 @@ Communication per optimizer step, per bucket, over its dp group:
 
     backward   a post-accumulate-grad hook adds each parameter's gradient into
                its bucket (at stages 0/1 in the parameters' dtype, `p.grad`
-               is a view of the bucket and autograd accumulates in place).
+               is a view of the bucket and autograd accumulates in place, and
+               the hook, needed then only to note that the parameter got a
+               gradient, runs once per step, not once per microbatch, except
+               in the pass that reduces its bucket, where it counts arrivals).
                Buckets are reduced in a fixed order, each as soon as it and
                every bucket before it are complete, so the reduction overlaps
                the rest of backward: stages 0/1 during the last backward pass
@@ -52,6 +55,20 @@ factor stay on the device; `last_grad_norm` is read when read). With one, one
 read of the overflow flag, since whether the wrapped optimizer steps at all is
 decided on the host (as torch.amp.GradScaler does). A rank where some
 parameter got no gradient reads which ones got one elsewhere (below).
+
+Fused AdamW (`fused=True`, or "auto" on CUDA float32 masters): the wrapped
+optimizer is `pipekit.kernels.adamw.FusedAdamW`, whose state per piece is torch
+AdamW's (so `param_state` checkpoints move between fused and unfused runs) held
+in flat per-bucket buffers: a bucket's shard is one kernel launch, and its
+pieces are whole parameter parts (the Python work per step is per parameter,
+not per 64k elements as for torch's optimizers' cache-sized pieces). The step
+makes two passes over the gradients instead of up to four (unscale, overflow
+check, clip, update): pass 1 checks for an overflow (with a loss scaler) and,
+when clipping, unscales in place; pass 2 is the update, which multiplies each
+gradient by the rest of its scale (the unscale, or the clipping coefficient)
+as it loads it and skips on the device where the all-reduced flag is set. The
+gradients meet the same float multiplications as unfused; the overflow flag is
+read on the host once every update is queued (pipekit/kernels/adamw.py).
 
 On gloo, whose reduce-scatter and all-gather measured slower than its
 all-reduce and broadcasts, a reduce-scatter is an all-reduce (only the shard is
@@ -87,6 +104,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kernels.adamw import FusedAdamW, unscale_and_check_
 from ..spec import TiedLayerSpec
 from .scaler import LossScaler
 
@@ -156,6 +174,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         module: the PipelineModule the param groups come from, when `params`
             is a list of groups (weight decay on matrices only, say).
         max_inflight: stage 2 keeps at most this many reduced buckets in flight.
+        fused: step AdamW with `pipekit.kernels.adamw.FusedAdamW` (one kernel launch per
+            bucket, the unscale and the overflow check folded in; see "Fused AdamW" below):
+            True, False, or "auto" (on for AdamW with float32 master weights on CUDA).
         **defaults: the wrapped optimizer's hyperparameters (lr, betas, ...).
     """
 
@@ -163,7 +184,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  master_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
                  bucket_mb: float = 25.0, clip_grad_norm: float | None = None,
                  loss_scaler: LossScaler | None = None, module: nn.Module | None = None, max_inflight: int = 2,
-                 **defaults):
+                 fused: bool | str = False, **defaults):
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {stage}")
         if isinstance(optimizer, str):
@@ -176,6 +197,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             dp_group = topo.dp_group
         groups = _param_groups(params)
         super().__init__(groups, defaults)
+        for gi, group in enumerate(self.param_groups):
+            _check_hyper(group, gi)
         self.stage, self.optimizer_class = stage, optimizer
         wide = _widest([p for g in groups for p in g["params"]])
         self.master_dtype, self.grad_dtype = master_dtype or wide, grad_dtype or wide
@@ -183,6 +206,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.clip_grad_norm, self.loss_scaler = clip_grad_norm, loss_scaler
         self.max_inflight = max_inflight
         self.default_dp_group = dp_group
+        self.fused = self._fused(fused, [p for g in groups for p in g["params"]])
         self._grad_norm: torch.Tensor | None = None  # the last step's, on the device until read
         self.last_step_skipped = False
         self.peak_inflight_bytes = 0
@@ -193,7 +217,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.buckets = self._make_buckets()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.inner = self._make_inner()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+        self._hooks: dict[int, Any] = {}  # id(p) -> its armed post-accumulate-grad hook's handle
+        self._arm(p for b in self.buckets for p in b.params)
 
     @classmethod
     def wrap(cls, optimizer: torch.optim.Optimizer, module: nn.Module) -> ZeroOptimizer:
@@ -276,15 +301,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for p in params:  # pieces never straddle two parameters, so each can be skipped alone
             start, n = b.offsets[id(p)]
             lo, hi = max(start, first), min(start + n, first + owned.numel())
-            b.pieces += [(a - first, min(a + _PIECE, hi) - first, p) for a in range(lo, hi, _PIECE)]
+            size = max(hi - lo, 1) if self.fused else _PIECE  # fused: one run per bucket whatever the pieces
+            b.pieces += [(a - first, min(a + size, hi) - first, p) for a in range(lo, hi, size)]
         return b
+
+    def _fused(self, fused: bool | str, params: list[nn.Parameter]) -> bool:
+        """Whether FusedAdamW steps the master shards (`fused`: True, False or "auto"; the
+        same answer on every rank, one without parameters too: the step's collectives differ)."""
+        if fused not in (True, False, "auto"):
+            raise ValueError(f"fused={fused!r} is not one of [True, False, 'auto']")
+        adamw = self.optimizer_class is torch.optim.AdamW
+        if fused is True and not adamw:
+            raise ValueError(f"fused=True steps AdamW only, got optimizer={self.optimizer_class!r}; use "
+                             "optimizer='adamw', or fused=False")
+        if fused == "auto":
+            device = params[0].device if params else _device(self.module)
+            return fused_by_default(self.optimizer_class, self.master_dtype, device.type)
+        return bool(fused)
 
     def _make_inner(self) -> torch.optim.Optimizer | None:
         if not any(b.pieces for b in self.buckets):
             return None
         groups = [{**self._hyper(b.group_index), "params": [b.master[a:e] for a, e, _ in b.pieces]}
                   for b in self.buckets]
-        return self.optimizer_class(groups)
+        return FusedAdamW(groups) if self.fused else self.optimizer_class(groups)
 
     def _hyper(self, gi: int) -> dict:
         return {k: v for k, v in self.param_groups[gi].items() if k not in ("params", "dp_group", "ep_group")}
@@ -298,8 +338,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
+    def _arm(self, params: Iterable[nn.Parameter]) -> None:
+        """Register the gradient hook on those of `params` that have none armed."""
+        for p in params:
+            if id(p) not in self._hooks:
+                self._hooks[id(p)] = p.register_post_accumulate_grad_hook(self._on_grad)
+
     def _on_grad(self, p: nn.Parameter) -> None:
-        """Post-accumulate-grad hook: move p.grad into its bucket (in grad_dtype) and free it."""
+        """Post-accumulate-grad hook: move p.grad into its bucket (in grad_dtype) and free it.
+
+        Where autograd accumulated in place (stages 0/1, `p.grad` a view of the bucket) and
+        the bucket is not waiting for arrivals (it is not reduced during this pass), the
+        hook has done all it must this step once it marked `p` touched: it removes
+        itself, so a parameter costs one hook call per step, not one per microbatch.
+        `zero_grad` re-arms it for the next step, and `backward_pass` for the pass that
+        reduces its bucket (which counts arrivals)."""
         b = self._bucket_of[id(p)]
         start, n = b.offsets[id(p)]
         self._touched.add(id(p))
@@ -316,13 +369,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.peak_inflight_bytes = max(self.peak_inflight_bytes, self._inflight_bytes())
         grad = p.grad
         assert grad is not None  # the hook runs once it is accumulated
-        if grad.data_ptr() != b.grad_buf[start:].data_ptr():  # not already accumulated in place
+        in_place = grad.data_ptr() == b.grad_buf[start:].data_ptr()
+        if not in_place:
             b.grad_buf[start:start + n].add_(grad.reshape(-1))
             p.grad = None
         self._dirty = True
         if self._current is not None and b in self._current:
             b.arrived += 1
             self._launch_ready(self._current)
+        elif in_place:
+            self._hooks.pop(id(p)).remove()
 
     @contextlib.contextmanager
     def backward_pass(self, params: Iterable[nn.Parameter], final: Iterable[nn.Parameter] = ()):
@@ -339,8 +395,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.stage == 2:
             self._drain()  # the previous pass's reductions overlapped the actions since; finish them
             current = [b for b in self.buckets if any(id(p) in ids for p in b.params)]
-        else:
-            current = [b for b in self.buckets if not b.launched and all(id(p) in ids for p in b.params)]
+        else:  # a bucket with no dp group has nothing to reduce: it needs no arrivals counted
+            current = [b for b in self.buckets
+                       if b.dp_group is not None and not b.launched and all(id(p) in ids for p in b.params)]
+        self._arm(p for b in current for p in b.params)
         self._current = current
         for b in current:
             b.arrived, b.launched = 0, False
@@ -431,22 +489,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         Host syncs: none, except with a loss scaler, which reads one flag (did any rank
         overflow?) to decide whether to step at all, as torch.amp.GradScaler does: the
         wrapped optimizer, its host-side step counts and an LR schedule need that
-        decision on the host. Where a parameter got no gradient on this rank, one more
+        decision on the host (fused AdamW reads it too, but only once every update is
+        queued: `_fused_step`). Where a parameter got no gradient on this rank, one more
         read (of which parameters got one anywhere; see `_touched_anywhere`)."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
         self._reduce()
-        grads = []
+        self._arm(p for b in self.buckets for p in b.params)  # a gradient before zero_grad is refused by its hook
+        grads, unscales = [], []
         for b in self.buckets:
             g = self._owned_grad(b)
             g = g if g.dtype == self.master_dtype else g.to(self.master_dtype)
-            g.mul_(1.0 / (b.dp_size * _size(b.ep_group) * self.loss_scale))  # experts: summed over ep tokens too
+            unscales.append(1.0 / (b.dp_size * _size(b.ep_group) * self.loss_scale))  # experts: over ep tokens too
+            if not self.fused:
+                g.mul_(unscales[-1])
             b.master.grad = g
             grads.append(g)
+        self._grad_norm = None
+        if self.fused:
+            self._fused_step(grads, unscales)
+            return None
         self.last_step_skipped = self._overflow(grads)
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.last_step_skipped)
-        self._grad_norm = None
         if self.last_step_skipped:
             for b in self.buckets:
                 b.master.grad = None
@@ -454,27 +519,73 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.clip_grad_norm is not None:
             self._clip(grads, self.clip_grad_norm)
         if self.inner is not None:
-            touched = self._touched_anywhere()
-            for b, g, inner_group in zip(self.buckets, grads, self.inner.param_groups):  # g is b.master.grad
-                inner_group.update(self._hyper(b.group_index))
-                for piece, (a, e, p) in zip(inner_group["params"], b.pieces):
-                    piece.grad = g[a:e] if id(p) in touched else None  # skipped, as in one process
-            self.inner.step()
-            for inner_group in self.inner.param_groups:
-                for piece in inner_group["params"]:
-                    piece.grad = None
+            self._inner_step(grads)
+        self._finish_step()
+        return None
+
+    def _inner_step(self, grads: list[torch.Tensor], **fused: Any) -> None:
+        """The wrapped optimizer's step over the pieces of the master shards (`fused`:
+        FusedAdamW.step's found_inf and grad_scales)."""
+        assert self.inner is not None
+        touched = self._touched_anywhere()
+        for b, g, inner_group in zip(self.buckets, grads, self.inner.param_groups):  # g is b.master.grad
+            inner_group.update(self._hyper(b.group_index))
+            for piece, (a, e, p) in zip(inner_group["params"], b.pieces):
+                piece.grad = g[a:e] if id(p) in touched else None  # skipped, as in one process
+        self.inner.step(**fused)
+        for inner_group in self.inner.param_groups:
+            for piece in inner_group["params"]:
+                piece.grad = None
+
+    def _finish_step(self) -> None:
         self._share_params()
         for b in self.buckets:  # a converted (bf16 -> fp32) gradient copy is not kept between steps
             b.master.grad = None
-        return None
+
+    def _fused_step(self, grads: list[torch.Tensor], unscales: list[float]) -> None:
+        """`step` with FusedAdamW, in two passes over the gradients (pipekit/kernels/adamw.py
+        says why): pass 1 checks for an overflow (with a loss scaler) and, when clipping,
+        unscales in place (the norm needs the unscaled values); the flag is all-reduced and
+        the clipping coefficient made, both on the device; pass 2, the update, multiplies
+        each gradient by what is left of its scale (1 / (N * loss scale), or the clipping
+        coefficient) as it loads it and writes nothing where the flag is set. The one host
+        read of the flag (loss scaler, `last_step_skipped`) comes after every update is queued."""
+        found_inf = None
+        if self.loss_scaler is not None:
+            found_inf = torch.zeros((), dtype=torch.float32, device=self._state_device())
+        clip = self.clip_grad_norm is not None
+        if clip or found_inf is not None:
+            for g, unscale in zip(grads, unscales):
+                unscale_and_check_(g, unscale, found_inf, in_place=clip)
+        if found_inf is not None and dist.is_initialized():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        scales: list[float | torch.Tensor] = list(unscales)
+        if self.clip_grad_norm is not None:
+            scales = [self._clip_coef(self.clip_grad_norm)] * len(grads)
+        if self.inner is not None:
+            self._inner_step(grads, found_inf=found_inf, grad_scales=scales)
+        self.last_step_skipped = found_inf is not None and bool(found_inf.item())
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(self.last_step_skipped)
+        if self.last_step_skipped:
+            self._grad_norm = None
+            for b in self.buckets:
+                b.master.grad = None
+            return
+        self._finish_step()
 
     def _clip(self, grads: list[torch.Tensor], max_norm: float) -> None:
         """Scale the gradients so that their global norm is at most `max_norm`, on the
         device (multiplied by 1 when within it, as torch's clip_grad_norm_ does)."""
-        norm = self._grad_norm = self._norm()
-        coef = torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
+        coef = self._clip_coef(max_norm)
         for g in grads:
             g.mul_(coef)
+
+    def _clip_coef(self, max_norm: float) -> torch.Tensor:
+        """min(1, max_norm / (norm + 1e-6)) of the global gradient norm, on the device; the
+        norm is kept for `last_grad_norm`."""
+        norm = self._grad_norm = self._norm()
+        return torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
 
     def _touched_anywhere(self) -> set[int]:
         """Ids of the parameters that got a gradient this step on some rank of their dp group
@@ -598,6 +709,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameters' own dtype, each `p.grad` becomes a view of its bucket, so autograd
         accumulates into the bucket in place (no copy in the hook)."""
         self._touched.clear()
+        self._arm(p for b in self.buckets for p in b.params)
         for b in self.buckets:
             buf = b.grad_buf if self.stage < 2 else None  # stage 2: freed when reduced; starts anew
             if buf is not None:
@@ -753,6 +865,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 # ---- helpers -----------------------------------------------------------------
+def fused_by_default(optimizer_class: type, master_dtype: torch.dtype, device_type: str) -> bool:
+    """`fused="auto"`'s answer: FusedAdamW for AdamW over float32 master shards on CUDA (elsewhere
+    its reference side would run, no faster than torch's AdamW)."""
+    return optimizer_class is torch.optim.AdamW and master_dtype == torch.float32 and device_type == "cuda"
+
+
+def _check_hyper(group: dict, index: int) -> None:
+    """The checks torch's optimizers make on their constructor's arguments, made on every
+    param group (the wrapped optimizer is built over pieces, with the groups' values)."""
+    where = f" (param group {index})" if index else ""
+    lr = group.get("lr")
+    if lr is not None and not (isinstance(lr, (int, float, torch.Tensor)) and 0 <= float(lr) < math.inf):
+        raise ValueError(f"lr={lr!r}{where} must be a finite number >= 0")
+    for key in ("eps", "weight_decay", "momentum"):
+        value = group.get(key)
+        if value is not None and not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+            raise ValueError(f"{key}={value!r}{where} must be a finite number >= 0")
+    betas = group.get("betas")
+    if betas is not None and not all(0 <= float(b) < 1 for b in betas):
+        raise ValueError(f"betas={tuple(betas)!r}{where} must each be in [0, 1)")
+
+
 def _param_groups(params) -> list[dict]:
     """Param groups (at least one, possibly empty: a stage may have no parameters)."""
     if isinstance(params, nn.Module):

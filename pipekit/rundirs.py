@@ -1,0 +1,128 @@
+"""Which run owns a directory: a run's `logging.out_dir` (and `checkpoint.dir`) are locked by
+every process of the run for its whole life (`hold_run_dirs`), another run's files there are
+refused unless this run continues it (`out_dir_taken`), and a run that wrote nothing leaves
+nothing behind (`leave_no_trace`)."""
+
+from __future__ import annotations
+
+import os
+
+from .resume import checkpoint_root, is_own, resume_path
+
+RUN_FILES = ("metrics.jsonl", "model.pt", "checkpoints")
+
+
+def out_dir_taken(cfg) -> str | None:
+    """Why this run must not write into `logging.out_dir`: another run's files are there, this
+    run does not continue that run (it starts fresh, `train.resume=auto` finds no checkpoint of
+    it, or `train.resume` names another run's checkpoint) and `logging.overwrite` is not set;
+    or None."""
+    out = cfg.logging.out_dir
+    if not out or cfg.logging.overwrite or not os.path.isdir(out):
+        return None
+    found = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
+    if not found:
+        return None
+    held, resume = f"logging.out_dir={out} holds another run ({', '.join(found)})", cfg.train.resume
+    replace = "choose another logging.out_dir, or pass logging.overwrite=true to replace it"
+    if resume is None:
+        return f"{held}; continue it with train.resume=auto, {replace}"
+    if resume == "auto" and resume_path(cfg) is None:
+        return (f"train.resume=auto found no checkpoint in {checkpoint_root(cfg)}, but {held}; give train.resume "
+                f"that run's checkpoint (or the checkpoint.dir it used), {replace}")
+    if resume != "auto" and not is_own(cfg, resume_path(cfg) or resume):  # a checkpoints root: its newest
+        return f"train.resume={resume} is another run's checkpoint, but {held}; {replace}"
+    return None
+
+
+def run_dirs(cfg) -> list[tuple[str, str]]:
+    """(key, path) of the directories a run locks: logging.out_dir, and checkpoint.dir when set
+    apart from it (the default {out_dir}/checkpoints is covered by out_dir's lock)."""
+    dirs = [("logging.out_dir", cfg.logging.out_dir)] if cfg.logging.out_dir else []
+    out = cfg.logging.out_dir and os.path.realpath(cfg.logging.out_dir)
+    if cfg.checkpoint.dir and os.path.realpath(cfg.checkpoint.dir) != out:
+        dirs.append(("checkpoint.dir", cfg.checkpoint.dir))
+    return dirs
+
+
+def _taken_by_another(key: str, path: str) -> str:
+    return f"another pipekit run is writing to {key}={path}; wait for it or choose another {key}"
+
+
+def held_by_a_live_run(cfg) -> str | None:
+    """Why a live run holds one of this run's directories (said before anything is judged from
+    the files it is still writing), or None. Reads only: a lock file that is not there is not made."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    for key, path in run_dirs(cfg):
+        lock = os.path.join(path, ".pipekit.lock")
+        if os.path.isfile(lock):
+            with open(lock) as handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    return _taken_by_another(key, path)
+    return None
+
+
+def hold_run_dirs(cfg) -> list | str:
+    """Lock the directories this run writes (`run_dirs`, each by its `.pipekit.lock`) for the
+    life of this process: the open lock files, or the reason another live run holds one.
+    Nothing is locked where file locks are unavailable. Taken after every other pre-launch
+    check has passed.
+
+    A run is admitted by an exclusive lock (no process of another run holds one): the only
+    process, a user's torchrun's rank 0 (its other ranks lock nothing; torchrun stops them
+    together), or this command's launcher, which then shares its lock with its workers. Each
+    of those workers holds a shared lock too, so the run's directories stay taken while any
+    of its processes lives, the launcher killed or not (see `_die_with_launcher`)."""
+    try:
+        import fcntl
+    except ImportError:  # not on this platform: no lock
+        return []
+    ours = "PIPEKIT_ERROR_DIR" in os.environ  # a worker of this command's launcher
+    if "RANK" in os.environ and not ours and os.environ["RANK"] != "0":
+        return []
+    shares = ours or (cfg.world_size > 1 and "RANK" not in os.environ)
+    held = []
+    for key, path in run_dirs(cfg):
+        os.makedirs(path, exist_ok=True)
+        handle = open(os.path.join(path, ".pipekit.lock"), "a")
+        held.append(handle)
+        try:
+            fcntl.flock(handle, (fcntl.LOCK_SH if ours else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            if shares and not ours:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            for h in held:
+                h.close()
+            return _taken_by_another(key, path)
+    return held
+
+
+def dirs_to_make(cfg) -> list[str]:
+    """The directories taking this run's locks will create (a run dir and its missing parents),
+    deepest first."""
+    made = []
+    for _, path in run_dirs(cfg):
+        d = os.path.abspath(path)
+        while not os.path.exists(d):
+            made.append(d)
+            d = os.path.dirname(d)
+    return made
+
+
+def leave_no_trace(made: list[str]) -> None:
+    """After a run that wrote nothing (refused, or failed before its first file): remove the
+    lock files and the directories it made for them, so a refused run leaves no out_dir
+    holding only `.pipekit.lock`. A directory holding anything else is kept."""
+    for d in made:
+        lock = os.path.join(d, ".pipekit.lock")
+        try:
+            if os.path.exists(lock) and os.listdir(d) == [".pipekit.lock"]:
+                os.remove(lock)
+            os.rmdir(d)  # only when empty
+        except OSError:
+            pass
