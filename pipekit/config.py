@@ -107,6 +107,8 @@ class ScheduleConfig:
     memory_budget_gb: Optional[float] = None  # partition=profile: the memory per rank the stages must fit in
     activation_checkpoint_interval: int = 0  # recompute runs of this many layers (0: off)
     checkpoint_layers: Optional[str] = None  # or recompute layers whose class matches this regex
+    overlap: bool = False  # run each forward beside a neighbouring backward of another microbatch (OVERLAP
+    #                        actions), so that the MoE all-to-all and tp all-reduce of one hide behind the other
 
 
 @dataclass
@@ -608,10 +610,14 @@ def _schedule(cfg: Config) -> Schedule:
     s, pp = cfg.schedule, cfg.parallel.pp
     try:
         if s.name in SCHEDULES:
-            return build_schedule(s.name, pp, s.microbatches, s.chunks_per_rank)
+            return build_schedule(s.name, pp, s.microbatches, s.chunks_per_rank, overlap=s.overlap)
         if not os.path.isfile(s.name):
             raise ConfigError(f"schedule.name={s.name!r} is not one of {list(SCHEDULES)}, nor an action-table file"
                               f"{_registered_hint(s)}")
+        if s.overlap:
+            raise ConfigError(f"schedule.overlap=true pairs a registered schedule's actions; the action table "
+                              f"{s.name} states its own: write the pairs in it (0F5+3B2) and leave schedule.overlap "
+                              "out")
         schedule = load_schedule(s.name, microbatches=s.microbatches)
     except ScheduleError as e:
         raise ConfigError(f"schedule: {e}") from e

@@ -64,6 +64,7 @@ from __future__ import annotations
 import collections
 import datetime
 import json
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,7 +72,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import auxloss, comm, split_backward
+from . import auxloss, comm, lanes, split_backward
 from .optim import ZeroOptimizer
 from .pipeline import PipelineModule
 from .schedules import Action, Kind, Schedule, TimelineEvent
@@ -390,6 +391,18 @@ class PipelineEngine:
         self._io: dict[bool, tuple] = {}  # module.training -> (input shapes, `stage_io_meta` for them)
         self._shapes = _InputShapes(self)
         self._step_layers = auxloss.step_layers(module)  # layers with work around a step (auxloss.StepStatistic)
+        if self.schedule.overlaps:
+            self._open_lanes()
+
+    def _open_lanes(self) -> None:
+        """Before the first OVERLAP: backward collectives get their own groups (`pipekit.lanes`)."""
+        if self.topo.device.type == "cuda":
+            raise ValueError(
+                f"schedule {self.schedule.name!r} runs forwards beside backwards (OVERLAP actions, "
+                "schedule.overlap=true), which pipekit runs on the CPU (gloo) only for now: on a GPU the two "
+                "need a CUDA stream each, not built yet; set schedule.overlap=false")
+        if dist.is_initialized():
+            lanes.use_backward_twins(self.topo.backward_twins())
 
     # ---- what the optimizer reports ---------------------------------------
     @property
@@ -431,7 +444,8 @@ class PipelineEngine:
         """(stage, microbatch) of a backward action -> the parameters whose gradients are
         complete for the step once it has run (its stage's last backward, or for a layer
         used by two local stages, the later of theirs)."""
-        last = {a.stage: (i, a.microbatch) for i, a in enumerate(self.actions) if a.kind in WEIGHT_GRAD_KINDS}
+        last = {a.stage: (i, a.microbatch) for i, whole in enumerate(self.actions) for a in whole.parts
+                if a.kind in WEIGHT_GRAD_KINDS}
         final: dict[int, tuple] = {}  # id(p) -> (action index, stage, microbatch, p)
         for s, params in self._stage_params.items():
             if s not in last:
@@ -627,6 +641,31 @@ class PipelineEngine:
         else:
             st.outputs.append(out)
 
+    def _overlap(self, st: Step, a: Action) -> None:
+        """OVERLAP: the forward on a second thread while this one runs the backward, so the
+        collectives inside either wait while the other computes (torch and gloo let go of the
+        GIL in both). Each lane keeps its collectives in program order on its own groups
+        (`pipekit.lanes`); the two touch different (stage, microbatch) entries of the step."""
+        forward, backward = a.pair
+        failed: list[BaseException] = []
+        grad = torch.is_grad_enabled()
+
+        def run_forward():
+            try:
+                with torch.set_grad_enabled(grad):
+                    self._forward(st, forward)
+            except BaseException as e:  # re-raised on this thread below
+                failed.append(e)
+
+        thread = threading.Thread(target=run_forward, name=f"pipekit {forward}", daemon=True)
+        thread.start()
+        try:
+            self._handler(backward)(self, st, backward)
+        finally:
+            thread.join()
+        if failed:
+            raise failed[0]
+
     def _backward(self, st: Step, a: Action) -> None:
         """B: the full backward of (stage, microbatch): input grad and weight grads."""
         s, m = a.stage, a.microbatch
@@ -796,6 +835,7 @@ for _kind, _fn in {
     Kind.RECV_F: PipelineEngine._recv_forward,
     Kind.SEND_B: PipelineEngine._send_backward,
     Kind.RECV_B: PipelineEngine._recv_backward,
+    Kind.OVERLAP: PipelineEngine._overlap,
 }.items():
     register_action(_kind, _fn)
 

@@ -38,6 +38,7 @@ from .profiler import KINDS, CommModel, LayerCost, Profile
 from .schedules import SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule, simulate
 from .schedules.generators import get_generator
 from .schedules.ir import WEIGHT_GRAD_KINDS
+from .schedules.simulate import overlap_duration
 
 
 @dataclass
@@ -89,7 +90,7 @@ def activation_peaks(schedule: Schedule, saved: list[int]) -> list[int]:
     peaks = []
     for actions in schedule.ranks:
         held = peak = 0
-        for a in actions:
+        for a in (part for whole in actions for part in whole.parts):
             if a.kind is Kind.F:
                 held += saved[a.stage]
                 peak = max(peak, held)
@@ -120,6 +121,9 @@ def predict(schedule: Schedule, layers: list[LayerCost], boundaries: list[int], 
     over = comm.action_overhead
 
     def duration(a: Action) -> float:
+        if a.pair is not None:  # the layers' communication is not measured: nothing is hidden
+            f, b = a.pair
+            return overlap_duration(stages[f.stage].F, getattr(stages[b.stage], b.kind.value)) + over
         if a.is_compute:
             return getattr(stages[a.stage], a.kind.value) + over
         if a.kind is Kind.SEND_F:
@@ -206,7 +210,7 @@ def _inflight_per_stage(schedule: Schedule) -> list[int]:
     peak = [0] * schedule.num_stages
     for actions in schedule.ranks:
         live = [0] * schedule.num_stages
-        for a in actions:
+        for a in (part for whole in actions for part in whole.parts):
             if a.kind is Kind.F:
                 live[a.stage] += 1
                 peak[a.stage] = max(peak[a.stage], live[a.stage])

@@ -238,6 +238,24 @@ class Topology:
         self._init_expert_groups(ep, device_type)
         self.etp, self.etp_group = (self.tp, self.tp_group) if expert_tp else (1, None)
 
+    def backward_twins(self) -> dict:
+        """{group: a second group of the same ranks} for the groups the model's layers talk
+        over (tp, the tp of the experts, ep), made once (every rank of the world must call
+        this at the same point, as it must any `new_group`): the lanes of `pipekit.lanes`."""
+        if getattr(self, "_twins", None) is None:
+            self._twins = {}
+            meshes = [(self.mesh, "tp", self.tp_group), (self.moe_mesh, "ep", self.ep_group)]
+            for mesh, dim, group in meshes:
+                if mesh is None or group is None:
+                    continue
+                d = mesh.mesh_dim_names.index(dim)
+                members = mesh.mesh.movedim(d, -1).reshape(-1, mesh.mesh.shape[d]).tolist()
+                for ranks in members:  # every rank makes every group, in one order
+                    twin = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        self._twins[group] = twin
+        return self._twins
+
     def _init_expert_groups(self, ep: int, device_type: str) -> None:
         """Expert parallelism: each run of `ep` consecutive dp ranks shares out the experts
         (`ep_group`); the dp ranks holding the same experts form `edp_group` (dp // ep ranks),

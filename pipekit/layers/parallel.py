@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..lanes import lane
+
 _TP_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("pipekit_tp_group", default=None)
 
 
@@ -105,7 +107,7 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if x.is_meta or group_size(group) == 1:
         return x
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=op, group=group)
+    dist.all_reduce(out, op=op, group=lane(group))
     return out
 
 
@@ -118,7 +120,7 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return torch.cat([x] * size, dim=dim)
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x, group=group)
+    dist.all_gather(parts, x, group=lane(group))
     return torch.cat(parts, dim=dim)
 
 

@@ -90,6 +90,7 @@ import torch.distributed as dist
 
 from ..kernels.grouped_gemm import Sizes
 from ..kernels.moe_permute import moe_permute, moe_unpermute
+from ..lanes import lane
 from ..layers.parallel import _SharedRef, group_size
 from .router import Routing, count_per_expert, route_dtype
 
@@ -327,7 +328,7 @@ def make_dispatcher(name: str, n_experts: int, group=None, capacity_factor: floa
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=lane(group))
     return out
 
 
@@ -353,7 +354,7 @@ def exchange_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
     """(ep, E/ep): row r = how many rows rank r sends for each of this rank's experts."""
     ep = group_size(group)
     recv = torch.empty_like(counts_E)
-    dist.all_to_all_single(recv, counts_E.contiguous(), group=group)
+    dist.all_to_all_single(recv, counts_E.contiguous(), group=lane(group))
     return einops.rearrange(recv, "(r l) -> r l", r=ep)
 
 
@@ -363,5 +364,5 @@ def all_reduce_counts(counts_E: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return counts_E
     out = counts_E.clone()
-    dist.all_reduce(out, group=group)
+    dist.all_reduce(out, group=lane(group))
     return out

@@ -10,6 +10,9 @@ Plan, for a message between stages on different ranks:
    is held while an earlier message of the same pair is still unproduced; a
    held message is flushed right after the compute that unblocks it.
 
+An OVERLAP stands for its two parts: the RECVs of both go before it, the
+SENDs of both after it (both run at once, so both inputs must be there).
+
 So per pair, a's SEND sequence equals b's RECV sequence by construction.
 Lowering does not check dependencies; `validate` does.
 """
@@ -44,21 +47,26 @@ def _send_for(action: Action, placement) -> Action | None:
 
 def _check_compute_only(compute, placement) -> None:
     for r, actions in enumerate(compute):
-        for i, a in enumerate(actions):
-            if not a.is_compute:
-                raise ScheduleError(f"lower() takes compute actions only; rank {r} step {i} is {a}")
-            if not 0 <= a.stage < len(placement):
-                raise ScheduleError(f"rank {r} step {i}: {a} names stage {a.stage}, valid 0..{len(placement) - 1}")
-            if placement[a.stage] != r:
-                raise ScheduleError(f"rank {r} step {i}: {a} runs on rank {r} but stage {a.stage} is placed on "
-                                    f"rank {placement[a.stage]}")
+        for i, whole in enumerate(actions):
+            if not whole.is_compute:
+                raise ScheduleError(f"lower() takes compute actions only; rank {r} step {i} is {whole}")
+            for a in whole.parts:
+                _check_placed(r, i, a, placement)
+
+
+def _check_placed(r: int, i: int, a: Action, placement) -> None:
+    if not 0 <= a.stage < len(placement):
+        raise ScheduleError(f"rank {r} step {i}: {a} names stage {a.stage}, valid 0..{len(placement) - 1}")
+    if placement[a.stage] != r:
+        raise ScheduleError(f"rank {r} step {i}: {a} runs on rank {r} but stage {a.stage} is placed on "
+                            f"rank {placement[a.stage]}")
 
 
 def _pair_orders(compute, placement) -> dict[tuple[int, int], list[Action]]:
     """(src rank, dst rank) -> the SENDs src must emit, in dst's RECV order."""
     orders = defaultdict(list)
     for dst, actions in enumerate(compute):
-        for a in actions:
+        for a in (part for whole in actions for part in whole.parts):
             recv = _recv_for(a, placement)
             if recv is not None:
                 send = matching_send(recv)
@@ -80,12 +88,12 @@ def lower(compute: Sequence[Sequence[Action]], placement) -> list[list[Action]]:
 def _lower_rank(rank: int, actions, placement, orders) -> list[Action]:
     out, produced = [], []
     next_index: defaultdict[int, int] = defaultdict(int)  # dst rank -> position in orders[(rank, dst)]
-    for a in actions:
-        recv = _recv_for(a, placement)
-        out += [recv, a] if recv is not None else [a]
-        send = _send_for(a, placement)
-        if send is not None:
-            produced.append(send)
+    for whole in actions:
+        out += [recv for a in whole.parts if (recv := _recv_for(a, placement)) is not None]
+        out.append(whole)
+        sends = [send for a in whole.parts if (send := _send_for(a, placement)) is not None]
+        if sends:
+            produced += sends
             out += _flush(rank, produced, next_index, orders, placement)
     _check_all_sent(rank, produced, next_index, orders, placement)
     return out

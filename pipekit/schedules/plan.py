@@ -8,18 +8,21 @@ import re
 from dataclasses import asdict
 
 from .generators import get_generator
-from .ir import Action, ScheduleError
+from .ir import INPUT_GRAD_KINDS, Action, Kind, ScheduleError
 from .lowering import lower
 from .placement import check_placement, check_positive, resolve_placement
 from .program import Schedule
 from .simulate import resolve_costs, simulate
+from .validate import validate
 
 
-def build_schedule(name: str, pp: int, microbatches: int, chunks_per_rank: int | None = None) -> Schedule:
-    """generate -> lower -> validate; ScheduleError on bad input.
+def build_schedule(name: str, pp: int, microbatches: int, chunks_per_rank: int | None = None, *,
+                   overlap: bool = False) -> Schedule:
+    """generate -> (pair for overlap) -> lower -> validate; ScheduleError on bad input.
 
     `chunks_per_rank` None takes the schedule's own (2 for zbv and dualpipe_v, else
     1); stages are placed as the schedule's registration says (looping or v).
+    `overlap`: pair forwards with neighbouring backwards (`pair_for_overlap`).
     """
     generator = get_generator(name)
     check_positive("pp", pp)
@@ -27,7 +30,63 @@ def build_schedule(name: str, pp: int, microbatches: int, chunks_per_rank: int |
     chunks = generator.chunks(chunks_per_rank)
     placement = generator.place(pp, chunks)
     actions = generator.generate(pp, microbatches, chunks)
+    if overlap:
+        if any(a.is_comm for row in actions for a in row):
+            raise ScheduleError(f"schedule {name!r} gives a whole program with its messages; overlap pairs "
+                                "compute actions before lowering, so it needs a schedule that gives compute only")
+        actions = pair_for_overlap(actions, placement, microbatches)
     return _program(name, pp, chunks, microbatches, placement, actions)
+
+
+def pair_for_overlap(compute, placement, microbatches: int) -> list[list[Action]]:
+    """Each rank's compute list with neighbouring forward and backward (B or I) actions of
+    different (stage, microbatch) merged into one OVERLAP, first to last, greedily: the
+    order of the rest is kept. A pair whose hoisted receive would make the program wait
+    forever (the lowered program does not validate) is left unpaired."""
+    rows = [_pair_neighbours(row) for row in compute]
+    try:
+        lower_and_validate(rows, placement, microbatches)
+        return rows
+    except ScheduleError:
+        pass
+    rows = [list(row) for row in compute]  # slow path: keep each pair only if the program still runs
+    for r in range(len(rows)):
+        i = 0
+        while i < len(rows[r]) - 1:
+            pair = _as_pair(rows[r][i], rows[r][i + 1])
+            if pair is not None:
+                trial = [*rows[r][:i], pair, *rows[r][i + 2:]]
+                try:
+                    lower_and_validate([*rows[:r], trial, *rows[r + 1:]], placement, microbatches)
+                    rows[r] = trial
+                except ScheduleError:
+                    pass
+            i += 1
+    return rows
+
+
+def lower_and_validate(compute, placement, microbatches: int) -> None:
+    """ScheduleError unless `compute` lowers to a valid program."""
+    validate(lower(compute, placement), placement, microbatches)
+
+
+def _pair_neighbours(row) -> list[Action]:
+    out, i = [], 0
+    while i < len(row):
+        pair = _as_pair(row[i], row[i + 1]) if i + 1 < len(row) else None
+        out.append(pair or row[i])
+        i += 2 if pair is not None else 1
+    return out
+
+
+def _as_pair(a: Action, b: Action) -> Action | None:
+    """The OVERLAP of `a` and `b` when one is a forward and the other a backward (B or I) of
+    another (stage, microbatch); else None."""
+    for f, back in ((a, b), (b, a)):
+        if f.kind is Kind.F and back.kind in INPUT_GRAD_KINDS and (f.stage, f.microbatch) != (back.stage,
+                                                                                                 back.microbatch):
+            return Action.overlap(f, back)
+    return None
 
 
 def _program(name, pp, chunks, microbatches, placement, actions) -> Schedule:
@@ -77,7 +136,7 @@ def schedule_from_table(text: str, *, name: str = "table", placement=None, micro
     else:
         placement = resolve_placement(placement, pp)
     if microbatches is None:
-        microbatches = 1 + max(a.microbatch for row in rows for a in row)
+        microbatches = 1 + max(part.microbatch for row in rows for a in row for part in a.parts)
     return _program(name, pp, len(placement) // pp, microbatches, placement, rows)
 
 
@@ -85,7 +144,7 @@ def _stages_run_where(rows) -> dict[int, int]:
     """stage -> the rank whose line runs it; ScheduleError if two lines do."""
     where: dict[int, int] = {}
     for r, row in enumerate(rows):
-        for a in row:
+        for a in (part for whole in row for part in whole.parts):
             if where.setdefault(a.stage, r) != r:
                 raise ScheduleError(f"stage {a.stage} runs on two ranks, {where[a.stage]} and {r} ({a}); "
                                     "each stage lives on one rank")

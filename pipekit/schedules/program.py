@@ -65,10 +65,16 @@ class Schedule:
 
     def forward_only(self) -> Schedule:
         """The same forwards in the same order per rank, without backward: the eval program."""
-        compute = [[a for a in self.compute_actions(r) if a.kind is Kind.F] for r in range(self.pp)]
+        compute = [[part for a in self.compute_actions(r) for part in a.parts if part.kind is Kind.F]
+                   for r in range(self.pp)]
         ranks = tuple(tuple(actions) for actions in lower(compute, self.placement))
         return Schedule(self.name, self.pp, self.chunks_per_rank, self.microbatches, self.placement,
                         ranks, backward=False)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether any rank runs a forward and a backward at once (an OVERLAP action)."""
+        return any(a.kind is Kind.OVERLAP for actions in self.ranks for a in actions)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.pp:

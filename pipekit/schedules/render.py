@@ -87,11 +87,15 @@ def _label(action: str, room: int) -> str:
         a = Action.parse(action)
     except ScheduleError:
         return action[:room]
+    if a.pair is not None:  # "F3B1": the forward of microbatch 3 beside the backward of 1
+        f, b = a.pair
+        text = f"F{f.microbatch}{b.kind.value}{b.microbatch}"
+        return text if len(text) <= room else "FB"[:room]
     text = f"{a.kind.value}{a.microbatch}"
     return text if len(text) <= room else a.kind.value[:room]
 
 
-_COLOURS = {"F": "#4878d0", "B": "#6acc64", "I": "#8fd18a", "W": "#ee854a"}
+_COLOURS = {"F": "#4878d0", "B": "#6acc64", "I": "#8fd18a", "W": "#ee854a", "OVERLAP": "#9d7fd4"}
 
 
 def render_png(events: list[TimelineEvent], path: str, title: str = "", *,

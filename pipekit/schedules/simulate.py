@@ -9,6 +9,12 @@ nothing, unless a `duration` function (of any action) replaces the costs: then
 the time a rank spends posting a send or taking a message in can be modelled
 (`pipekit.planner` does).
 
+Communication inside a layer (an expert-parallel all-to-all, a tensor-parallel
+all-reduce) is part of a compute action's cost; `comm` says how much of each
+kind's cost it is. It runs on its own lane: an OVERLAP of a forward and a
+backward keeps the rank busy for `overlap_duration` of the two, the longer
+of their compute together, their communication together, and either alone.
+
 Not modelled here: contention, overlap of compute with the copy of a message,
 what happens after the last action (waiting for posted sends, the loss and
 gradient reductions, the optimizer step: `pipekit.planner` adds those), memory
@@ -84,10 +90,24 @@ def mean_costs(events) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in spans.items()}
 
 
-def simulate(schedule: Schedule, costs=None, comm_latency=0.0, *, duration=None) -> SimResult:
+def overlap_duration(forward: float, backward: float, forward_comm: float = 0.0, backward_comm: float = 0.0) -> float:
+    """How long a forward and a backward that run at once keep their rank busy: each one's
+    communication (`*_comm`, part of its cost) hides behind the other's compute, so the pair
+    takes the longer of the compute lane (both computes), the communication lane (both
+    communications) and either action alone (its own compute and communication are in series)."""
+    for name, total, comm in (("forward", forward, forward_comm), ("backward", backward, backward_comm)):
+        if not 0 <= comm <= total:
+            raise ScheduleError(f"the {name}'s communication ({comm}) must lie within 0 and its cost ({total})")
+    compute = (forward - forward_comm) + (backward - backward_comm)
+    return max(compute, forward_comm + backward_comm, forward, backward)
+
+
+def simulate(schedule: Schedule, costs=None, comm_latency=0.0, *, duration=None, comm=None) -> SimResult:
     """Simulate `schedule` under per-kind `costs` (DEFAULT_COSTS: F=1, B=2, I=1, W=1), one
     dict for every stage or a list with one per virtual stage; or under `duration(action)`,
     which then gives every action's cost (communication included) instead.
+    `comm` (like `costs`, default none): the part of each kind's cost that is communication
+    inside its layers, which an OVERLAP hides (`overlap_duration`).
 
     bubble_per_rank[r] = 1 - busy_r / makespan; bubble_fraction = 1 - total
     busy / (pp * makespan); peak_activations[r] = the most (stage, microbatch)
@@ -98,8 +118,13 @@ def simulate(schedule: Schedule, costs=None, comm_latency=0.0, *, duration=None)
     """
     if duration is None:
         per_stage = resolve_stage_costs(costs, schedule.num_stages)
+        per_stage_comm = resolve_stage_costs(comm or dict.fromkeys(DEFAULT_COSTS, 0.0), schedule.num_stages)
 
         def duration(a):
+            if a.pair is not None:
+                f, b = a.pair
+                return overlap_duration(per_stage[f.stage]["F"], per_stage[b.stage][b.kind.value],
+                                        per_stage_comm[f.stage]["F"], per_stage_comm[b.stage][b.kind.value])
             return per_stage[a.stage][a.kind.value] if a.is_compute else 0.0
 
     times = execute(schedule.ranks, schedule.placement, duration, comm_latency)
@@ -123,7 +148,7 @@ def simulate(schedule: Schedule, costs=None, comm_latency=0.0, *, duration=None)
 def peak_live_activations(actions) -> int:
     """Most (stage, mb) pairs held at once (from F to B or W), walking one rank's list in order."""
     live = peak = 0
-    for a in actions:
+    for a in (part for whole in actions for part in whole.parts):
         if a.kind is Kind.F:
             live += 1
             peak = max(peak, live)

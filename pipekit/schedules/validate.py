@@ -5,7 +5,7 @@ Checks, in order, raising ScheduleError at the first failure:
 1. shape: `placement` names ranks 0..len(ranks)-1; every action's stage and
    microbatch are in range and the action runs on the rank hosting its stage;
    no action appears twice; SEND/RECV only across ranks and never past the
-   first or last stage;
+   first or last stage; the two parts of an OVERLAP run on one rank;
 2. completeness: every (stage, mb) has one F and either one B (full backward)
    or one I (input grad) and one W (weight grads); a forward-only program
    (`backward=False`, for eval) has one F each and no backward at all;
@@ -16,6 +16,7 @@ Checks, in order, raising ScheduleError at the first failure:
    compute producing it;
 4. per directed rank pair, the sender's SEND sequence equals the receiver's
    RECV sequence element by element;
+   (checks 1-3 see an OVERLAP as its two parts at one step: neither may need the other)
 5. running it with buffered sends and blocking receives finishes (no deadlock).
 """
 
@@ -39,15 +40,25 @@ def validate(ranks: Sequence[Sequence[Action]], placement, microbatches: int, *,
     execute(ranks, placement, duration=lambda a: 0)
 
 
+def _flat(actions) -> list[tuple[int, Action]]:
+    """(step, action) of a rank's list, an OVERLAP standing as its parts at its one step."""
+    flat = []
+    for i, a in enumerate(actions):
+        if not isinstance(a, Action):
+            raise ScheduleError(f"step {i}: {a!r} is not an Action")
+        flat += [(i, part) for part in a.parts]
+    return flat
+
+
 def _check_shape(ranks, placement, microbatches) -> None:
     bad = [p for p in placement if not 0 <= p < len(ranks)]
     if bad or not placement:
         raise ScheduleError(f"placement {tuple(placement)} must map stages to ranks 0..{len(ranks) - 1}")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ScheduleError(f"microbatches must be an integer >= 1, got {microbatches!r}")
-    seen = Counter(a for actions in ranks for a in actions)
+    seen = Counter(a for actions in ranks for _, a in _flat(actions))
     for r, actions in enumerate(ranks):
-        for i, a in enumerate(actions):
+        for i, a in _flat(actions):
             _check_action(r, i, a, placement, microbatches)
             if seen[a] > 1:
                 raise ScheduleError(f"{a} appears {seen[a]} times (rank {r} step {i}); each action runs once")
@@ -75,7 +86,7 @@ def _check_action(r, i, a, placement, microbatches) -> None:
 def _check_complete(ranks, placement, microbatches, backward: bool) -> None:
     kinds = defaultdict(set)
     for actions in ranks:
-        for a in actions:
+        for _, a in _flat(actions):
             kinds[(a.stage, a.microbatch)].add(a.kind)
     for s in range(len(placement)):
         for m in range(microbatches):
@@ -94,8 +105,9 @@ def _check_complete(ranks, placement, microbatches, backward: bool) -> None:
 
 
 def _check_dependencies(rank, actions, placement) -> None:
-    position = {a: i for i, a in enumerate(actions)}
-    for i, a in enumerate(actions):
+    flat = _flat(actions)
+    position = {a: i for i, a in flat}
+    for i, a in flat:
         for options, why in _needs(a, placement):
             steps = [position[o] for o in options if o in position]
             if not steps or min(steps) > i:

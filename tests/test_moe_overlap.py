@@ -1,0 +1,111 @@
+"""Overlapped schedules: a forward beside a backward, equal to one process.
+
+`schedule.overlap` (`build_schedule(..., overlap=True)`) merges neighbouring forward
+and backward actions into OVERLAP actions, which the engine runs on two threads with
+the backward's collectives on twin groups (`pipekit.lanes`). On 8 gloo ranks, float64,
+a Mixtral-style model (16 experts, top-1, 1 sequence of 4 tokens per microbatch and
+rank, so experts go without tokens) trains 3 AdamW steps with global-norm clipping:
+
+- pp=2 x dp=4 x ep=2 with 1F1B (its first rank overlaps; its last cannot: each of its
+  forwards feeds the backward after it), and
+- pp=2 x dp=2 x tp=2 x ep=2, expert-TP, DualPipe-V (both ranks overlap, the all-to-all
+  and the tp all-reduces inside both lanes),
+
+and every rank checks the loss, the clipping norm, every gradient and weight against
+one process within 1e-10, and that its overlapped actions ran. The schedule-level
+checks (pairing, lowering, validation, simulation) are in tests/test_schedules.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipekit
+from pipekit.models import get_model, model_loss, model_specs
+from pipekit.moe import Router
+from pipekit.schedules import Kind, build_schedule
+from pipekit.testing import reference_model, reference_name, reference_slice, run_distributed
+
+TOL = 1e-10
+SEED = 7
+BATCH, SEQ, STEPS, CLIP = 8, 4, 3, 0.05
+MIXTRAL = dict(vocab_size=32, max_seq_len=16, n_layers=4, dim=16, n_heads=4, n_kv_heads=2, hidden=8,
+               n_experts=16, top_k=1, aux_loss_coef=0.0, z_loss_coef=0.0)
+CASES = [  # (pp, dp, tp, ep, expert_tp, schedule, microbatches)
+    (2, 4, 1, 2, False, "1f1b", 2),
+    (2, 2, 2, 2, True, "dualpipe_v", 4),
+]
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def run_case(pp, dp, tp, ep, expert_tp, name, microbatches) -> dict:
+    torch.set_default_dtype(torch.float64)
+    cfg = get_model("mixtral", "tiny", **MIXTRAL)
+    specs = model_specs(cfg)
+    topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, ep=ep, expert_tp=expert_tp)
+    schedule = build_schedule(name, pp, microbatches, overlap=True)
+    module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule=schedule)
+    engine = pipekit.PipelineEngine(module, optimizer=_adamw(module.parameters()), clip_grad_norm=CLIP,
+                                    record_timeline=True)
+    ref = reference_model(specs, SEED)
+    ref_loss_fn, ref_opt = model_loss(cfg).build(), _adamw(ref.parameters())
+    ref_params = dict(ref.named_parameters())
+    pairs = {n: (p, ref_params[reference_name(n, specs)]) for n, p in module.named_parameters()}
+    counts: list[torch.Tensor] = []
+    for m in ref.modules():
+        if isinstance(m, Router):
+            m.register_forward_hook(lambda mod, args, out: counts.append(out.counts_E))
+    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0, "grad_norm": 0.0}
+    gen = torch.Generator().manual_seed(5)
+    dead = overlapped = 0
+    for _ in range(STEPS):
+        ids = torch.randint(0, 32, (BATCH, SEQ + 1), generator=gen)
+        x, y = ids[:, :-1], ids[:, 1:]
+        rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
+        loss = engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
+        overlapped += sum("+" in e.action for e in engine.timeline)
+        counts.clear()
+        ref_opt.zero_grad()
+        ref_loss = ref_loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
+        ref_opt.step()
+        dead += sum(int((c == 0).sum()) for c in counts)
+        worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
+        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - ref_norm))
+        for p, r in pairs.values():
+            worst["grad"] = max(worst["grad"], _diff(p.grad, reference_slice(r.grad, p, topo)))
+            worst["weight"] = max(worst["weight"], _diff(p.detach(), reference_slice(r.detach(), p, topo)))
+    planned = sum(a.kind is Kind.OVERLAP for a in schedule.ranks[topo.pp_rank]) * STEPS
+    return {"worst": worst, "dead": dead, "clipped": ref_norm > CLIP, "overlapped": overlapped,
+            "planned": planned, "pp_rank": topo.pp_rank}
+
+
+def check() -> list:
+    return [run_case(*case) for case in CASES]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(check, 8, timeout=400)
+
+
+def test_overlapped_schedules_match_one_process(results):
+    for rank, res in enumerate(results):
+        for case, r in zip(CASES, res):
+            where = f"rank {rank}, (pp, dp, tp, ep, expert_tp, schedule, M)={case}"
+            for what, diff in r["worst"].items():
+                assert diff <= TOL, f"{where}: {what} differs by {diff:.3g}"
+            assert r["dead"] > 0, f"{where}: every expert got a token in every step; the test lost its point"
+            assert r["clipped"], f"{where}: the clipping never acted"
+            assert r["overlapped"] == r["planned"], where
+        assert res[0]["overlapped"] > 0 or res[0]["pp_rank"] == 1, f"rank {rank}: 1F1B's first rank overlapped nothing"
+        assert res[1]["overlapped"] > 0, f"rank {rank}: DualPipe-V overlapped nothing"
