@@ -42,6 +42,18 @@ barrier (untimed) before each step, slowest rank's time; "all_to_all ms" is
 the time inside the exchanges (count and row all_to_alls, forward and
 backward), largest rank. Outputs of ep=2 and ep=1 are compared.
 
+Overlap (issue 17): the same layer and tokens through pipekit's engine, 2 gloo
+processes (1 thread each) at dp=2, each step its rank's 4096 tokens as
+`--microbatches` (4) microbatches of 1024, 1F1B at pp=1, with and without
+`schedule.overlap` (the forward of microbatch m+1 runs beside the backward of
+m on a second thread, the backward's collectives on twin groups: F0, F1+B0,
+F2+B1, F3+B2, B3). "actions ms" is the engine's action loop (every forward and
+backward, the loss; the timeline's last end), slowest rank, median; "step ms"
+adds the optimizer step (SGD) and, at ep=1, the all-reduce of the replicated
+experts' gradients, which ep=2 does not need. The four variants alternate
+step by step; the losses of every variant are compared to ep=1 without
+overlap.
+
 Host reads per step: the Tensor methods that read a value on the host
 (`.item()`, `.tolist()`, ...; on a GPU each waits for the device's queue)
 counted during each timed step (`pipekit.testing.HostReads`), by pipekit's
@@ -51,7 +63,7 @@ slices on the host); ep=2 reads the exchange sizes once (the loop adds its
 one). The naive loop's `torch.where` reads inside torch (E times a step on a
 GPU), which this count cannot see; it shows 0.
 
-Not measured: GPUs, bf16, megablocks, capacity mode, more than 2 ranks, the
+Not measured: GPUs, bf16, megablocks, capacity mode, more than 2 ranks, overlap at pp > 1, the
 router's own cost apart from the dispatch. Two processes share this
 machine's 2 cores: ep=2 vs ep=1 shows the exchange's cost at equal compute
 per rank, not what spreading experts over more devices saves in memory.
@@ -229,6 +241,82 @@ def ep_rows(case: dict, warmup: int, steps: int) -> list[dict]:
     return rows
 
 
+# ---- two processes through the engine: ep and overlap ---------------------------------
+class _SumLoss(torch.nn.Module):
+    """sum(out * g): the benchmark's stand-in for a loss (g: fixed random output grads)."""
+
+    def forward(self, out: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return (out * g).sum()
+
+
+OVERLAP_VARIANTS = [(1, False), (1, True), (2, False), (2, True)]  # (ep, overlap)
+
+
+def _overlap_engine(case: dict, ep: int, overlap: bool, microbatches: int):
+    import pipekit
+    from pipekit.schedules import build_schedule
+
+    topo = pipekit.Topology(pp=1, dp=2, ep=ep)
+    spec = LayerSpec(MoEMLP, case["dim"], case["hidden"], case["n_experts"], case["top_k"], ep_group=topo.ep_group)
+    module = pipekit.PipelineModule([spec], loss_fn=_SumLoss(), topology=topo, seed=SEED,
+                                    schedule=build_schedule("1f1b", 1, microbatches, overlap=overlap))
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-6)
+    return pipekit.PipelineEngine(module, optimizer=optimizer, record_timeline=True)
+
+
+def overlap_worker(case: dict, warmup: int, steps: int, microbatches: int) -> dict:
+    engines = {v: _overlap_engine(case, *v, microbatches) for v in OVERLAP_VARIANTS}
+    gen = torch.Generator().manual_seed(200 + dist.get_rank())  # each rank its own tokens
+    actions: dict = {v: [] for v in engines}
+    whole: dict = {v: [] for v in engines}
+    losses: dict = {v: [] for v in engines}
+    for i in range(warmup + steps):
+        x = torch.randn(case["tokens"], case["dim"], generator=gen)
+        g = torch.randn(case["tokens"], case["dim"], generator=gen)
+        order = OVERLAP_VARIANTS if i % 2 == 0 else OVERLAP_VARIANTS[::-1]
+        for v in order:
+            dist.barrier()
+            start = time.perf_counter()
+            loss = engines[v].train_batch(iter([(x, g)]))
+            elapsed = time.perf_counter() - start
+            losses[v].append(float(loss))
+            if i >= warmup:
+                whole[v].append(elapsed)
+                actions[v].append(max(e.end for e in engines[v].timeline))
+    metrics.pop()
+    out = {}
+    for v in engines:
+        slowest = torch.tensor([actions[v], whole[v]], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out[v] = {"actions_s": slowest[0].tolist(), "step_s": slowest[1].tolist(), "losses": losses[v]}
+    return out
+
+
+def overlap_rows(case: dict, warmup: int, steps: int, microbatches: int) -> list[dict]:
+    res = run_distributed(overlap_worker, 2, case, warmup, steps, microbatches, timeout=900, op_timeout=300)[0]
+    base = res[(1, False)]
+    rows = []
+    for ep, overlap in OVERLAP_VARIANTS:
+        r = res[(ep, overlap)]
+        rows.append({"ep": ep, "overlap": overlap, **case, "microbatches": microbatches,
+                     "actions_s": r["actions_s"], "actions_s_median": statistics.median(r["actions_s"]),
+                     "step_s": r["step_s"], "step_s_median": statistics.median(r["step_s"]),
+                     "max_abs_loss_diff_vs_ep1": max(abs(a - b) for a, b in zip(r["losses"], base["losses"]))})
+    for r in rows:
+        r["actions_vs_ep1"] = r["actions_s_median"] / rows[0]["actions_s_median"]
+        r["step_vs_ep1"] = r["step_s_median"] / rows[0]["step_s_median"]
+    return rows
+
+
+def overlap_table(rows: list[dict]) -> str:
+    body = [[r["ep"], "yes" if r["overlap"] else "no", f"{r['actions_s_median'] * 1e3:.0f}",
+             f"{min(r['actions_s']) * 1e3:.0f}-{max(r['actions_s']) * 1e3:.0f}", f"{r['actions_vs_ep1']:.2f}x",
+             f"{r['step_s_median'] * 1e3:.0f}", f"{r['step_vs_ep1']:.2f}x", f"{r['max_abs_loss_diff_vs_ep1']:.1e}"]
+            for r in rows]
+    return table(["ep", "overlap", "actions ms (median, slowest rank)", "min-max", "actions vs ep=1",
+                  "step ms (median)", "step vs ep=1", "max |loss - ep=1 loss|"], body)
+
+
 # ---- report -------------------------------------------------------------------------
 def dispatch_table(rows: list[dict]) -> str:
     body = [[r["case"], f"{r['tokens']}", f"{r['dim']} / {r['hidden']}", r["variant"],
@@ -249,7 +337,7 @@ def ep_table(rows: list[dict]) -> str:
                   "tokens/s (both ranks)", "step vs ep=1", "host reads / step (rank 0)"], body)
 
 
-def report(drows: list[dict], erows: list[dict], cfg: dict, info: dict) -> str:
+def report(drows: list[dict], erows: list[dict], orows: list[dict], cfg: dict, info: dict) -> str:
     loaded = info["load_average_after"] > 1.5 * info["cores"]
     c = erows[0]
     return "\n\n".join([
@@ -264,6 +352,9 @@ def report(drows: list[dict], erows: list[dict], cfg: dict, info: dict) -> str:
         f"top-{c['top_k']}, dim {c['dim']}, hidden {c['hidden']}; max |out ep=2 - out ep=1| = "
         f"{erows[1]['max_abs_diff_ep2_vs_ep1']:.1e}:",
         ep_table(erows),
+        f"Through the engine, dp=2, each rank {c['tokens']} tokens a step in {orows[0]['microbatches']} microbatches, "
+        "1F1B at pp=1, SGD; overlap: a forward beside the previous microbatch's backward:",
+        overlap_table(orows),
     ])
 
 
@@ -275,12 +366,14 @@ def parse_args(argv=None, *, doc: str = __doc__, warmup: int = 2, out: Path = RE
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant (default 5)")
     p.add_argument("--warmup", type=int, default=warmup, help=f"untimed steps first (default {warmup})")
     p.add_argument("--quick", action="store_true", help="smoke mode: small shapes, 2 steps, seconds")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step in the overlap table (default 4)")
     p.add_argument("--out", type=Path, default=out, help=f"folder for {name}.json and .md")
     a = p.parse_args(argv)
-    if a.steps < 1 or a.warmup < 0:
-        p.error(f"--steps must be >= 1 and --warmup >= 0, got {a.steps} and {a.warmup}")
+    if a.steps < 1 or a.warmup < 0 or a.microbatches < 2:
+        p.error(f"--steps must be >= 1, --warmup >= 0 and --microbatches >= 2 (overlap pairs two), got {a.steps}, "
+                f"{a.warmup} and {a.microbatches}")
     steps, warmup = (2, 1) if a.quick else (a.steps, a.warmup)
-    return {"steps": steps, "warmup": warmup, "quick": a.quick, "out": a.out,
+    return {"steps": steps, "warmup": warmup, "quick": a.quick, "out": a.out, "microbatches": a.microbatches,
             "command": " ".join(["python", *sys.argv])}
 
 
@@ -290,16 +383,17 @@ def main(argv=None) -> None:
     started, load_before = time.perf_counter(), load_average()
     drows = [r for name, case in cases.items() for r in dispatch_rows(name, case, cfg["warmup"], cfg["steps"])]
     erows = ep_rows(cases["E=8, top-2"], cfg["warmup"], cfg["steps"])
+    orows = overlap_rows(cases["E=8, top-2"], cfg["warmup"], cfg["steps"], cfg["microbatches"])
     info = {**machine(), "threads_per_rank": 1, "threads_single_process": torch.get_num_threads(),
             "load_average_before": load_before, "load_average_after": load_average()}
-    text = report(drows, erows, cfg, info)
+    text = report(drows, erows, orows, cfg, info)
     print(text)
     elapsed = time.perf_counter() - started
     if cfg["quick"]:
         print(f"\n--quick: smoke run in {elapsed:.0f} s, nothing written")
         return
     result = {"machine": info, "command": cfg["command"], "steps": cfg["steps"], "warmup": cfg["warmup"],
-              "dispatch": drows, "expert_parallel": erows, "elapsed_s": elapsed}
+              "dispatch": drows, "expert_parallel": erows, "overlap": orows, "elapsed_s": elapsed}
     cfg["out"].mkdir(parents=True, exist_ok=True)
     (cfg["out"] / "moe_dispatch.json").write_text(json.dumps(result, indent=2) + "\n")
     (cfg["out"] / "moe_dispatch.md").write_text(text + "\n")

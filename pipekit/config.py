@@ -448,10 +448,14 @@ def _check_device(cfg: Config) -> None:
 
     Workers on this node: torchrun's LOCAL_WORLD_SIZE when set (inside a worker, or
     a multi-node launch), else pp*dp*tp (`pipekit train` starts them all here).
-    "auto" never fails: it falls back to the CPU.
+    "auto" never fails: it falls back to the CPU. Overlapped schedules run on the CPU only.
     """
     if cfg.train.device != "cuda":
         return
+    if cfg.schedule.overlap:
+        raise ConfigError("schedule.overlap=true runs forwards beside backwards on two threads, on the CPU (gloo) "
+                          "only for now: on a GPU they need a CUDA stream each, not built yet; with "
+                          "train.device=cuda set schedule.overlap=false")
     try:
         resolve_device("cuda", local_workers(cfg.world_size))
     except ValueError as e:

@@ -646,6 +646,7 @@ class PipelineEngine:
         collectives inside either wait while the other computes (torch and gloo let go of the
         GIL in both). Each lane keeps its collectives in program order on its own groups
         (`pipekit.lanes`); the two touch different (stage, microbatch) entries of the step."""
+        assert a.pair is not None  # an OVERLAP is made with its pair (Action.overlap)
         forward, backward = a.pair
         failed: list[BaseException] = []
         grad = torch.is_grad_enabled()

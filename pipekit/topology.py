@@ -248,6 +248,7 @@ class Topology:
             for mesh, dim, group in meshes:
                 if mesh is None or group is None:
                     continue
+                assert mesh.mesh_dim_names is not None  # both meshes are made with their dims' names
                 d = mesh.mesh_dim_names.index(dim)
                 members = mesh.mesh.movedim(d, -1).reshape(-1, mesh.mesh.shape[d]).tolist()
                 for ranks in members:  # every rank makes every group, in one order

@@ -109,3 +109,22 @@ def test_overlapped_schedules_match_one_process(results):
             assert r["overlapped"] == r["planned"], where
         assert res[0]["overlapped"] > 0 or res[0]["pp_rank"] == 1, f"rank {rank}: 1F1B's first rank overlapped nothing"
         assert res[1]["overlapped"] > 0, f"rank {rank}: DualPipe-V overlapped nothing"
+
+
+def test_overlap_is_refused_where_it_cannot_run_in_one_line(tmp_path):
+    from types import SimpleNamespace
+
+    from pipekit.config import ConfigError, load_config
+    from pipekit.engine import PipelineEngine
+
+    table = tmp_path / "mine.txt"
+    table.write_text("0F0 0F1+0B0 0B1\n")
+    with pytest.raises(ConfigError, match=r"the action table .*mine.txt states its own: write the pairs in it"):
+        load_config(None, [f"schedule.name={table}", "schedule.overlap=true", "parallel.pp=1",
+                           "schedule.microbatches=2"])
+    assert load_config(None, [f"schedule.name={table}", "parallel.pp=1", "schedule.microbatches=2"])
+    with pytest.raises(ConfigError, match=r"on a GPU they need a CUDA stream each.*set schedule.overlap=false"):
+        load_config(None, ["schedule.overlap=true", "train.device=cuda"])
+    gpu = SimpleNamespace(topo=SimpleNamespace(device=torch.device("cuda", 0)), schedule=SimpleNamespace(name="1f1b"))
+    with pytest.raises(ValueError, match=r"schedule '1f1b' runs forwards beside backwards .* on the CPU \(gloo\) only"):
+        PipelineEngine._open_lanes(gpu)  # a GPU worker of train.device=auto: refused before any step

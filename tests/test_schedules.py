@@ -21,6 +21,7 @@ from pipekit.schedules import (
     one_f_one_b,
     plan_report,
     render_text,
+    schedule_from_table,
     simulate,
     to_chrome_trace,
     validate,
@@ -491,3 +492,68 @@ def test_schedules_package_imports_no_torch():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n.split(".")[0] == "torch" for n in names), f"{path.name} imports {names}"
+
+
+# ---------------------------------------------------------------- overlap (OVERLAP actions)
+
+
+def test_an_overlap_pairs_a_forward_with_another_backward_and_reads_back_from_its_text():
+    pair = Action.parse("3B2+0F5")
+    assert pair.kind is Kind.OVERLAP and str(pair) == "0F5+3B2" and pair == Action.parse("0F5+3B2")
+    assert pair.parts == (Action(0, Kind.F, 5), Action(3, Kind.B, 2)) and (pair.stage, pair.microbatch) == (0, 5)
+    assert Action.parse("0F1+0I0").parts[1].kind is Kind.I
+    with pytest.raises(ScheduleError, match="a backward needs its own forward done"):
+        Action.parse("0F1+0B1")
+    with pytest.raises(ScheduleError, match=r"pairs a forward \(F\) with a backward \(B or I\), got 0F1 and 0W0"):
+        Action.parse("0F1+0W0")
+    with pytest.raises(ScheduleError, match="made by Action.overlap"):
+        Action(0, Kind.OVERLAP, 1)
+
+
+def test_overlap_pairs_neighbours_keeps_every_action_and_only_pairs_that_can_run():
+    plain, paired = build_schedule("1f1b", 2, 4), build_schedule("1f1b", 2, 4, overlap=True)
+    assert text([paired.compute_actions(r) for r in range(2)]) == [
+        "0F0 0F1+0B0 0F2+0B1 0F3+0B2 0B3",
+        # the last rank's backward needs the forward before it; a B0 beside F1 would wait on rank 0's
+        # pair F1+B0, which waits for this B0: a deadlock, so the pair is not made
+        "1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3",
+    ]
+    assert paired.overlaps and not plain.overlaps
+    assert text(paired.ranks)[0].startswith("0F0 0SEND_F0 0RECV_B0 0F1+0B0 0SEND_F1 0RECV_B1 0F2+0B1")
+    for name, pp, m in (("dualpipe_v", 2, 8), ("zbv", 2, 4), ("interleaved_1f1b", 2, 4), ("1f1b", 4, 8)):
+        s = build_schedule(name, pp, m, overlap=True)
+        base = build_schedule(name, pp, m)
+        for r in range(pp):  # the same actions in the same order, some of them side by side
+            flat = [p for a in s.compute_actions(r) for p in a.parts]
+            assert sorted(map(str, flat)) == sorted(map(str, base.compute_actions(r))), (name, r)
+        assert s.overlaps, name
+        assert s.forward_only().ranks == base.forward_only().ranks
+    dual = build_schedule("dualpipe_v", 2, 8, overlap=True)
+    assert all(sum(a.kind is Kind.OVERLAP for a in row) >= 5 for row in dual.ranks)  # DualPipe's steady state
+
+
+def test_a_table_can_hold_pairs_and_a_dependent_pair_is_refused():
+    ok = schedule_from_table("0F0 0F1+0B0 0B1")
+    assert ok.overlaps and text(ok.ranks) == ["0F0 0F1+0B0 0B1"]
+    with pytest.raises(ScheduleError, match=r"0B1 needs 0F1 earlier"):  # B1 beside F2 needs F1 done first
+        schedule_from_table("0F0 0F2+0B1 0B0 0F1 0B2", microbatches=3)
+    with pytest.raises(ScheduleError, match="deadlock"):  # the last rank's pair waits for rank 0's
+        schedule_from_table("0F0 0F1+0B0 0B1\n1F0 1F1+1B0 1B1")
+
+
+def test_the_simulator_hides_each_sides_communication_behind_the_others_compute():
+    from pipekit.schedules.simulate import overlap_duration
+
+    assert overlap_duration(1.0, 2.0) == 3.0  # nothing to hide: one after the other
+    assert overlap_duration(1.0, 2.0, 0.4, 0.5) == pytest.approx(2.1)  # both computes; the comms hidden
+    assert overlap_duration(1.0, 2.0, 0.9, 1.5) == 2.4  # the communication lane is the longer
+    assert overlap_duration(0.2, 2.0, 0.0, 1.9) == 2.0  # never shorter than the backward alone
+    with pytest.raises(ScheduleError, match=r"the forward's communication \(2\) must lie within 0 and its cost"):
+        overlap_duration(1, 2, 2, 0)
+    costs, comm = {"F": 1.0, "B": 2.0}, {"F": 0.4, "B": 0.5}
+    plain = simulate(build_schedule("1f1b", 1, 4), costs, comm=comm)
+    paired = simulate(build_schedule("1f1b", 1, 4, overlap=True), costs, comm=comm)
+    assert plain.makespan == 12.0 and paired.makespan == pytest.approx(1 + 3 * 2.1 + 2)
+    assert simulate(build_schedule("1f1b", 1, 4, overlap=True), costs).makespan == 12.0
+    assert paired.peak_activations == [2]
+    assert "F1B0" in render_text(paired.timeline, width=80)

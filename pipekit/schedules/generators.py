@@ -234,8 +234,9 @@ def _zbv_rank(rank: int, pp: int, m: int) -> list[Action]:
 
 def dualpipe_v(pp: int, microbatches: int) -> list[list[Action]]:
     """DualPipe-V (DeepSeek-V3's DualPipe folded onto the V placement, as in
-    deepseek-ai/DualPipe and torch's ScheduleDualPipeV), without the overlap of a
-    forward with a backward of the other chunk (here they run one after the other).
+    deepseek-ai/DualPipe and torch's ScheduleDualPipeV). Its steady state puts a forward
+    of one chunk next to a backward of the other; `build_schedule(..., overlap=True)`
+    makes each such neighbour pair one OVERLAP action, run at once.
 
     Rank r holds stages r and 2pp-1-r. Full backwards in the steady state; the
     cooldown splits backwards so that their Ws fill its gaps. Needs
