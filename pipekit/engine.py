@@ -683,7 +683,8 @@ class PipelineEngine:
         x, outs, grads = self._backward_operands(st, s, m)
         inputs = comm.float_entries(x) if s > 0 else []
         with self._aux_scale():
-            input_grads, work = split_backward.backward_input(outs, grads, inputs, self._stage_params[s])
+            params = self._trainer.autograd_params(self._stage_params[s])
+            input_grads, work = split_backward.backward_input(outs, grads, inputs, params)
         st.weight_work[(s, m)] = work
         self._hand_back(st, s, m, input_grads)
 

@@ -284,7 +284,8 @@ class PipelineModule(nn.Module):
         spec = self.specs[i]
         fn = layer if layer is not None else self.layer(i)
         if isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None:
-            return spec.forward_fn(fn, x)
+            through = getattr(fn, "call_tied", None)  # ZeRO-3: FSDP gathers the weights around it
+            return through(spec.forward_fn, x) if through is not None else spec.forward_fn(fn, x)
         return fn(x)
 
     def _segments(self, stage: int) -> list[tuple[list[int], bool]]:

@@ -122,6 +122,7 @@ class Bucket:
     dp_group: Any
     segment: Any
     ep_group: Any = None  # experts: the group their parameters are sharded over (summed in the norm)
+    shard_group: Any = None  # stage 3: the dp group FSDP shards its one parameter over (this is its shard)
     param_buf: torch.Tensor = field(init=False)
     offsets: dict = field(default_factory=dict)  # id(param) -> (start, numel)
     grad_buf: torch.Tensor | None = None  # full bucket (stages 0, 1; stage 2 while in flight)
@@ -163,7 +164,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             shards with each group's hyperparameters. A torch optimizer instance:
             `ZeroOptimizer.wrap`.
         stage: 0 (replicated), 1 (master weights and optimizer state
-            sharded), 2 (gradients too, reduced during backward).
+            sharded), 2 (gradients too, reduced during backward), 3 (parameters
+            too: each layer of `module` sharded by FSDP2, `pipekit.optim.fsdp`).
         dp_group: the data-parallel group (default: the module's; None: no dp).
         master_dtype: dtype of master weights and optimizer state (default:
             float32, or the parameters' dtype when wider, e.g. float64).
@@ -177,6 +179,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         fused: step AdamW with `pipekit.kernels.adamw.FusedAdamW` (one kernel launch per
             bucket, the unscale and the overflow check folded in; see "Fused AdamW" below):
             True, False, or "auto" (on for AdamW with float32 master weights on CUDA).
+        reshard_after_forward: stage 3: free a layer's gathered parameters after each
+            forward (gathered again for its backward) instead of keeping them to the end of
+            the step.
         **defaults: the wrapped optimizer's hyperparameters (lr, betas, ...).
     """
 
@@ -184,9 +189,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  master_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
                  bucket_mb: float = 25.0, clip_grad_norm: float | None = None,
                  loss_scaler: LossScaler | None = None, module: nn.Module | None = None, max_inflight: int = 2,
-                 fused: bool | str = False, **defaults):
-        if stage not in (0, 1, 2):
-            raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {stage}")
+                 fused: bool | str = False, reshard_after_forward: bool = False, **defaults):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         if isinstance(optimizer, str):
             if optimizer not in OPTIMIZERS:
                 raise ValueError(f"optimizer={optimizer!r} is not one of {list(OPTIMIZERS)} (or pass a class)")
@@ -196,10 +201,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if dp_group is None and topo is not None:
             dp_group = topo.dp_group
         groups = _param_groups(params)
+        self.sharded_layers: list[nn.Module] = []  # stage 3: the layers FSDP shards
+        if stage == 3:
+            groups = self._shard(groups, reshard_after_forward)
         super().__init__(groups, defaults)
         for gi, group in enumerate(self.param_groups):
             _check_hyper(group, gi)
         self.stage, self.optimizer_class = stage, optimizer
+        # Stage 3 is stage 0 over what FSDP leaves each rank: the shards of the parameters it
+        # manages (reduced by FSDP), and whole the parameters it does not (experts, reduced here).
+        self._layout = 0 if stage == 3 else stage
         wide = _widest([p for g in groups for p in g["params"]])
         self.master_dtype, self.grad_dtype = master_dtype or wide, grad_dtype or wide
         self.bucket_numel = max(1, int(bucket_mb * _MB) // self.grad_dtype.itemsize)
@@ -235,6 +246,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return zero
 
     # ---- construction -------------------------------------------------------
+    def _shard(self, groups: list[dict], reshard_after_forward: bool) -> list[dict]:
+        """Stage 3: shard the module's layers with FSDP; `groups` with the module's parameters
+        replaced by FSDP's (found by name)."""
+        from .fsdp import shard_layers
+
+        if self.module is None or not hasattr(self.module, "topology"):
+            raise ValueError("ZeRO stage 3 shards the layers of a PipelineModule: pass the module (as params, "
+                             "or module=)")
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        self.sharded_layers = shard_layers(self.module, reshard_after_forward=reshard_after_forward)
+        now = dict(self.module.named_parameters())
+        return [{**g, "params": [now[names[id(p)]] if id(p) in names else p for p in g["params"]]} for g in groups]
+
     def _make_buckets(self) -> list[Bucket]:
         segment_of, counted, first_use = _segments(self.module)
         buckets: list[Bucket] = []
@@ -242,6 +266,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for (dp_group, ep_group), members in self._reduction_groups(group).items():
                 runs: dict[tuple, list[nn.Parameter]] = {}
                 for p in members:
+                    if _sharded(p):  # stage 3: FSDP's shard, a bucket of its own over its local tensor
+                        buckets.append(self._shard_bucket(p, gi, counted, segment_of(p)))
+                        buckets[-1].ep_group = ep_group
+                        continue
                     runs.setdefault(segment_of(p), []).append(p)
                 # Launch order: stages before shared tied keys, and within a run the parameters whose
                 # gradients complete first (backward visits layers last to first; a tied input
@@ -291,18 +319,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 else:
                     b.counted_ranges.append((offset, offset + p.numel()))
             offset += p.numel()
-        if self.stage < 2:
+        if self._layout < 2:
             b.grad_buf = torch.zeros(size, dtype=self.grad_dtype, device=p0.device)
         else:
             b.grad_shard = torch.zeros(size // b.dp_size, dtype=self.grad_dtype, device=p0.device)
-        owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
+        owned = b.param_buf if self._layout == 0 else b.param_buf[b.shard]
         b.master = owned if owned.dtype == self.master_dtype else owned.to(self.master_dtype)
-        first = 0 if self.stage == 0 else b.shard.start
+        first = 0 if self._layout == 0 else b.shard.start
         for p in params:  # pieces never straddle two parameters, so each can be skipped alone
             start, n = b.offsets[id(p)]
             lo, hi = max(start, first), min(start + n, first + owned.numel())
             size = max(hi - lo, 1) if self.fused else _PIECE  # fused: one run per bucket whatever the pieces
             b.pieces += [(a - first, min(a + size, hi) - first, p) for a in range(lo, hi, size)]
+        return b
+
+    def _shard_bucket(self, p: nn.Parameter, gi: int, counted, segment) -> Bucket:
+        """Stage 3: a bucket over FSDP's local shard of `p`, aliased, not copied (FSDP gathers
+        the layer from that storage), whose gradient FSDP has already reduced."""
+        topo: Any = getattr(self.module, "topology", None)  # stage 3 needs a PipelineModule (`_shard`)
+        b = Bucket([p], gi, None, segment, shard_group=topo.dp_group)
+        local = _local(p).detach()
+        b.param_buf = local.view(-1)
+        n = b.param_buf.numel()
+        b.offsets[id(p)] = (0, n)
+        if counted(p) and n:
+            b.counted_ranges.append((0, n))
+        b.grad_buf = torch.zeros(n, dtype=self.grad_dtype, device=local.device)
+        b.master = b.param_buf if b.param_buf.dtype == self.master_dtype else b.param_buf.to(self.master_dtype)
+        size = max(n, 1) if self.fused else _PIECE
+        b.pieces = [(a, min(a + size, n), p) for a in range(0, n, size)]
         return b
 
     def _fused(self, fused: bool | str, params: list[nn.Parameter]) -> bool:
@@ -341,7 +386,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _arm(self, params: Iterable[nn.Parameter]) -> None:
         """Register the gradient hook on those of `params` that have none armed."""
         for p in params:
-            if id(p) not in self._hooks:
+            if id(p) not in self._hooks and not (self.sharded_layers and _sharded(p)):  # stage 3: FSDP reduces
                 self._hooks[id(p)] = p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, p: nn.Parameter) -> None:
@@ -357,7 +402,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         start, n = b.offsets[id(p)]
         self._touched.add(id(p))
         if b.launched:  # a gradient after its bucket was reduced
-            if self.stage < 2:
+            if self._layout < 2:
                 raise RuntimeError(
                     f"a parameter of shape {tuple(p.shape)} got a gradient after its bucket was reduced: a backward "
                     "pass after the one marked final for it, or reentrant checkpointing firing its hook twice; "
@@ -391,8 +436,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         launched when it and every bucket before it in a fixed order are complete; those
         left (holding parameters that got no gradient) are launched after the pass in the
         same order. Every dp rank must make the same sequence of calls."""
-        ids = {id(p) for p in (params if self.stage == 2 else final)}
-        if self.stage == 2:
+        ids = {id(p) for p in (params if self._layout == 2 else final)}
+        if self._layout == 2:
             self._drain()  # the previous pass's reductions overlapped the actions since; finish them
             current = [b for b in self.buckets if any(id(p) in ids for p in b.params)]
         else:  # a bucket with no dp group has nothing to reduce: it needs no arrivals counted
@@ -409,7 +454,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     self._launch(b)
         finally:
             self._current = None
-            self._dirty = self.stage < 2 and self._dirty
+            self._dirty = self._layout < 2 and self._dirty
 
     def _launch_ready(self, current: list[Bucket]) -> None:
         for b in current:
@@ -427,19 +472,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
             b.grad_buf = torch.zeros_like(b.param_buf, dtype=self.grad_dtype)
         work = None
         if b.dp_group is not None:
-            if self.stage == 0:
+            if self._layout == 0:
                 work = dist.all_reduce(b.grad_buf, group=b.dp_group, async_op=True)
             else:
                 work = _reduce_scatter(b.grad_buf, b.shard, b.dp_group)
         self._pending.append((work, b))
         b.launched = True
-        while self.stage == 2 and len(self._pending) > self.max_inflight:
+        while self._layout == 2 and len(self._pending) > self.max_inflight:
             self._finish(*self._pending.pop(0))
 
     def _finish(self, work, b: Bucket) -> None:
         if work is not None:
             work.wait()
-        if self.stage == 2:  # add the reduced shard into this rank's gradient shard; free the bucket
+        if self._layout == 2:  # add the reduced shard into this rank's gradient shard; free the bucket
             assert b.grad_shard is not None and b.grad_buf is not None  # stage 2: a launched bucket
             b.grad_shard.add_(b.grad_buf[b.shard])
             b.grad_buf = None
@@ -455,10 +500,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _reduce(self) -> None:
         """Finish reducing the step's gradients over each bucket's dp group (launching what
-        no backward pass launched: a plain training loop); sum tied segments over pp."""
-        if self.stage < 2 or self._dirty:
+        no backward pass launched: a plain training loop); sum tied segments over pp.
+        Stage 3: FSDP reduce-scatters its layers' gradients first (`fsdp.reduce_gradients`)."""
+        if self.sharded_layers:
+            self._take_sharded_grads()
+        if self._layout < 2 or self._dirty:
             for b in self.buckets:
-                if self.stage == 2 or not b.launched:
+                if self._layout == 2 or not b.launched:
                     self._launch(b)
             self._dirty = False
         self._drain()
@@ -467,13 +515,38 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if isinstance(b.segment, str) and b.segment in tie_groups:
                 dist.all_reduce(self._owned_grad(b), group=tie_groups[b.segment])
 
+    def _take_sharded_grads(self) -> None:
+        from .fsdp import reduce_gradients
+
+        self._touched |= reduce_gradients(self.sharded_layers)
+        for b in self.buckets:
+            if b.shard_group is None:
+                continue
+            p = b.params[0]
+            assert b.grad_buf is not None  # made with the bucket, never freed
+            if p.grad is None:
+                b.grad_buf.zero_()
+            else:
+                b.grad_buf.copy_(_local(p.grad).reshape(-1))
+                p.grad = None
+
     def _owned_grad(self, b: Bucket) -> torch.Tensor:
         """This rank's reduced gradient for the part of `b` it updates."""
-        if self.stage == 2:
+        if self._layout == 2:
             assert b.grad_shard is not None  # made with the bucket at stage 2
             return b.grad_shard
         assert b.grad_buf is not None  # made with the bucket at stages 0, 1, never freed
-        return b.grad_buf if self.stage == 0 else b.grad_buf[b.shard]
+        return b.grad_buf if self._layout == 0 else b.grad_buf[b.shard]
+
+    def autograd_params(self, params: list) -> list:
+        """The tensors autograd differentiates for `params` in a forward run now: the
+        parameters themselves, but at stage 3 FSDP's gathered copies of its sharded ones."""
+        if not self.sharded_layers:
+            return params
+        from .fsdp import gathered_params
+
+        gathered = gathered_params(self.sharded_layers)
+        return [gathered.get(id(p), p) for p in params]
 
     # ---- the step -----------------------------------------------------------
     @property
@@ -601,8 +674,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             if isinstance(b.segment, str) and b.segment in tie_groups:
                 touched.update(id(p) for p in b.params)
-            elif b.dp_group is not None or b.ep_group is not None:
-                by_group.setdefault((b.dp_group, b.ep_group), []).extend(b.params)
+            elif b.dp_group is not None or b.ep_group is not None or b.shard_group is not None:
+                by_group.setdefault((b.dp_group or b.shard_group, b.ep_group), []).extend(b.params)
         for groups, params in by_group.items():
             here = [id(p) in touched for p in params]
             flags = (torch.ones(len(params), dtype=torch.uint8, device=self._state_device()) if all(here) else
@@ -642,11 +715,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         device = self.buckets[0].param_buf.device if self.buckets else _device(self.module)
         by_group: dict[Any, torch.Tensor] = {}
         for b in self.buckets:
-            key = (b.dp_group if self.stage > 0 else None, b.ep_group)
+            key = (b.dp_group if self._layout > 0 else b.shard_group, b.ep_group)
             part = by_group.setdefault(key, torch.zeros((), dtype=torch.float64, device=device))
             g = b.master.grad
             assert g is not None  # set by `step` before the norm
-            first = 0 if self.stage == 0 else b.shard.start  # where this rank's gradient starts in the bucket
+            first = 0 if self._layout == 0 else b.shard.start  # where this rank's gradient starts in the bucket
             for start, end in b.counted_ranges:
                 lo, hi = max(start, first), min(end, first + g.numel())
                 if lo < hi:
@@ -670,10 +743,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         collectives, not their size, dominates)."""
         packs: dict[Any, list[list[Bucket]]] = {}
         for b in self.buckets:
-            owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
+            owned = b.param_buf if self._layout == 0 else b.param_buf[b.shard]
             if owned.data_ptr() != b.master.data_ptr():
                 owned.copy_(b.master)
-            if self.stage > 0 and b.dp_group is not None:
+            if self._layout > 0 and b.dp_group is not None:
                 runs = packs.setdefault(b.dp_group, [[]])
                 if b.param_buf.numel() >= self.bucket_numel // 4:  # big enough to travel alone, unpacked
                     runs.append([b])
@@ -711,11 +784,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._touched.clear()
         self._arm(p for b in self.buckets for p in b.params)
         for b in self.buckets:
-            buf = b.grad_buf if self.stage < 2 else None  # stage 2: freed when reduced; starts anew
+            buf = b.grad_buf if self._layout < 2 else None  # stage 2: freed when reduced; starts anew
             if buf is not None:
                 buf.zero_()
             for p in b.params:
-                p.grad = b.view_of(buf, p) if buf is not None and buf.dtype == p.dtype else None
+                in_place = buf is not None and buf.dtype == p.dtype and b.shard_group is None
+                p.grad = b.view_of(buf, p) if buf is not None and in_place else None
             b.launched = False
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
@@ -736,8 +810,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return t.numel() * t.element_size() if t is not None else 0
 
         params = sum(nbytes(b.param_buf) for b in self.buckets)
-        grads = sum(nbytes(b.grad_buf) if self.stage < 2 else nbytes(b.grad_shard) for b in self.buckets)
-        if self.stage == 2:
+        grads = sum(nbytes(b.grad_buf) if self._layout < 2 else nbytes(b.grad_shard) for b in self.buckets)
+        if self._layout == 2:
             grads += self.peak_inflight_bytes
         master = sum(nbytes(b.master) for b in self.buckets if not _is_view_of(b.master, b.param_buf))
         state = 0
@@ -758,6 +832,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (half-precision models). A parameter the wrapped optimizer never stepped has only
         "master". Collective over each bucket's dp group at stages 1 and 2: the shards are
         all-gathered (a transient full copy of one bucket's state at a time)."""
+        _refuse_stage_3_state(self)
         per_param: dict[nn.Parameter, dict[str, torch.Tensor]] = {p: {} for b in self.buckets for p in b.params}
         kinds = self._state_kinds()
         inner = self.inner
@@ -794,7 +869,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
                         kinds.setdefault(key, (value.shape != piece.shape, value.dtype))
-        for group in {b.dp_group for b in self.buckets if b.dp_group is not None and self.stage > 0}:
+        for group in {b.dp_group for b in self.buckets if b.dp_group is not None and self._layout > 0}:
             everyone: list = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, kinds, group=group)
             for other in everyone:
@@ -804,7 +879,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _gathered(self, b: Bucket, owned: torch.Tensor) -> torch.Tensor:
         """A bucket-sized tensor from every dp rank's `owned` shard (itself at stage 0 or dp=1)."""
-        if self.stage == 0 or b.dp_size == 1:
+        if self._layout == 0 or b.dp_size == 1:
             return owned
         full = torch.zeros(b.param_buf.numel(), dtype=owned.dtype, device=owned.device)
         full[b.shard].copy_(owned)
@@ -818,11 +893,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         communication: every rank is given the state of all its parameters). Call after
         the model's weights are loaded: master copies missing from `per_param` are taken
         from the parameters; a parameter without optimizer entries starts fresh."""
+        _refuse_stage_3_state(self)
         inner = self.inner
         for bi, b in enumerate(self.buckets):
             pieces, state = (inner.param_groups[bi]["params"], inner.state) if inner is not None else ([], {})
             separate = not _is_view_of(b.master, b.param_buf)
-            owned = b.param_buf if self.stage == 0 else b.param_buf[b.shard]
+            owned = b.param_buf if self._layout == 0 else b.param_buf[b.shard]
             keys = sorted(set().union(*(per_param.get(p, {}).keys() for p in b.params)))
             for key in keys:
                 example = next(per_param[p][key] for p in b.params if key in per_param.get(p, {}))
@@ -832,7 +908,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         start, n = b.offsets[id(p)]
                         value = per_param[p][key].to(full.device)
                         full[start:start + n] = value.reshape(-1) if value.numel() == n else value
-                mine = full if self.stage == 0 else full[b.shard]
+                mine = full if self._layout == 0 else full[b.shard]
                 if key == "master":
                     if separate:
                         b.master.copy_(mine)
@@ -865,6 +941,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 # ---- helpers -----------------------------------------------------------------
+def _sharded(p: torch.Tensor) -> bool:
+    from .fsdp import sharded
+
+    return sharded(p)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP's shard), a view of its storage."""
+    return t.to_local()  # type: ignore[attr-defined]  # a DTensor
+
+
+def _refuse_stage_3_state(zero: ZeroOptimizer) -> None:
+    if zero.sharded_layers:
+        raise NotImplementedError("checkpoints of ZeRO stage 3 (FSDP-sharded parameters) are not built yet: train "
+                                  "at stage 3 without saving, or save at stages 0-2 (issue 16)")
+
+
 def fused_by_default(optimizer_class: type, master_dtype: torch.dtype, device_type: str) -> bool:
     """`fused="auto"`'s answer: FusedAdamW for AdamW over float32 master shards on CUDA (elsewhere
     its reference side would run, no faster than torch's AdamW)."""

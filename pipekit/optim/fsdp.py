@@ -1,0 +1,132 @@
+"""ZeRO stage 3 through FSDP2 (`torch.distributed.fsdp.fully_shard`), inside pipeline stages.
+
+`shard_layers(module)` wraps each layer a rank holds (a transformer block, the
+embedding, the head; a tied layer once) with `fully_shard` over the stage's
+data-parallel group, so each dp rank keeps 1/N of every parameter between steps:
+its gradients, fp32 weights and optimizer state are that rank's shard too. Layer
+by layer, the parameters are all-gathered before their forward (and, when
+resharded after it, before their backward).
+
+Within a step FSDP's gradient reduction is off: a layer's gradients accumulate
+over the step's microbatches, whichever schedule runs them (split backwards
+included: `I` and `W` both add into the gathered parameters' gradients), and
+`reduce_gradients` reduce-scatters each layer's once, at the end of the step, as
+torch.distributed.pipelining does for FSDP stages. `reshard_after_forward`
+trades memory for traffic: False keeps a layer's parameters gathered from its
+first use to the end of the step (one all-gather per layer and step), True frees
+them after each forward and gathers them again for each backward (2 per
+microbatch, as FSDP does without pipelining).
+
+What FSDP does not manage stays as ZeRO stage 0 beside it (`ZeroOptimizer`):
+expert-parallel parameters (already split over ep; their data-parallel replicas
+reduce over the expert-data-parallel group) and frozen ones.
+
+FSDP's parameters are DTensors: the attributes pipekit keeps on a parameter
+(`tp_shard_dim`, `expert_parallel`, ...) are copied onto them.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["gathered_params", "reduce_gradients", "shard_layers", "sharded"]
+
+
+def sharded(p: torch.Tensor) -> bool:
+    """Whether `p` is a parameter FSDP shards (a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
+def shard_layers(module, *, reshard_after_forward: bool = False) -> list[Any]:
+    """`fully_shard` every layer of `module` (a PipelineModule) over its topology's dp group;
+    the wrapped layers, in module order (none at dp=1: nothing to shard)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    topo = module.topology
+    if topo.dp_group is None:
+        return []
+    mesh = DeviceMesh.from_group(topo.dp_group, topo.device.type)
+    attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}
+    wrapped: list[Any] = []  # FSDPModule: fully_shard makes each layer's class a subclass of it
+    for layer in [*module.layers.values(), *module.tied.values()]:
+        params = [p for p in layer.parameters() if p.requires_grad]
+        kept = {p for p in layer.parameters() if not p.requires_grad or getattr(p, "expert_parallel", False)}
+        if len(kept) == len(list(layer.parameters())) or not params:
+            continue
+        tied = any(layer is t for t in module.tied.values())
+        if tied:  # a later use calls forward_fn(layer, x), not the layer: FSDP must see that call too
+            layer.call_tied = types.MethodType(_call_tied, layer)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept or None)
+        if tied:
+            register_fsdp_forward_method(layer, "call_tied")
+        wrapped.append(layer)
+    for name, p in module.named_parameters():
+        for key, value in attrs.get(name, {}).items():
+            if not hasattr(p, key):
+                setattr(p, key, value)
+    for layer in wrapped:
+        layer.set_requires_gradient_sync(False)
+        layer.set_reshard_after_backward(False)
+    return wrapped
+
+
+def gathered_params(layers: list[Any]) -> dict[int, torch.Tensor]:
+    """{id(sharded parameter): the gathered parameter autograd sees in the layers' graphs} (a
+    split backward's weight pass must be pointed at those: `ZeroOptimizer.autograd_params`)."""
+    out: dict[int, torch.Tensor] = {}
+    for layer in layers:
+        group = _param_group(layer)
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            if hasattr(fsdp_param, "_unsharded_param"):
+                out[id(fsdp_param.sharded_param)] = fsdp_param._unsharded_param
+    return out
+
+
+def _call_tied(layer: nn.Module, forward_fn, x):
+    """A tied layer's later use (`TiedLayerSpec.forward_fn`, the head of tied embeddings), as
+    a method of the layer, so that FSDP gathers its parameters for it (and for its backward)."""
+    return forward_fn(layer, x)
+
+
+def reduce_gradients(layers: list[Any]) -> set[int]:
+    """Reduce-scatter the step's accumulated gradients of `layers` (every dp rank calls this
+    with the same layers), leaving each parameter's `.grad` its rank's shard, and reshard the
+    parameters. Returns the ids of the sharded parameters that got a gradient on this rank.
+
+    Every rank must reduce the same parameters, so one that got no gradient here (an unused
+    layer on this rank) is reduced as zeros; the ids say which ones really got one."""
+    touched: set[int] = set()
+    for layer in layers:
+        group = _param_group(layer)
+        if group is None:
+            continue
+        for fsdp_param in group.fsdp_params:
+            full = fsdp_param._unsharded_param
+            if full.grad is None and fsdp_param.unsharded_accumulated_grad is None:
+                full.grad = torch.zeros_like(full)
+            else:
+                touched.add(id(fsdp_param.sharded_param))
+        layer.set_requires_gradient_sync(True)
+        layer.set_reshard_after_backward(True)
+        layer.set_is_last_backward(True)
+        group.post_backward()  # as torch.distributed.pipelining's stages do after their last backward
+        group.finalize_backward()  # on a GPU: the current stream waits for the reduce-scatter
+        layer.set_requires_gradient_sync(False)
+        layer.set_reshard_after_backward(False)
+    return touched
+
+
+def _param_group(layer: nn.Module) -> Any:
+    """FSDP's parameter group of a wrapped layer (private to torch; torch's pipelining reaches
+    it the same way to run a stage's post-backward after its last microbatch)."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(layer)  # type: ignore[attr-defined]
+    return state._fsdp_param_group
