@@ -19,7 +19,7 @@ from dataclasses import asdict
 
 from omegaconf import OmegaConf
 
-from . import __version__, launch, planner, profiler, rundirs
+from . import __version__, launch, memplan, planner, profiler, rundirs
 from .atomic import write_atomic
 from .config import ConfigError, Run, load_run
 from .data import prepare_data
@@ -199,7 +199,8 @@ def _plan_config(args: argparse.Namespace) -> int:
                          f"({counts[-1]} rows); valid: {counts}")
     profile, comm = _plan_costs(run, args)
     budget = args.memory_gb * 2**30 if args.memory_gb else None
-    candidates = planner.plan(run, profile, comm, budget=budget, schedules=args.schedule and [args.schedule],
+    # with a budget the memory plan decides what fits (the candidates' own column keeps the config's settings)
+    candidates = planner.plan(run, profile, comm, schedules=args.schedule and [args.schedule],
                               microbatches=args.microbatches and [args.microbatches])
     if not candidates:
         only = "".join(f", {flag} {v}" for flag, v in (("--schedule", args.schedule),
@@ -207,15 +208,21 @@ def _plan_config(args: argparse.Namespace) -> int:
         raise ValueError(f"no schedule runs pp={run.pp} with this model's {len(profile.layers)} layers{only}")
     best, tokens = candidates[0], run.config.train.seq_len * run.dp
     command = _recommended_command(args.config, overrides, best)
+    rows = memplan.memory_plan(run, profile, comm, candidates, budget) if budget is not None else None
+    if rows:
+        best = rows[0].candidate
+        command = _recommended_command(args.config, overrides, best, memplan.row_overrides(rows[0]))
+        best.timeline = rows[0].timeline
     if args.json:
         print(json.dumps({"profile": profile.source, "comm": {k: getattr(comm, k) for k in
                                                                ("latency", "bandwidth", "collective",
                                                                 "action_overhead", "send_overhead", "source")},
                           "layers": [vars(c) for c in profile.at(profile.rows)],
                           "candidates": [planner.candidate_record(c, tokens) for c in candidates],
-                          "recommended": planner.candidate_record(best, tokens), "command": command}))
+                          "recommended": planner.candidate_record(best, tokens), "command": command,
+                          **({"memory_plan": _memory_record(rows, args.memory_gb)} if rows else {})}))
     else:
-        _print_plan(run, profile, comm, candidates, args, command)
+        _print_plan(run, profile, comm, candidates, args, command, rows)
     title = (f"{best.schedule}, pp={run.pp}, {best.microbatches} x {best.micro_batch} rows, "
              f"predicted {best.step_seconds * 1e3:.1f} ms, bubble {best.bubble_fraction:.3f}")
     if args.trace:
@@ -228,7 +235,12 @@ def _plan_config(args: argparse.Namespace) -> int:
 def _plan_flags_ok(args: argparse.Namespace) -> bool:
     """`pipekit plan CONFIG`'s flags: ValueError for a bad number; False (said on stderr)
     when --png cannot be drawn here; --trace and --png must be writable files."""
-    for flag, value in (("--memory-gb", args.memory_gb), ("--latency", args.latency)):
+    if args.memory_budget_gb is not None and args.memory_gb is not None and args.memory_budget_gb != args.memory_gb:
+        raise ValueError(f"--memory-budget-gb {args.memory_budget_gb} and --memory-gb {args.memory_gb} are the same "
+                         "flag with two values; give one")
+    args.memory_flag = "--memory-gb" if args.memory_gb is not None else "--memory-budget-gb"
+    args.memory_gb = args.memory_gb if args.memory_gb is not None else args.memory_budget_gb
+    for flag, value in ((args.memory_flag, args.memory_gb), ("--latency", args.latency)):
         if value is not None and not (value > 0 and value != float("inf")):
             raise ValueError(f"{flag} {value} must be a finite number > 0")
     if args.top < 1:
@@ -253,8 +265,11 @@ def _plan_costs(run: Run, args: argparse.Namespace):
         device = resolve_device(run.config.train.device, local_workers(run.world_size))[0]
     except ValueError:  # train.device=cuda without enough GPUs here: plan on what there is
         device = "cpu"
-    if args.no_profile:
+    too_large = None if args.no_profile else profiler.too_large_to_profile(run, device)
+    if args.no_profile or too_large:
         profile, comm = profiler.flop_layers(run), profiler.CommModel()
+        if too_large:
+            profile.source += f"; not profiled: {too_large}"
     elif run.pp > 1 and device == "cpu" and args.latency is None:
         profile, comm = profiler.profile_on_two_ranks(run)
     else:
@@ -265,7 +280,37 @@ def _plan_costs(run: Run, args: argparse.Namespace):
     return profile, comm
 
 
-def _print_plan(run: Run, profile, comm, candidates, args: argparse.Namespace, command: str) -> None:
+def _memory_record(rows: list[memplan.MemoryRow], budget_gb: float) -> dict:
+    return {"budget_gb": budget_gb, "fits": rows[0].fits, "rows": [r.record() for r in rows],
+            "recommended": rows[0].record() if rows[0].fits else None,
+            "least_memory": min(rows, key=lambda r: r.memory.total).record()}
+
+
+def _print_memory(run: Run, rows: list[memplan.MemoryRow], budget_gb: float, command: str, top: int) -> None:
+    """The memory plan: the table, then the recommendation (or why nothing fits)."""
+    print(f"\npredicted memory per rank (GiB, the worst rank; pp={run.pp} dp={run.dp} tp={run.tp} ep={run.ep}, "
+          f"{run.precision.name}, {run.config.optimizer.name}) for a budget of {budget_gb:g} GiB, "
+          "fits first, fastest first:")
+    print(memplan.memory_table(rows, top))
+    if len(rows) > top:
+        print(f"({len(rows) - top} more: --top {len(rows)} lists them all; --json gives them all)")
+    best = rows[0]
+    c = best.candidate
+    if not best.fits:
+        least = rows[0]  # nothing fits: the rows are by memory
+        print(f"\nnothing fits {budget_gb:g} GiB per rank: the least memory is {least.memory.total / 2**30:.2f} GiB "
+              f"({least.candidate.schedule}, {least.option.label()}); use more ranks (pp, tp, ep) or a larger budget")
+        print(f"recommended: none fits; the least memory plan: {command}\n")
+        return
+    note = "" if best.runnable else " (not yet runnable: this pipekit does not run it)"
+    print(f"\nrecommended: {c.schedule}, {c.microbatches} microbatches of {c.micro_batch}, partition {c.partition} "
+          f"{c.boundaries}, {best.option.label()}: {best.step_seconds * 1e3:.1f} ms per step, "
+          f"{best.memory.total / 2**30:.2f} GiB of {budget_gb:g} per rank{note}")
+    print(f"  {command}\n")
+
+
+def _print_plan(run: Run, profile, comm, candidates, args: argparse.Namespace, command: str,
+                rows: list[memplan.MemoryRow] | None = None) -> None:
     """The plan as text: the layer table, the message costs, the candidates, the recommendation."""
     best, cfg = candidates[0], run.config
     print(f"layers ({profile.source}; {profile.rows} rows x {cfg.train.seq_len} tokens per microbatch):")
@@ -276,19 +321,22 @@ def _print_plan(run: Run, profile, comm, candidates, args: argparse.Namespace, c
     print(f"\npredicted steps, pp={run.pp} dp={run.dp} tp={run.tp}, "
           f"{cfg.train.micro_batch * cfg.schedule.microbatches} rows per dp replica (fastest first):")
     print(planner.candidate_table(candidates, cfg.train.seq_len * run.dp, args.top))
-    if not best.fits:
-        print(f"\nnothing fits {args.memory_gb} GiB per rank; the fastest is shown")
+    if rows:
+        _print_memory(run, rows, args.memory_gb, command, args.top)
+        print(render_text(rows[0].timeline))
+        return
     print(f"\nrecommended: {best.schedule}, {best.microbatches} microbatches of {best.micro_batch}, partition "
           f"{best.partition} {best.boundaries}: {best.step_seconds * 1e3:.1f} ms per step")
     print(f"  {command}\n")
     print(render_text(best.timeline))
 
 
-def _recommended_command(config, overrides, best) -> str:
-    keep = [o for o in overrides if o.split("=", 1)[0] not in
-            {"schedule.name", "schedule.chunks_per_rank", "schedule.microbatches", "train.micro_batch",
-             "schedule.partition", "train.global_batch"}]
-    return " ".join(["pipekit train", *([config] if config else []), *keep, *best.overrides()])
+def _recommended_command(config, overrides, best, extra: list[str] | None = None) -> str:
+    """`pipekit train` with the config's overrides and the plan's (`extra`: instead of the candidate's own)."""
+    mine = extra if extra is not None else best.overrides()
+    keys = {o.split("=", 1)[0] for o in mine} | {"train.global_batch"}
+    keep = [o for o in overrides if o.split("=", 1)[0] not in keys]
+    return " ".join(["pipekit train", *([config] if config else []), *keep, *mine])
 
 
 def _check_output_file(flag: str, path: str) -> None:
@@ -410,7 +458,12 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("overrides", nargs="*", help="key=value overrides of the config")
     q.add_argument("--no-profile", action="store_true",
                    help="with CONFIG: FLOP counts on the meta device instead of timing the layers")
-    q.add_argument("--memory-gb", type=float, default=None, help="with CONFIG: memory per rank to fit in (GiB)")
+    q.add_argument("--memory-budget-gb", type=float, default=None, metavar="GIB",
+                   help="with CONFIG: memory per rank to fit in (GiB); also predicts each rank's parameters, "
+                        "gradients, master weights, optimizer state and activations for every schedule x ZeRO "
+                        "stage x sequence parallelism x activation checkpointing, and recommends the fastest "
+                        "that fits")
+    q.add_argument("--memory-gb", type=float, default=None, metavar="GIB", help="the same as --memory-budget-gb")
     q.add_argument("--latency", type=float, default=None, metavar="SECONDS",
                    help="with CONFIG: message latency instead of measuring it")
     q.add_argument("--top", type=int, default=12, help="with CONFIG: candidates to list")

@@ -33,6 +33,7 @@ measure (a GPU run is profiled in one process).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -63,6 +64,11 @@ DEFAULT_SEND_OVERHEAD = 50e-6  # posting a gloo isend (measured by measure_comm 
 DEFAULT_LATENCY = 80e-6  # one gloo message between two processes on one host
 DEFAULT_BANDWIDTH = 2e9  # bytes/s
 NOMINAL_FLOPS = 1e12  # --no-profile: seconds are FLOPs at this rate unless the config gives peak_tflops
+# `pipekit plan` counts FLOPs on the meta device instead of timing on the CPU above this many FLOPs for one
+# microbatch's forward and backward through the whole model: a profile runs each layer about 30 times
+# (two sizes, 5 repetitions and a warm-up, F, B and the split backward, the chained passes), which at the
+# 10-100 GFLOP/s of one CPU thread is already minutes at 1e12.
+PROFILE_CPU_FLOP_LIMIT = 1e12
 
 
 @dataclass
@@ -422,6 +428,30 @@ def _optimizer_seconds_per_param(run: Run, module, sync) -> float:
         t, _ = _time(sync, opt.step)
         runs.append(t)
     return statistics.median(runs) / sum(p.numel() for p in params)
+
+
+def too_large_to_profile(run: Run, device: str) -> str | None:
+    """Why timing `run`'s layers in this process is out of reach (None: it is not): the whole
+    model's weights, gradients and a timed fp32 optimizer (about 6 copies of the weights)
+    over half this machine's memory, or on the CPU, one microbatch's forward and backward
+    (6 FLOPs per parameter and token) over `PROFILE_CPU_FLOP_LIMIT`."""
+    from .models import count_params
+
+    params = count_params(run.model)
+    width = 8 if run.config.train.dtype == "float64" else 4
+    need = 6 * width * params
+    try:
+        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        have = None
+    if have and need > have / 2:
+        return (f"{params:,} parameters need about {need / 2**30:.0f} GiB to profile, over half this machine's "
+                f"{have / 2**30:.0f} GiB")
+    flops = 6 * params * run.config.train.micro_batch * run.config.train.seq_len
+    if not device.startswith("cuda") and flops > PROFILE_CPU_FLOP_LIMIT:
+        return (f"one microbatch's forward and backward is {flops:.2g} FLOPs, over the "
+                f"{PROFILE_CPU_FLOP_LIMIT:.0e} a CPU profile is allowed")
+    return None
 
 
 def flop_layers(run: Run, *, rows: int | None = None, flops_per_second: float | None = None) -> Profile:

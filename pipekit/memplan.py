@@ -1,0 +1,306 @@
+"""The memory model behind `pipekit plan CONFIG --memory-budget-gb N`: for every schedule x
+ZeRO stage (0-3) x sequence parallelism (off/on, at tp > 1) x activation checkpointing
+(off / every transformer block), the bytes each rank holds, and the fastest plan that fits.
+
+Nothing is allocated: parameter counts come from the model built on the meta device
+(`layer_params`), activation bytes from the planner's layer profile (measured, or
+counted on the meta device with `--no-profile` or for a model too large to profile).
+
+Model state per rank (ZeRO, Rajbhandari et al. 2020), Ψ parameters of the rank's
+stages, N the group the state is sharded over:
+
+    params      Ψ · param bytes            / N at stage 3
+    grads       Ψ · gradient bytes         / N at stages 2, 3
+    master      Ψ · master bytes           / N at stages 1, 2, 3   (0 when params are fp32: their own master)
+    optimizer   Ψ · k · master bytes       / N at stages 1, 2, 3   (k = 2 Adam moments; SGD with momentum 1)
+    gathered    stage 3 only: the largest block's parameters, gathered whole while it runs (FSDP
+                gathers one block at a time; `keep_gathered=True`: the rank's whole stages, kept
+                gathered for the step)
+
+Bytes are the run's precision policy's: param bytes `param_dtype`, gradient bytes
+`reduce_dtype` (the dtype `ZeroOptimizer` accumulates and reduces gradients in: fp32
+under bf16/fp16, as its own table says), master and moments `master_dtype`.
+Ψ on a rank: the dense parameters of its stages / tp (every one counted as split:
+norm weights and MoE routers, in fact replicated over tp, are well under 1% of a
+block), sharded over N = dp; the routed experts' parameters / ep (and / tp with
+`parallel.expert_tp`), sharded over N = edp = dp / ep.
+
+Activations per rank: a stage's microbatch holds its saved bytes from its F to its B/W,
+so a rank's peak is `planner.activation_peaks` of the per-stage sums below. Per layer
+and microbatch, with M the layer's saved bytes at tp=1 (`LayerCost.saved_bytes`):
+
+    transformer block           M · (10 + 24/t + 5as/(ht)) / (34 + 5as/h)     the parts tp splits
+                                 (Korthikanti et al. 2022, "Reducing Activation Recomputation",
+                                 eq. 2: sbh(10 + 24/t + 5as/(ht)) of sbh(34 + 5as/h) bytes in fp16)
+      with sequence parallel    M / t                                        (their eq. 3: everything split)
+      checkpointed              the block's input, `LayerCost.out_bytes` (sbh · bytes; / t with SP),
+                                plus once per rank the largest of its blocks' un-checkpointed
+                                bytes (the block being recomputed in backward)
+    vocabulary-parallel layers  M / t   (the head; the loss, folded into the last layer, on tp-split logits)
+    other layers                M, / t with sequence parallel
+
+(t = tp, a = heads, s = sequence length, h = model width.) Korthikanti's coefficients
+are used as proportions of the measured M, not as absolute bytes, so a layer that
+saves more or less than their GPT-style block (SwiGLU, flash attention) keeps its own size.
+
+Step time: the planner's prediction of the candidate (`planner.predict`), with
+activation checkpointing adding each block's forward to its backward (in I, the half
+that needs the activations), and ZeRO-3 adding per layer and microbatch an all-gather
+of its parameters before its forward and again before its backward, each
+`latency + (N-1)/N · bytes / bandwidth` on the planner's message model (the
+reduce-scatter of gradients is not added: pipekit's ZeRO-2 already reduce-scatters
+every microbatch, and neither stage's data-parallel traffic is otherwise modelled).
+Not modelled: sequence parallelism's time (its all-gathers and reduce-scatters replace
+tp's all-reduces: the same bytes, and tp's collectives are not modelled either), the
+ZeRO-2 buckets in flight, the allocator's fragmentation, CUDA context and workspaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, replace
+
+from .config import ConfigError, ParallelConfig, Run, load_config
+from .planner import Candidate, activation_peaks, predict
+from .profiler import KINDS, CommModel, LayerCost, Profile, _layer_params, _model
+from .schedules import build_schedule
+
+ZERO_STAGES = (0, 1, 2, 3)
+BLOCK = "TransformerBlock"
+COMPONENTS = ("params", "grads", "master", "optimizer", "gathered", "activations")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One memory setting: ZeRO stage, sequence parallelism, activation checkpointing."""
+
+    zero: int
+    sp: bool
+    ac: bool
+
+    def label(self) -> str:
+        return f"ZeRO-{self.zero}, SP {'on' if self.sp else 'off'}, AC {'every block' if self.ac else 'off'}"
+
+
+@dataclass
+class Memory:
+    """Bytes on one rank."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    master: float = 0.0
+    optimizer: float = 0.0
+    gathered: float = 0.0
+    activations: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, k) for k in COMPONENTS)
+
+
+@dataclass
+class MemoryRow:
+    """A candidate under an option: its worst rank's memory and its predicted step."""
+
+    candidate: Candidate
+    option: Option
+    memory: Memory  # the rank with the largest total
+    per_rank: list[float]
+    step_seconds: float
+    fits: bool
+    runnable: bool = True
+    timeline: list = field(default_factory=list, repr=False)
+
+    def record(self) -> dict:
+        c = self.candidate
+        return {"schedule": c.schedule, "chunks_per_rank": c.chunks_per_rank, "microbatches": c.microbatches,
+                "micro_batch": c.micro_batch, "partition": c.partition, "boundaries": c.boundaries,
+                "zero_stage": self.option.zero, "sequence_parallel": self.option.sp,
+                "activation_checkpointing": self.option.ac, "runnable": self.runnable,
+                "bytes": {**{k: getattr(self.memory, k) for k in COMPONENTS}, "total": self.memory.total},
+                "per_rank_total_bytes": self.per_rank, "step_seconds": self.step_seconds, "fits": self.fits}
+
+
+# ---- parameters ------------------------------------------------------------------
+def layer_params(run: Run) -> list[tuple[int, int]]:
+    """Per layer of the whole model (tp=1, ep=1, on the meta device): (dense, routed-expert)
+    parameter counts; a tied layer counts at each use (each pipeline owner holds it)."""
+    module, _ = _model(run, "meta")
+    out = []
+    for i in range(len(module.specs)):
+        params = [p for p in _layer_params(module, i) if p.requires_grad]
+        expert = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
+        out.append((sum(p.numel() for p in params) - expert, expert))
+    return out
+
+
+def rank_params(run: Run, split: list[tuple[int, int]]) -> tuple[float, float]:
+    """(dense, expert) parameters of `split`'s layers on one rank: dense / tp, experts / ep
+    (and / tp with parallel.expert_tp)."""
+    dense = sum(d for d, _ in split) / run.tp
+    expert = sum(e for _, e in split) / run.ep / (run.tp if run.config.parallel.expert_tp else 1)
+    return dense, expert
+
+
+def state_memory(dense: float, expert: float, run: Run, zero: int, gathered_params: float = 0.0) -> Memory:
+    """Model state on one rank holding `dense` and `expert` parameters (already split over
+    tp and ep) at ZeRO stage `zero` (see the module docstring); `gathered_params`: the
+    parameters a stage-3 rank gathers whole at once."""
+    policy, o = run.precision, run.config.optimizer
+    width, grad = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
+    master = policy.master_dtype.itemsize if policy.mixed else 0
+    moments = (2 if o.name == "adamw" else (1 if o.momentum else 0)) * policy.master_dtype.itemsize
+    mem = Memory()
+    for n, shards in ((dense, run.dp), (expert, run.dp // run.ep)):
+        mem.params += n * width / (shards if zero >= 3 else 1)
+        mem.grads += n * grad / (shards if zero >= 2 else 1)
+        mem.master += n * master / (shards if zero >= 1 else 1)
+        mem.optimizer += n * moments / (shards if zero >= 1 else 1)
+    if zero >= 3:
+        mem.gathered = gathered_params * width
+    return mem
+
+
+# ---- activations -------------------------------------------------------------------
+def tp_fraction(run: Run, sp: bool) -> float:
+    """The share of a transformer block's activations one tp rank keeps (Korthikanti et al.)."""
+    t = run.tp
+    if t == 1:
+        return 1.0
+    if sp:
+        return 1.0 / t
+    a, h, s = run.model.n_heads, run.model.dim, run.config.train.seq_len
+    attn = 5 * a * s / h
+    return (10 + 24 / t + attn / t) / (34 + attn)
+
+
+def layer_activations(run: Run, layers: list[LayerCost], sp: bool, ac: bool) -> tuple[list[float], list[float]]:
+    """Per layer, on one rank: (bytes held per microbatch in flight, bytes of the block
+    recomputed in backward: 0 unless `ac` and a block)."""
+    t, frac = run.tp, tp_fraction(run, sp)
+    held, recompute = [], []
+    for c in layers:
+        if c.name == BLOCK:
+            full = c.saved_bytes * frac
+            held.append(c.out_bytes / (t if sp else 1) if ac else full)
+            recompute.append(full if ac else 0.0)
+        else:
+            split = c.name.startswith("VocabParallel") or sp
+            held.append(c.saved_bytes / (t if split else 1))
+            recompute.append(0.0)
+    return held, recompute
+
+
+# ---- time ----------------------------------------------------------------------------
+def adjusted_layers(run: Run, layers: list[LayerCost], splits: list[tuple[int, int]], comm: CommModel,
+                    option: Option) -> list[LayerCost]:
+    """The layers' costs (per rank, already / tp) with checkpointing's recompute and ZeRO-3's gathers."""
+    width = run.precision.param_dtype.itemsize
+    out = []
+    for c, split in zip(layers, splits):
+        extra_f = extra_b = 0.0
+        if option.ac and c.name == BLOCK:
+            extra_b += c.F
+        if option.zero >= 3:
+            dense, expert = rank_params(run, [split])
+            for n, shards in ((dense, run.dp), (expert, run.dp // run.ep)):
+                if n and shards > 1:
+                    gather = comm.latency + (shards - 1) / shards * n * width / comm.bandwidth
+                    extra_f += gather
+                    extra_b += gather
+        out.append(replace(c, F=c.F + extra_f, B=c.B + extra_b, I=c.I + extra_b))
+    return out
+
+
+# ---- the plan --------------------------------------------------------------------------
+def options(run: Run) -> list[Option]:
+    """Every (ZeRO stage, SP, AC); SP only where tp > 1, ZeRO stages 1-3 only where dp > 1
+    (over one rank they shard nothing)."""
+    sps = (False, True) if run.tp > 1 else (False,)
+    zeros = ZERO_STAGES if run.dp > 1 else (0,)
+    return [Option(z, sp, ac) for z in zeros for sp in sps for ac in (False, True)]
+
+
+def runnable(run: Run, option: Option) -> bool:
+    """Whether this pipekit can run `option` today: ZeRO-3 where `optimizer.zero_stage`
+    accepts 3, sequence parallelism where `parallel.sequence_parallel` is a config key."""
+    if option.sp and "sequence_parallel" not in {f.name for f in dataclasses.fields(ParallelConfig)}:
+        return False
+    if option.zero >= 3:
+        try:
+            load_config(None, ["optimizer.zero_stage=3"])
+        except ConfigError as e:
+            if "zero_stage" in str(e):
+                return False
+            raise
+    return True
+
+
+def memory_plan(run: Run, profile: Profile, comm: CommModel, candidates: list[Candidate],
+                budget: float, *, keep_gathered: bool = False) -> list[MemoryRow]:
+    """For each (schedule, chunks) and option, the fastest of `candidates` (microbatches x
+    partition) that fits `budget` bytes on every rank, or else the one needing least
+    memory; rows that fit first, fastest first, then the rest by memory."""
+    splits = layer_params(run)
+    runs = {o: runnable(run, o) for o in options(run)}
+    by_schedule: dict[tuple[str, int, Option], list[MemoryRow]] = {}
+    cache: dict[tuple, dict] = {}
+    for cand in candidates:
+        layers = [replace(c, **{k: getattr(c, k) / run.tp for k in KINDS}) for c in profile.at(cand.micro_batch)]
+        schedule = build_schedule(cand.schedule, run.pp, cand.microbatches, cand.chunks_per_rank)
+        for option in runs:
+            stages = list(zip(cand.boundaries, cand.boundaries[1:]))
+            held, recompute = layer_activations(run, layers, option.sp, option.ac)
+            peaks = activation_peaks(schedule, [round(sum(held[lo:hi])) for lo, hi in stages])
+            mems = []
+            for r in range(schedule.pp):
+                mine = [i for s in schedule.local_stages(r) for i in range(*stages[s])]
+                dense, expert = rank_params(run, [splits[i] for i in mine])
+                blocks = [i for i in mine if layers[i].name == BLOCK] or mine
+                gathered = (dense + expert if keep_gathered
+                            else max(sum(rank_params(run, [splits[i]])) for i in blocks))
+                mem = state_memory(dense, expert, run, option.zero, gathered)
+                mem.activations = peaks[r] + max((recompute[i] for i in mine), default=0.0)
+                mems.append(mem)
+            worst = max(mems, key=lambda m: m.total)
+            key = (id(cand), option.ac, option.zero >= 3)
+            if key not in cache:
+                cache[key] = predict(schedule, adjusted_layers(run, layers, splits, comm, option), cand.boundaries,
+                                     comm, profile.optimizer_seconds_per_param, run)
+            p = cache[key]
+            row = MemoryRow(cand, option, worst, [m.total for m in mems], p["step"], worst.total <= budget,
+                            runs[option], p["timeline"])
+            by_schedule.setdefault((cand.schedule, cand.chunks_per_rank, option), []).append(row)
+    best = [min(rows, key=lambda r: (not r.fits, r.step_seconds if r.fits else r.memory.total))
+            for rows in by_schedule.values()]
+    best.sort(key=lambda r: (not r.fits, r.step_seconds if r.fits else r.memory.total,
+                             r.option.zero, r.option.sp, r.option.ac))
+    return best
+
+
+# ---- the report ------------------------------------------------------------------------
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f}"
+
+
+def memory_table(rows: list[MemoryRow], top: int | None = None) -> str:
+    table = [["schedule", "chunks", "mb x rows", "ZeRO", "SP", "AC", "params", "grads", "master", "optim",
+              "gathered", "activ.", "total GiB", "step ms", ""]]
+    for r in rows[:top]:
+        c, m, o = r.candidate, r.memory, r.option
+        note = ("fits" if r.fits else "over budget") + ("" if r.runnable else " (not yet runnable)")
+        table.append([c.schedule, str(c.chunks_per_rank), f"{c.microbatches} x {c.micro_batch}", str(o.zero),
+                      "on" if o.sp else "off", "on" if o.ac else "off",
+                      *(_gib(getattr(m, k)) for k in COMPONENTS), _gib(m.total), f"{r.step_seconds * 1e3:.1f}",
+                      note])
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
+
+
+def row_overrides(row: MemoryRow) -> list[str]:
+    """`pipekit train` overrides of a row: the candidate's, its ZeRO stage, checkpointing and SP."""
+    out = [*row.candidate.overrides(), f"optimizer.zero_stage={row.option.zero}",
+           f"schedule.activation_checkpoint_interval={1 if row.option.ac else 0}"]
+    if row.option.sp:
+        out.append("parallel.sequence_parallel=true")
+    return out
