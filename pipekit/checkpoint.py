@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException as DCPException  # a BaseException
 
 from .atomic import free_space, fsync_dir, no_space_left, publish_dir, torch_save_atomic, write_atomic
+from .optim.fsdp import assign, whole
 from .pipeline import PipelineModule
 
 Sharding = tuple[tuple[int, str], ...]  # ((dim, axis), ...): split along each dim over the "ep" or "tp" axis
@@ -72,7 +73,7 @@ def full_state_dict(module: PipelineModule) -> dict[str, torch.Tensor]:
     local = {}
     for name, t in _local_tensors(module).items():
         sharding = _shard_dim(t)  # read before detach(), which drops the attribute
-        t = t.detach()
+        t = whole(t.detach())  # ZeRO-3: gathered over dp
         for dim, axis in sharding:
             size, _, group = _axis(module, axis)
             if size > 1:
@@ -108,7 +109,7 @@ def load_full_state_dict(module: PipelineModule, full: dict[str, torch.Tensor], 
             if src.shape != t.shape:
                 raise ValueError(
                     f"{name}: this rank holds shape {tuple(t.shape)}, the state dict gives {tuple(src.shape)}")
-            t.copy_(src)
+            assign(t, src)
 
 
 def atomic_save(obj, path: str) -> None:
@@ -309,7 +310,7 @@ def _checkpoint_state(module: PipelineModule, optimizer) -> dict:
     names = {}
     for name, t in _local_tensors(module).items():
         dim = _shard_dim(t)
-        state[f"model/{name}"] = _global(module, t.detach(), dim)
+        state[f"model/{name}"] = _global(module, whole(t.detach()), dim)  # ZeRO-3: gathered over dp
         names[id(t)] = name
     if optimizer is not None:
         for p, entries in _param_state(optimizer).items():
@@ -447,7 +448,7 @@ def load_checkpoint(path: str, module: PipelineModule, optimizer=None) -> dict:
     for name, t in local.items():
         key, dim = f"model/{name}", _shard_dim(t)
         _expect(saved, key, _full_shape(module, t, dim), path)
-        buf = torch.empty_like(t.detach())
+        buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)  # whole over dp, also for ZeRO-3's shards
         state[key], targets[key] = _global(module, buf, dim), buf
     opt_keys: dict[str, list[str]] = {}
     if optimizer is not None:
@@ -478,7 +479,7 @@ def load_checkpoint(path: str, module: PipelineModule, optimizer=None) -> dict:
         raise CheckpointError(f"could not read checkpoint {path}: {_root_cause(e)}") from e
     with torch.no_grad():
         for name, t in local.items():
-            t.copy_(targets[f"model/{name}"])
+            assign(t, targets[f"model/{name}"])
     if optimizer is not None:
         params = dict(module.named_parameters())
         per_param = {params[n]: {e: targets[f"optim/{n}/{e}"] for e in entries}

@@ -124,7 +124,10 @@ class OptimizerConfig:
     clip_grad_norm: Optional[float] = 1.0  # global L2 norm over all parallel groups (None: off)
     name: str = "adamw"  # adamw | sgd
     momentum: float = 0.0  # sgd only
-    zero_stage: int = 0  # 0: replicated; 1: optimizer state + master weights sharded over dp; 2: gradients too
+    zero_stage: int = 0  # 0: replicated; 1: optimizer state + master weights sharded over dp; 2: gradients too;
+    #                      3: parameters too (each layer FSDP2-sharded over dp; experts stay split over ep only)
+    reshard_after_forward: bool = False  # zero_stage=3: free a layer's gathered parameters after each forward
+    #                                      (gathered again per microbatch) instead of keeping them for the step
     bucket_mb: float = 25.0  # ZeRO-2 reduce-scatter bucket size, in MB of gradients
     fused: str = "auto"  # auto | true | false: AdamW as one Triton kernel per bucket (pipekit.kernels.adamw);
     #                      auto: on where the master weights are CUDA float32
@@ -306,7 +309,7 @@ def check_config(cfg: Config) -> None:
     _check_choice("train.dtype", t.dtype, ("float32", "float64"))
     _check_choice("optimizer.decay", cfg.optimizer.decay, ("cosine", "constant"))
     _check_choice("optimizer.name", cfg.optimizer.name, ("adamw", "sgd"))
-    _check_choice("optimizer.zero_stage", cfg.optimizer.zero_stage, (0, 1, 2))
+    _check_choice("optimizer.zero_stage", cfg.optimizer.zero_stage, (0, 1, 2, 3))
     _check_choice("optimizer.fused", str(cfg.optimizer.fused).lower(), FUSED)
     _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
     _check_choice("train.precision", t.precision, PRECISION_NAMES)

@@ -63,4 +63,5 @@ def make_optimizer(module, o, precision: Precision) -> ZeroOptimizer:
     return ZeroOptimizer(param_groups(module, o.weight_decay), o.name, module=module, stage=o.zero_stage,
                          bucket_mb=o.bucket_mb, master_dtype=precision.master_dtype,
                          grad_dtype=precision.reduce_dtype, fused=FUSED[str(o.fused).lower()], lr=o.lr, **hyper,
+                         reshard_after_forward=o.reshard_after_forward,
                          loss_scaler=LossScaler(**asdict(scaling)) if scaling is not None else None)

@@ -31,9 +31,11 @@ import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-__all__ = ["gathered_params", "reduce_gradients", "shard_layers", "sharded"]
+__all__ = ["assign", "gather_rows", "gathered_params", "own_rows", "reduce_gradients", "shard_layers", "sharded",
+           "whole"]
 
 
 def sharded(p: torch.Tensor) -> bool:
@@ -43,11 +45,13 @@ def sharded(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor)
 
 
-def shard_layers(module, *, reshard_after_forward: bool = False) -> list[Any]:
+def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: torch.dtype | None = None) -> list[Any]:
     """`fully_shard` every layer of `module` (a PipelineModule) over its topology's dp group;
-    the wrapped layers, in module order (none at dp=1: nothing to shard)."""
+    the wrapped layers, in module order (none at dp=1: nothing to shard). The parameters keep
+    their dtype (a bf16 model gathers bf16); gradients are accumulated over the step and
+    reduced in `reduce_dtype` (None: the parameters')."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     topo = module.topology
     if topo.dp_group is None:
@@ -63,7 +67,8 @@ def shard_layers(module, *, reshard_after_forward: bool = False) -> list[Any]:
         tied = any(layer is t for t in module.tied.values())
         if tied:  # a later use calls forward_fn(layer, x), not the layer: FSDP must see that call too
             layer.call_tied = types.MethodType(_call_tied, layer)
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept or None)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept or None,
+                    mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
         if tied:
             register_fsdp_forward_method(layer, "call_tied")
         wrapped.append(layer)
@@ -108,11 +113,15 @@ def reduce_gradients(layers: list[Any]) -> set[int]:
         if group is None:
             continue
         for fsdp_param in group.fsdp_params:
-            full = fsdp_param._unsharded_param
-            if full.grad is None and fsdp_param.unsharded_accumulated_grad is None:
+            full, accumulated = fsdp_param._unsharded_param, fsdp_param.unsharded_accumulated_grad
+            if full.grad is None and accumulated is None:
                 full.grad = torch.zeros_like(full)
             else:
                 touched.add(id(fsdp_param.sharded_param))
+            if accumulated is not None and full.grad is not None:  # the last pass's, into the earlier ones'
+                accumulated += full.grad
+                full.grad = None
+            fsdp_param.to_accumulated_grad_if_needed()  # every gradient in the reduce dtype: one reduce-scatter
         layer.set_requires_gradient_sync(True)
         layer.set_reshard_after_backward(True)
         layer.set_is_last_backward(True)
@@ -130,3 +139,45 @@ def _param_group(layer: nn.Module) -> Any:
 
     state = fully_shard.state(layer)  # type: ignore[attr-defined]
     return state._fsdp_param_group
+
+
+# ---- whole tensors from shards, and back (checkpoints) ------------------------------
+def _rows(total: int, n: int, rank: int) -> tuple[int, int]:
+    """[start, end) of rank `rank`'s dim-0 rows of `total` split over `n` as torch.chunk (and
+    FSDP, and DTensor's Shard(0)) splits them: ceil(total / n) each, the last ones short or empty."""
+    size = -(-total // n) if total else 0
+    return min(rank * size, total), min((rank + 1) * size, total)
+
+
+def gather_rows(local: torch.Tensor, shape: torch.Size | tuple, group) -> torch.Tensor:
+    """The whole tensor of `shape` from every rank's dim-0 shard (`local`, any shape holding its
+    elements) over `group`: one all-gather of equal, padded pieces."""
+    n, rows = dist.get_world_size(group), shape[0] if len(shape) else 1
+    per_row = max(1, int(torch.Size(shape).numel()) // max(rows, 1))
+    piece = -(-rows // n) * per_row if rows else 0
+    flat = torch.zeros(piece, dtype=local.dtype, device=local.device)
+    flat[:local.numel()] = local.reshape(-1)
+    parts = [torch.empty_like(flat) for _ in range(n)]
+    dist.all_gather(parts, flat, group=group)
+    whole = torch.cat([part[:(_rows(rows, n, r)[1] - _rows(rows, n, r)[0]) * per_row] for r, part in enumerate(parts)])
+    return whole.view(shape)
+
+
+def own_rows(full: torch.Tensor, group) -> torch.Tensor:
+    """This rank's dim-0 rows of `full` over `group` (no communication)."""
+    start, end = _rows(full.shape[0], dist.get_world_size(group), dist.get_rank(group))
+    return full[start:end]
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """`t` whole: a DTensor (FSDP's shard) gathered over its mesh (collective), else itself."""
+    return t.full_tensor() if sharded(t) else t  # type: ignore[attr-defined]  # a DTensor
+
+
+def assign(t: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy whole tensor `value` into `t`: into its local rows when `t` is FSDP's shard."""
+    if sharded(t):
+        group = t.device_mesh.get_group()  # type: ignore[attr-defined]  # a DTensor
+        t.to_local().copy_(own_rows(value, group).reshape(t.to_local().shape))  # type: ignore[attr-defined]
+    else:
+        t.copy_(value)

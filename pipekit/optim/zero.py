@@ -106,6 +106,7 @@ from torch import nn
 
 from ..kernels.adamw import FusedAdamW, unscale_and_check_
 from ..spec import TiedLayerSpec
+from .fsdp import gather_rows, own_rows
 from .scaler import LossScaler
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -201,6 +202,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if dp_group is None and topo is not None:
             dp_group = topo.dp_group
         groups = _param_groups(params)
+        self._requested_grad_dtype = grad_dtype
         self.sharded_layers: list[nn.Module] = []  # stage 3: the layers FSDP shards
         if stage == 3:
             groups = self._shard(groups, reshard_after_forward)
@@ -255,9 +257,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise ValueError("ZeRO stage 3 shards the layers of a PipelineModule: pass the module (as params, "
                              "or module=)")
         names = {id(p): n for n, p in self.module.named_parameters()}
-        self.sharded_layers = shard_layers(self.module, reshard_after_forward=reshard_after_forward)
+        self.sharded_layers = shard_layers(self.module, reshard_after_forward=reshard_after_forward,
+                                           reduce_dtype=self._grad_dtype_of(groups))
         now = dict(self.module.named_parameters())
         return [{**g, "params": [now[names[id(p)]] if id(p) in names else p for p in g["params"]]} for g in groups]
+
+    def _grad_dtype_of(self, groups: list[dict]) -> torch.dtype:
+        """The dtype gradients will be reduced in (before `grad_dtype` is set: `_shard` runs first)."""
+        return self._requested_grad_dtype or _widest([p for g in groups for p in g["params"]])
 
     def _make_buckets(self) -> list[Bucket]:
         segment_of, counted, first_use = _segments(self.module)
@@ -832,12 +839,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         (half-precision models). A parameter the wrapped optimizer never stepped has only
         "master". Collective over each bucket's dp group at stages 1 and 2: the shards are
         all-gathered (a transient full copy of one bucket's state at a time)."""
-        _refuse_stage_3_state(self)
         per_param: dict[nn.Parameter, dict[str, torch.Tensor]] = {p: {} for b in self.buckets for p in b.params}
         kinds = self._state_kinds()
         inner = self.inner
         for bi, b in enumerate(self.buckets):
             pieces, state = (inner.param_groups[bi]["params"], inner.state) if inner is not None else ([], {})
+            if b.shard_group is not None:
+                per_param[b.params[0]] = self._shard_state(b, kinds, pieces, state)
+                continue
             if not _is_view_of(b.master, b.param_buf):
                 full = self._gathered(b, b.master)
                 for p in b.params:
@@ -859,6 +868,41 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         per_param[p][key] = part[0].clone() if scalar else part.view_as(p).clone()
         return per_param
 
+    def _shard_state(self, b: Bucket, kinds: dict, pieces: list, state: dict) -> dict[str, torch.Tensor]:
+        """Stage 3: `param_state`'s entries of a sharded parameter, gathered over its dp group
+        (FSDP's dim-0 shards), shaped as the whole parameter (this rank's tp shard of it)."""
+        p, out = b.params[0], {}
+        if not _is_view_of(b.master, b.param_buf):
+            out["master"] = gather_rows(b.master, p.shape, b.shard_group).clone()
+        for key, (scalar, dtype) in kinds.items():
+            flat = torch.zeros(b.master.numel(), dtype=dtype, device=b.master.device)
+            has = torch.zeros(b.master.numel(), dtype=torch.uint8, device=b.master.device)
+            for piece, (a, e, _) in zip(pieces, b.pieces):
+                value = state.get(piece, {}).get(key)
+                if value is not None:
+                    flat[a:e] = value if scalar else value.reshape(-1)
+                    has[a:e] = 1
+            full, present = gather_rows(flat, p.shape, b.shard_group), gather_rows(has, p.shape, b.shard_group)
+            if present.numel() and present.all():
+                out[key] = full.reshape(-1)[0].clone() if scalar else full.clone()
+        return out
+
+    def _load_shard_state(self, b: Bucket, given: dict[str, torch.Tensor], pieces: list, state: dict) -> None:
+        """Stage 3: this rank's rows of a sharded parameter's entries (`load_param_state`)."""
+        p = b.params[0]
+        for key, value in given.items():
+            scalar = value.dim() == 0 and p.dim() > 0
+            mine = value.to(b.master.device) if scalar else own_rows(value.to(b.master.device), b.shard_group)
+            if key == "master":
+                if not _is_view_of(b.master, b.param_buf):
+                    b.master.copy_(mine.reshape(-1))
+                continue
+            flat = mine if scalar else mine.reshape(-1)
+            for piece, (a, e, _) in zip(pieces, b.pieces):
+                state[piece][key] = flat.clone() if scalar else flat[a:e].view_as(piece).clone()
+        if "master" not in given and not _is_view_of(b.master, b.param_buf):
+            b.master.copy_(b.param_buf)
+
     def _state_kinds(self) -> dict[str, tuple[bool, torch.dtype]]:
         """{key: (scalar, dtype)} of the wrapped optimizer's state entries held anywhere in
         each dp group (agreed over the groups, since a rank whose pieces were never stepped
@@ -869,7 +913,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 for key, value in state.items():
                     if isinstance(value, torch.Tensor):
                         kinds.setdefault(key, (value.shape != piece.shape, value.dtype))
-        for group in {b.dp_group for b in self.buckets if b.dp_group is not None and self._layout > 0}:
+        groups = {b.dp_group for b in self.buckets if b.dp_group is not None and self._layout > 0}
+        groups |= {b.shard_group for b in self.buckets if b.shard_group is not None}
+        for group in groups:
             everyone: list = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, kinds, group=group)
             for other in everyone:
@@ -893,10 +939,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         communication: every rank is given the state of all its parameters). Call after
         the model's weights are loaded: master copies missing from `per_param` are taken
         from the parameters; a parameter without optimizer entries starts fresh."""
-        _refuse_stage_3_state(self)
         inner = self.inner
         for bi, b in enumerate(self.buckets):
             pieces, state = (inner.param_groups[bi]["params"], inner.state) if inner is not None else ([], {})
+            if b.shard_group is not None:
+                self._load_shard_state(b, per_param.get(b.params[0], {}), pieces, state)
+                continue
             separate = not _is_view_of(b.master, b.param_buf)
             owned = b.param_buf if self._layout == 0 else b.param_buf[b.shard]
             keys = sorted(set().union(*(per_param.get(p, {}).keys() for p in b.params)))
@@ -950,12 +998,6 @@ def _sharded(p: torch.Tensor) -> bool:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (FSDP's shard), a view of its storage."""
     return t.to_local()  # type: ignore[attr-defined]  # a DTensor
-
-
-def _refuse_stage_3_state(zero: ZeroOptimizer) -> None:
-    if zero.sharded_layers:
-        raise NotImplementedError("checkpoints of ZeRO stage 3 (FSDP-sharded parameters) are not built yet: train "
-                                  "at stage 3 without saving, or save at stages 0-2 (issue 16)")
 
 
 def fused_by_default(optimizer_class: type, master_dtype: torch.dtype, device_type: str) -> bool:
