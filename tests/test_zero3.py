@@ -10,6 +10,10 @@ checks its loss, the clipping norm, every gradient shard and every gathered weig
 against one process within 1e-10, and that each sharded parameter holds 1/dp of the
 elements.
 
+MoE (Mixtral-style, 16 experts top-1, experts no token reaches): dp=4 x ep=2 (the
+experts' own FSDP over their 2 expert-data-parallel replicas, inside the block's) and
+pp=2 x dp=2 x ep=2 (experts without replicas, left whole), the same checks.
+
 Checkpoints: a ZeRO-3 run at pp=2 x dp=2 saves (layout-free DCP: shards gathered per
 parameter) and resumes at ZeRO-1 pp=1 x dp=4, and a ZeRO-1 pp=1 checkpoint resumes at
 ZeRO-3 pp=2; one more step on each side gives the same loss and weights (1e-10).
@@ -86,6 +90,55 @@ def run_case(pp, dp, tp, name, microbatches, reshard) -> dict:
             "clipped": ref_norm > CLIP, "dp": dp}
 
 
+MIXTRAL = dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, n_kv_heads=2, hidden=8,
+               n_experts=16, top_k=1, aux_loss_coef=0.0, z_loss_coef=0.0)
+MOE_CASES = [(1, 4, 2), (2, 2, 2)]  # (pp, dp, ep)
+
+
+def run_moe_case(pp, dp, ep) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from pipekit.moe import Router
+
+    torch.set_default_dtype(torch.float64)
+    cfg = get_model("mixtral", "tiny", **MIXTRAL)
+    specs = model_specs(cfg)
+    topo = pipekit.Topology(pp=pp, dp=dp, ep=ep)
+    module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule="1f1b",
+                                    microbatches=2)
+    zero = ZeroOptimizer(module, "adamw", stage=3, lr=1e-2, weight_decay=0.1, clip_grad_norm=CLIP)
+    engine = pipekit.PipelineEngine(module, optimizer=zero)
+    ref = reference_model(specs, SEED)
+    ref_loss_fn = model_loss(cfg).build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_params = dict(ref.named_parameters())
+    counts: list[torch.Tensor] = []
+    for m in ref.modules():
+        if isinstance(m, Router):
+            m.register_forward_hook(lambda mod, args, out: counts.append(out.counts_E))
+    params = list(module.named_parameters())
+    experts_sharded = any(isinstance(p, DTensor) and getattr(p, "expert_parallel", False) for _, p in params)
+    worst = {"loss": 0.0, "weight": 0.0, "grad_norm": 0.0}
+    gen, dead = torch.Generator().manual_seed(6), 0
+    for _ in range(STEPS):
+        ids = torch.randint(0, 32, (BATCH, SEQ + 1), generator=gen)
+        loss = _train(engine, ids)
+        counts.clear()
+        ref_opt.zero_grad()
+        ref_loss = ref_loss_fn(ref(ids[:, :-1]), ids[:, 1:])
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
+        ref_opt.step()
+        dead += sum(int((c == 0).sum()) for c in counts)
+        worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
+        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - ref_norm))
+        for n, p in params:
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            r = ref_params[reference_name(n, specs)]
+            worst["weight"] = max(worst["weight"], _diff(full, reference_slice(r.detach(), p, topo)))
+    return {"worst": worst, "dead": dead, "experts_sharded": experts_sharded, "edp": dp // ep}
+
+
 def _engine(pp, dp, stage, precision="fp32"):
     cfg = get_model("gpt2", "tiny", **GPT2)
     topo = pipekit.Topology(pp=pp, dp=dp)
@@ -134,7 +187,8 @@ def bf16_curves() -> tuple[list, list]:
 
 
 def check(root: str) -> tuple:
-    return [run_case(*case) for case in CASES], checkpoints(root), bf16_curves()
+    return ([run_case(*case) for case in CASES], checkpoints(root), bf16_curves(),
+            [run_moe_case(*case) for case in MOE_CASES])
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +197,7 @@ def results(tmp_path_factory):
 
 
 def test_zero3_layouts_match_one_process(results):
-    for rank, (res, _, _) in enumerate(results):
+    for rank, (res, *_) in enumerate(results):
         for case, r in zip(CASES, res):
             where = f"rank {rank}, (pp, dp, tp, schedule, M, reshard_after_forward)={case}"
             for what, diff in r["worst"].items():
@@ -154,7 +208,7 @@ def test_zero3_layouts_match_one_process(results):
 
 
 def test_a_zero3_checkpoint_resumes_at_zero1_pp1_and_the_reverse(results):
-    for rank, (_, ckpt, _) in enumerate(results):
+    for rank, (_, ckpt, *_) in enumerate(results):
         for name, r in ckpt.items():
             assert r["names"], f"rank {rank}, {name}: the two runs name their tensors differently"
             assert r["loss"] <= TOL and r["weights"] <= TOL, f"rank {rank}, ZeRO {name}: {r}"
@@ -164,3 +218,13 @@ def test_zero3_in_bf16_follows_zero1(results):
     stage1, stage3 = results[0][2]
     for step, (a, b) in enumerate(zip(stage1, stage3)):
         assert abs(a - b) <= 1e-2 * abs(a), f"step {step}: ZeRO-1 {a}, ZeRO-3 {b}"
+
+
+def test_zero3_with_experts_matches_one_process(results):
+    for rank, (*_, moe) in enumerate(results):
+        for case, r in zip(MOE_CASES, moe):
+            where = f"rank {rank}, (pp, dp, ep)={case}"
+            for what, diff in r["worst"].items():
+                assert diff <= TOL, f"{where}: {what} differs by {diff:.3g}"
+            assert r["dead"] > 0, f"{where}: every expert got a token in every step; the test lost its point"
+            assert r["experts_sharded"] == (r["edp"] > 1), f"{where}: experts sharded: {r['experts_sharded']}"

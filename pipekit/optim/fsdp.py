@@ -7,6 +7,10 @@ its gradients, fp32 weights and optimizer state are that rank's shard too. Layer
 by layer, the parameters are all-gathered before their forward (and, when
 resharded after it, before their backward).
 
+Expert-parallel parameters (ep > 1) are sharded by their own `fully_shard`, over
+the expert-data-parallel group (the dp ranks holding the same experts), inside
+their layer's; at dp = ep they have no replicas and stay as they are.
+
 Within a step FSDP's gradient reduction is off: a layer's gradients accumulate
 over the step's microbatches, whichever schedule runs them (split backwards
 included: `I` and `W` both add into the gathered parameters' gradients), and
@@ -18,8 +22,7 @@ them after each forward and gathers them again for each backward (2 per
 microbatch, as FSDP does without pipelining).
 
 What FSDP does not manage stays as ZeRO stage 0 beside it (`ZeroOptimizer`):
-expert-parallel parameters (already split over ep; their data-parallel replicas
-reduce over the expert-data-parallel group) and frozen ones.
+experts without replicas (dp = ep) and frozen parameters.
 
 FSDP's parameters are DTensors: the attributes pipekit keeps on a parameter
 (`tp_shard_dim`, `expert_parallel`, ...) are copied onto them.
@@ -57,18 +60,28 @@ def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: t
     if topo.dp_group is None:
         return []
     mesh = DeviceMesh.from_group(topo.dp_group, topo.device.type)
+    split_experts = getattr(topo, "ep", 1) > 1  # experts split over ep: their replicas are the edp group's
+    edp = topo.edp_group if split_experts else None
+    expert_mesh = DeviceMesh.from_group(edp, topo.device.type) if edp is not None else None
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}
     wrapped: list[Any] = []  # FSDPModule: fully_shard makes each layer's class a subclass of it
     for layer in [*module.layers.values(), *module.tied.values()]:
         params = [p for p in layer.parameters() if p.requires_grad]
-        kept = {p for p in layer.parameters() if not p.requires_grad or getattr(p, "expert_parallel", False)}
-        if len(kept) == len(list(layer.parameters())) or not params:
+        experts = {p for p in params if split_experts and getattr(p, "expert_parallel", False)}
+        if experts and expert_mesh is not None:  # the experts' own shards over their edp replicas, first
+            for part in _holders(layer, experts):
+                fully_shard(part, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+                wrapped.append(part)
+            experts = set()
+        kept = {p for p in layer.parameters() if not p.requires_grad} | experts
+        if not [p for p in params if p not in kept]:
             continue
         tied = any(layer is t for t in module.tied.values())
         if tied:  # a later use calls forward_fn(layer, x), not the layer: FSDP must see that call too
             layer.call_tied = types.MethodType(_call_tied, layer)
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept or None,
-                    mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype))
+                    mp_policy=policy)
         if tied:
             register_fsdp_forward_method(layer, "call_tied")
         wrapped.append(layer)
@@ -92,6 +105,25 @@ def gathered_params(layers: list[Any]) -> dict[int, torch.Tensor]:
             if hasattr(fsdp_param, "_unsharded_param"):
                 out[id(fsdp_param.sharded_param)] = fsdp_param._unsharded_param
     return out
+
+
+def _holders(layer: nn.Module, params: set) -> list[nn.Module]:
+    """The submodules of `layer` whose own parameters are all in `params` (the experts' grouped
+    weights), outermost first."""
+    out: list[nn.Module] = []
+    for sub in layer.modules():
+        own = list(sub.parameters(recurse=False))
+        if own and all(p in params for p in own) and not any(o in out for o in _ancestors(layer, sub)):
+            out.append(sub)
+    return out
+
+
+def _ancestors(root: nn.Module, target: nn.Module) -> list[nn.Module]:
+    for name, sub in root.named_modules():
+        if sub is target:
+            parts = name.split(".") if name else []
+            return [root.get_submodule(".".join(parts[:i])) for i in range(len(parts))]
+    return []
 
 
 def _call_tied(layer: nn.Module, forward_fn, x):

@@ -343,8 +343,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _shard_bucket(self, p: nn.Parameter, gi: int, counted, segment) -> Bucket:
         """Stage 3: a bucket over FSDP's local shard of `p`, aliased, not copied (FSDP gathers
         the layer from that storage), whose gradient FSDP has already reduced."""
-        topo: Any = getattr(self.module, "topology", None)  # stage 3 needs a PipelineModule (`_shard`)
-        b = Bucket([p], gi, None, segment, shard_group=topo.dp_group)
+        b = Bucket([p], gi, None, segment, shard_group=p.device_mesh.get_group())  # type: ignore[attr-defined]
         local = _local(p).detach()
         b.param_buf = local.view(-1)
         n = b.param_buf.numel()
