@@ -7,7 +7,15 @@ import torch
 from torch import nn
 
 from .. import auxloss
-from ..layers.parallel import _SharedRef, current_ep_group, current_etp_group, group_rank, group_size
+from ..layers.parallel import (
+    _SharedRef,
+    current_ep_group,
+    current_etp_group,
+    current_tp_group,
+    group_rank,
+    group_size,
+    sequence_parallel_active,
+)
 from .dispatch import DROP_POLICIES, DispatchState, all_reduce_counts, check_dispatcher, make_dispatcher
 from .experts import ACTIVATIONS, Experts, SharedExpert
 from .grouped import check_gemm
@@ -113,6 +121,10 @@ class MoEMLP(nn.Module, auxloss.StepStatistic):
                  expert_tp_group=None, balance_group=None, name: str | None = None, layer_index: int | None = None,
                  init_std: float = 0.02, out_init_std: float | None = None, seed: int | None = None):
         super().__init__()
+        if sequence_parallel_active(current_tp_group()):
+            raise ValueError(f"sequence parallelism at tp={group_size(current_tp_group())} does not support MoE "
+                             "layers yet (each tp rank would route only its sequence slice); use "
+                             "sequence_parallel=false for MoE models")
         ep_group = current_ep_group() if ep_group is None else ep_group
         expert_tp_group = current_etp_group() if expert_tp_group is None else expert_tp_group
         ep = group_size(ep_group)

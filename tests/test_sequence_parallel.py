@@ -1,0 +1,181 @@
+"""Sequence parallelism (`Topology(sequence_parallel=True)`, `parallel.sequence_parallel`) equals one process.
+
+On 4 gloo ranks, float64: GPT-2 (tied, learned positions) and Llama (untied, rotary,
+grouped-query attention) train 3 AdamW steps with global-norm clipping at tp=4,
+tp=2 x dp=2 and pp=2 x tp=2, sequence-parallel; GPT-2 with the fused head-and-loss
+at tp=2 x dp=2; Llama at tp=2 x dp=2 under ZeRO stage 2 (the sequence-parallel
+gradient sum on this rank's shard only). Every rank checks its loss, the clipping
+norm, every local gradient (not under ZeRO-2, which keeps no `.grad`) and every local
+weight within 1e-10 of the one-process model. Each case also checks that the
+sequence really was split: the first stage's output (the p2p message at pp=2) is
+(B, T/tp, D), and the norms, row-parallel biases and GPT-2's position table carry
+the `sequence_parallel` mark (the grads of these would be wrong without their sum
+over tp, which the gradient check sees).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipekit
+from pipekit.layers import TransformerBlock
+from pipekit.layers.parallel import (
+    gather_sequence,
+    is_sequence_parallel,
+    reduce_scatter_sequence,
+    sequence_parallel,
+    tensor_parallel,
+)
+from pipekit.models import get_model, model_loss, model_specs
+from pipekit.optim import ZeroOptimizer
+from pipekit.testing import FakeGroup, reference_model, reference_name, reference_slice, run_distributed
+
+TOL = 1e-10
+SEED = 11
+BATCH, SEQ, STEPS, CLIP = 4, 8, 3, 0.05
+MODELS = {
+    "gpt2": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4),
+    "llama": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, n_kv_heads=4, hidden=24),
+    "gpt2-fused": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, fused_loss=True),
+}
+# (model, (pp, dp, tp), ZeRO stage)
+CASES = [
+    ("gpt2", (1, 1, 4), 0), ("gpt2", (1, 2, 2), 0), ("gpt2", (2, 1, 2), 0),
+    ("llama", (1, 1, 4), 0), ("llama", (1, 2, 2), 0), ("llama", (2, 1, 2), 0),
+    ("gpt2-fused", (1, 2, 2), 0), ("llama", (1, 2, 2), 2),
+]
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+def run_case(family: str, layout: tuple, stage: int) -> dict:
+    torch.set_default_dtype(torch.float64)
+    pp, dp, tp = layout
+    cfg = get_model(family.split("-")[0], "tiny", **MODELS[family])
+    specs = model_specs(cfg)
+    topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, sequence_parallel=True)
+    module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule="1f1b",
+                                    microbatches=2)
+    opt = ZeroOptimizer(module, "adamw", stage=stage, lr=1e-2, weight_decay=0.1)
+    engine = pipekit.PipelineEngine(module, optimizer=opt, clip_grad_norm=CLIP)
+    plain = get_model(family.split("-")[0], "tiny", **{**MODELS[family], "fused_loss": False})
+    ref = reference_model(model_specs(plain), SEED)  # the fused model's weights, unfused head and loss
+    ref_loss_fn = model_loss(plain).build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_params = dict(ref.named_parameters())
+    pairs = {n: (p, ref_params[reference_name(n, specs)]) for n, p in module.named_parameters()}
+    marked = sorted(n for n, (p, _) in pairs.items() if is_sequence_parallel(p))
+    boundary = tuple(module.stage_io_meta(torch.zeros(BATCH // dp // 2, SEQ, dtype=torch.long))[0][1].shape)
+    block_out: list[tuple] = []  # what a local block gives in training
+    block = next(m for m in module.modules() if isinstance(m, TransformerBlock))
+    block.register_forward_hook(lambda mod, args, out: block_out.append(tuple(out.shape)))
+
+    worst = {"start": 0.0, "loss": 0.0, "grad": 0.0, "weight": 0.0, "grad_norm": 0.0}
+    for p, r in pairs.values():
+        worst["start"] = max(worst["start"], _diff(p.detach(), reference_slice(r.detach(), p, topo)))
+    gen = torch.Generator().manual_seed(5)
+    rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
+    clipped = True
+    for _ in range(STEPS):
+        ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=gen)
+        x, y = ids[:, :-1], ids[:, 1:]
+        loss = engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
+        ref_opt.zero_grad()
+        ref_loss = ref_loss_fn(ref(x), y)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
+        clipped = clipped and ref_norm > CLIP
+        ref_opt.step()
+        worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
+        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - ref_norm))
+        for p, r in pairs.values():
+            if stage < 2:
+                worst["grad"] = max(worst["grad"], _diff(p.grad, reference_slice(r.grad, p, topo)))
+            worst["weight"] = max(worst["weight"], _diff(p.detach(), reference_slice(r.detach(), p, topo)))
+    return {"worst": worst, "marked": marked, "boundary": boundary, "blocks": set(block_out), "clipped": clipped,
+            "topology": repr(topo)}
+
+
+def check() -> list:
+    return [run_case(*case) for case in CASES]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(check, 4, timeout=400)
+
+
+def test_sequence_parallel_layouts_match_one_process(results):
+    for rank, res in enumerate(results):
+        for (family, layout, stage), r in zip(CASES, res):
+            where = f"rank {rank}, {family} (pp, dp, tp)={layout} ZeRO-{stage}"
+            for what, diff in r["worst"].items():
+                assert diff <= TOL, f"{where}: {what} differs by {diff:.3g}"
+            assert r["clipped"], f"{where}: the clipping never acted"
+            assert "sequence_parallel=True" in r["topology"], where
+
+
+def test_sequence_parallel_splits_the_activations_and_marks_the_replicated_parameters(results):
+    for rank, res in enumerate(results):
+        for (family, layout, _), r in zip(CASES, res):
+            pp, dp, tp = layout
+            where = f"rank {rank}, {family} {layout}"
+            split = (BATCH // dp // 2, SEQ // tp, 16)  # a microbatch's rows, this rank's T/tp positions, dim
+            assert r["blocks"] == {split}, (where, r["blocks"])
+            if pp > 1:
+                assert r["boundary"] == split, where  # the first stage's output: the p2p message
+            names = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] for n in r["marked"]}
+            assert r["marked"], where
+            expect = {"norm1.weight", "norm2.weight"} | ({"o.bias", "proj.bias", "norm1.bias", "norm2.bias"}
+                                                          if family.startswith("gpt2") else set())
+            assert expect <= names, (where, names)
+            assert all(".q." not in n and ".fc." not in n and "wte" not in n for n in r["marked"]), where
+            if family.startswith("gpt2") and any(n.startswith("tied.") for n in r["marked"]):
+                assert "tied.embed.wpe.weight" in r["marked"], where
+
+
+def test_sequence_parallel_off_or_at_tp_1_changes_nothing():
+    cfg = get_model("llama", "tiny", **MODELS["llama"])
+    x = torch.zeros(2, 6, dtype=torch.long)
+    plain = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=SEED)
+    with sequence_parallel(True):  # one process: tp=1, nothing to split
+        also = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=SEED)
+    assert not any(is_sequence_parallel(p) for p in also.parameters())
+    assert torch.equal(plain(x), also(x))
+    assert not pipekit.Topology(sequence_parallel=True).sequence_parallel
+    with pytest.raises(TypeError, match="sequence_parallel must be True or False, got 'yes'"):
+        pipekit.Topology(sequence_parallel="yes")  # type: ignore[arg-type]
+
+
+def test_sequence_collectives_give_shapes_on_meta_and_refuse_an_indivisible_sequence():
+    group = FakeGroup(4, 1)
+    x = torch.empty(2, 8, 16, device="meta", requires_grad=True)
+    assert reduce_scatter_sequence(x, group).shape == (2, 2, 16)
+    assert gather_sequence(x, group).shape == (2, 32, 16)
+    with pytest.raises(ValueError, match=r"size of dim 1=6 is not divisible by the tensor-parallel size 4"):
+        reduce_scatter_sequence(torch.empty(2, 6, 16, device="meta"), group)
+    with tensor_parallel(group), sequence_parallel(True):
+        cfg = get_model("mixtral", "tiny", vocab_size=32, max_seq_len=16, n_layers=1, dim=16, n_heads=4,
+                        n_kv_heads=4, hidden=8, n_experts=4)
+        with pytest.raises(ValueError, match=r"sequence parallelism at tp=4 does not support MoE layers"):
+            model_specs(cfg)[1].build(seed=SEED, index=1, device="meta")
+
+
+def test_sequence_parallel_config_switch_and_its_refusals():
+    from pipekit.config import ConfigError, load_config
+
+    cfg = load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=64"])
+    assert cfg.parallel.sequence_parallel is True
+    assert load_config(None, []).parallel.sequence_parallel is False
+    load_config(None, ["parallel.sequence_parallel=true", "train.seq_len=63"])  # tp=1: a no-op, accepted
+    with pytest.raises(ConfigError, match=r"train.seq_len=63 is not divisible by parallel.tp=2, over which "
+                                          r"parallel.sequence_parallel=true splits the sequence"):
+        load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=63"])
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true does not support MoE models"):
+        load_config(None, ["model.family=mixtral", "parallel.tp=2", "parallel.sequence_parallel=true",
+                           "train.seq_len=64"])
+    with pytest.raises(ConfigError, match="sequence_parallel"):
+        load_config(None, ["parallel.sequence_parallel=maybe"])
