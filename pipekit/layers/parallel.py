@@ -400,5 +400,5 @@ class TensorParallelModule(nn.Module):
             if dim is not None and copied is not None:
                 _mark_tp_shard(copied, dim)
             if param is not None and copied is not None and is_sequence_parallel(param):
-                copied.sequence_parallel = True  # type: ignore[attr-defined]  # kept like tp_shard_dim
+                copied.sequence_parallel = True  # kept like tp_shard_dim
         return new
