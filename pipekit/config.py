@@ -95,7 +95,7 @@ class ParallelConfig:
     # sequence parallelism (Megatron's): with tp > 1, the activations outside attention and the MLP
     # (norms, residual adds, stage boundaries) are split along the sequence over the tp ranks (an
     # all-gather / reduce-scatter replaces each all-reduce); a no-op at tp=1. Needs train.seq_len
-    # divisible by tp; dense models only for now.
+    # divisible by tp; MoE blocks route each rank's slice; not with expert_tp.
     sequence_parallel: bool = False
 
 
@@ -531,17 +531,16 @@ def _check_expert_tp(cfg: Config, model) -> None:
 
 def _check_sequence_parallel(cfg: Config, model) -> None:
     """parallel.sequence_parallel (at tp > 1; a no-op at tp=1) splits the sequence over tp:
-    train.seq_len must be divisible by tp, and the blocks dense (MoE layers refuse it)."""
+    train.seq_len must be divisible by tp; not with parallel.expert_tp."""
     p = cfg.parallel
     if not p.sequence_parallel or p.tp == 1:
         return
     if cfg.train.seq_len % p.tp:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by parallel.tp={p.tp}, over which "
                           f"parallel.sequence_parallel=true splits the sequence; use a seq_len multiple of {p.tp}")
-    if getattr(model, "n_experts", None) is not None:
-        raise ConfigError(f"parallel.sequence_parallel=true does not support MoE models yet (model.family="
-                          f"{cfg.model.family} with n_experts={model.n_experts}); use "
-                          "parallel.sequence_parallel=false")
+    if p.expert_tp:
+        raise ConfigError("parallel.sequence_parallel=true does not support parallel.expert_tp=true yet (each "
+                          "tp rank routes its own sequence slice); use one of them")
 
 
 def _check_model_family(m: ModelConfig) -> None:

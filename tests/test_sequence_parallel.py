@@ -21,8 +21,10 @@ import pytest
 import torch
 
 import pipekit
+from pipekit import auxloss
 from pipekit.layers import TransformerBlock
 from pipekit.layers.parallel import (
+    expert_tensor_parallel,
     gather_sequence,
     is_sequence_parallel,
     reduce_scatter_sequence,
@@ -30,6 +32,7 @@ from pipekit.layers.parallel import (
     tensor_parallel,
 )
 from pipekit.models import get_model, model_loss, model_specs
+from pipekit.moe import apply_bias_updates
 from pipekit.optim import ZeroOptimizer
 from pipekit.testing import FakeGroup, reference_model, reference_name, reference_slice, run_distributed
 
@@ -40,12 +43,20 @@ MODELS = {
     "gpt2": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4),
     "llama": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, n_kv_heads=4, hidden=24),
     "gpt2-fused": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, fused_loss=True),
+    # MoE: every tp rank routes its own sequence slice; the global-batch balance, the z-loss and the
+    # aux-free bias (loads summed over dp and tp, losses averaged over them) equal one process
+    "mixtral": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, n_kv_heads=4, hidden=8,
+                    n_experts=8, top_k=2, aux_loss_coef=0.01, global_balance=True, z_loss_coef=1e-3,
+                    bias_update_rate=1e-3),
+    "gpt2-moe": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, n_experts=4, top_k=1,
+                     aux_loss_coef=0.0, z_loss_coef=0.0),
 }
-# (model, (pp, dp, tp), ZeRO stage, schedule)
+# (model, (pp, dp, tp, ep), ZeRO stage, schedule)
 CASES = [
-    ("gpt2", (1, 1, 4), 0, "1f1b"), ("gpt2", (1, 2, 2), 1, "1f1b"), ("gpt2", (2, 1, 2), 0, "zb_h1"),
-    ("llama", (1, 1, 4), 0, "1f1b"), ("llama", (1, 2, 2), 0, "1f1b"), ("llama", (2, 1, 2), 0, "1f1b"),
-    ("gpt2-fused", (1, 2, 2), 0, "1f1b"), ("llama", (1, 2, 2), 2, "1f1b"),
+    ("gpt2", (1, 1, 4, 1), 0, "1f1b"), ("gpt2", (1, 2, 2, 1), 1, "1f1b"), ("gpt2", (2, 1, 2, 1), 0, "zb_h1"),
+    ("llama", (1, 1, 4, 1), 0, "1f1b"), ("llama", (1, 2, 2, 1), 0, "1f1b"), ("llama", (2, 1, 2, 1), 0, "1f1b"),
+    ("gpt2-fused", (1, 2, 2, 1), 0, "1f1b"), ("llama", (1, 2, 2, 1), 2, "1f1b"),
+    ("mixtral", (1, 1, 4, 1), 0, "1f1b"), ("mixtral", (1, 2, 2, 2), 0, "1f1b"), ("gpt2-moe", (2, 1, 2, 1), 0, "1f1b"),
 ]
 
 
@@ -55,10 +66,11 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_case(family: str, layout: tuple, stage: int, schedule: str) -> dict:
     torch.set_default_dtype(torch.float64)
-    pp, dp, tp = layout
+    auxloss.metrics.pop()  # the MoE metrics of an earlier case (other expert counts)
+    pp, dp, tp, ep = layout
     cfg = get_model(family.split("-")[0], "tiny", **MODELS[family])
     specs = model_specs(cfg)
-    topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, sequence_parallel=True)
+    topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, ep=ep, sequence_parallel=True)
     module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule=schedule,
                                     microbatches=2)
     opt = ZeroOptimizer(module, "adamw", stage=stage, lr=1e-2, weight_decay=0.1)
@@ -91,6 +103,7 @@ def run_case(family: str, layout: tuple, stage: int, schedule: str) -> dict:
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
         clipped = clipped and ref_norm > CLIP
         ref_opt.step()
+        apply_bias_updates(ref)  # the engine moves the aux-free bias after its step
         worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
         worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - ref_norm))
         for p, r in pairs.values():
@@ -113,7 +126,7 @@ def results():
 def test_sequence_parallel_layouts_match_one_process(results):
     for rank, res in enumerate(results):
         for (family, layout, stage, schedule), r in zip(CASES, res):
-            where = f"rank {rank}, {family} (pp, dp, tp)={layout} ZeRO-{stage} {schedule}"
+            where = f"rank {rank}, {family} (pp, dp, tp, ep)={layout} ZeRO-{stage} {schedule}"
             for what, diff in r["worst"].items():
                 assert diff <= TOL, f"{where}: {what} differs by {diff:.3g}"
             assert r["clipped"], f"{where}: the clipping never acted"
@@ -123,7 +136,7 @@ def test_sequence_parallel_layouts_match_one_process(results):
 def test_sequence_parallel_splits_the_activations_and_marks_the_replicated_parameters(results):
     for rank, res in enumerate(results):
         for (family, layout, *_), r in zip(CASES, res):
-            pp, dp, tp = layout
+            pp, dp, tp, _ = layout
             where = f"rank {rank}, {family} {layout}"
             split = (BATCH // dp // 2, SEQ // tp, 16)  # a microbatch's rows, this rank's T/tp positions, dim
             assert r["blocks"] == {split}, (where, r["blocks"])
@@ -131,8 +144,12 @@ def test_sequence_parallel_splits_the_activations_and_marks_the_replicated_param
                 assert r["boundary"] == split, where  # the first stage's output: the p2p message
             names = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] for n in r["marked"]}
             assert r["marked"], where
-            expect = {"norm1.weight", "norm2.weight"} | ({"o.bias", "proj.bias", "norm1.bias", "norm2.bias"}
-                                                          if family.startswith("gpt2") else set())
+            expect = {"norm1.weight", "norm2.weight"}
+            if family.startswith("gpt2"):
+                expect |= {"o.bias", "norm1.bias", "norm2.bias"} | ({"experts.b_proj"} if "moe" in family
+                                                                   else {"proj.bias"})
+            if family in ("mixtral", "gpt2-moe"):
+                expect |= {"router.weight", "experts.w_down" if family == "mixtral" else "experts.w_proj"}
             assert expect <= names, (where, names)
             assert all(".q." not in n and ".fc." not in n and "wte" not in n for n in r["marked"]), where
             if family.startswith("gpt2") and any(n.startswith("tied.") for n in r["marked"]):
@@ -152,17 +169,18 @@ def test_sequence_parallel_off_or_at_tp_1_changes_nothing():
         pipekit.Topology(sequence_parallel="yes")  # type: ignore[arg-type]
 
 
-def test_sequence_collectives_give_shapes_on_meta_and_refuse_an_indivisible_sequence():
+def test_sequence_collectives_give_shapes_on_meta_and_refusals():
     group = FakeGroup(4, 1)
     x = torch.empty(2, 8, 16, device="meta", requires_grad=True)
     assert reduce_scatter_sequence(x, group).shape == (2, 2, 16)
     assert gather_sequence(x, group).shape == (2, 32, 16)
     with pytest.raises(ValueError, match=r"size of dim 1=6 is not divisible by the tensor-parallel size 4"):
         reduce_scatter_sequence(torch.empty(2, 6, 16, device="meta"), group)
-    with tensor_parallel(group), sequence_parallel(True):
-        cfg = get_model("mixtral", "tiny", vocab_size=32, max_seq_len=16, n_layers=1, dim=16, n_heads=4,
-                        n_kv_heads=4, hidden=8, n_experts=4)
-        with pytest.raises(ValueError, match=r"sequence parallelism at tp=4 does not support MoE layers"):
+    cfg = get_model("mixtral", "tiny", vocab_size=32, max_seq_len=16, n_layers=1, dim=16, n_heads=4,
+                    n_kv_heads=4, hidden=8, n_experts=4)
+    with tensor_parallel(group), sequence_parallel(True), expert_tensor_parallel(group):
+        with pytest.raises(ValueError, match=r"sequence parallelism at tp=4 does not support expert tensor "
+                                             r"parallelism yet"):
             model_specs(cfg)[1].build(seed=SEED, index=1, device="meta")
 
 
@@ -176,8 +194,10 @@ def test_sequence_parallel_config_switch_and_its_refusals():
     with pytest.raises(ConfigError, match=r"train.seq_len=63 is not divisible by parallel.tp=2, over which "
                                           r"parallel.sequence_parallel=true splits the sequence"):
         load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=63"])
-    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true does not support MoE models"):
-        load_config(None, ["model.family=mixtral", "parallel.tp=2", "parallel.sequence_parallel=true",
-                           "train.seq_len=64"])
+    moe = ["model.family=mixtral", "parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=64"]
+    assert load_config(None, moe).parallel.sequence_parallel is True  # each tp rank routes its own slice
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel=true does not support "
+                                          r"parallel.expert_tp=true yet"):
+        load_config(None, [*moe, "parallel.expert_tp=true"])
     with pytest.raises(ConfigError, match="sequence_parallel"):
         load_config(None, ["parallel.sequence_parallel=maybe"])
