@@ -5,7 +5,11 @@ positions inside attention) train 3 AdamW steps with global-norm clipping at tp=
 tp=2 x dp=2 and pp=2 x tp=2, sequence-parallel; besides, GPT-2 with the fused
 head-and-loss at tp=2 x dp=2, GPT-2 under ZeRO stage 1 and Llama under stage 2 at
 tp=2 x dp=2 (the sequence-parallel gradient sum on this rank's shard only), and GPT-2
-at pp=2 x tp=2 with the zero-bubble split backward (zb_h1). Every rank checks its
+at pp=2 x tp=2 with the zero-bubble split backward (zb_h1); Llama with the fused loss
+(untied head) at tp=4; Llama at pp=2 x tp=2 under DualPipe-V with overlapped forwards
+and backwards (the layers' collectives on `pipekit.lanes`); MoE, each tp rank routing
+its own slice: Mixtral with the global-batch balancing loss, the z-loss and the
+aux-free bias at tp=4 and tp=2 x dp=2 x ep=2, GPT-2-MoE at pp=2 x tp=2. Every rank checks its
 loss, the clipping norm, every local weight and (at ZeRO stage 0; under stages 1 and
 2 a rank's gradients are final on its own shard only) every local gradient within
 1e-10 of the one-process model. Each case also checks that the sequence really was
@@ -34,6 +38,7 @@ from pipekit.layers.parallel import (
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.moe import apply_bias_updates
 from pipekit.optim import ZeroOptimizer
+from pipekit.schedules import build_schedule
 from pipekit.testing import FakeGroup, reference_model, reference_name, reference_slice, run_distributed
 
 TOL = 1e-10
@@ -43,6 +48,8 @@ MODELS = {
     "gpt2": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4),
     "llama": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, n_kv_heads=4, hidden=24),
     "gpt2-fused": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, fused_loss=True),
+    "llama-fused": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, n_kv_heads=4, hidden=24,
+                        fused_loss=True),
     # MoE: every tp rank routes its own sequence slice; the global-batch balance, the z-loss and the
     # aux-free bias (loads summed over dp and tp, losses averaged over them) equal one process
     "mixtral": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, n_kv_heads=4, hidden=8,
@@ -57,6 +64,8 @@ CASES = [
     ("llama", (1, 1, 4, 1), 0, "1f1b"), ("llama", (1, 2, 2, 1), 0, "1f1b"), ("llama", (2, 1, 2, 1), 0, "1f1b"),
     ("gpt2-fused", (1, 2, 2, 1), 0, "1f1b"), ("llama", (1, 2, 2, 1), 2, "1f1b"),
     ("mixtral", (1, 1, 4, 1), 0, "1f1b"), ("mixtral", (1, 2, 2, 2), 0, "1f1b"), ("gpt2-moe", (2, 1, 2, 1), 0, "1f1b"),
+    ("llama-fused", (1, 1, 4, 1), 0, "1f1b"),
+    ("llama", (2, 1, 2, 1), 0, "dualpipe_v+overlap"),  # forwards beside backwards: the lanes' twin groups
 ]
 
 
@@ -71,10 +80,12 @@ def run_case(family: str, layout: tuple, stage: int, schedule: str) -> dict:
     cfg = get_model(family.split("-")[0], "tiny", **MODELS[family])
     specs = model_specs(cfg)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, ep=ep, sequence_parallel=True)
-    module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule=schedule,
-                                    microbatches=2)
+    name, overlap = schedule.removesuffix("+overlap"), schedule.endswith("+overlap")
+    microbatches = 4 if overlap else 2
+    module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED,
+                                    schedule=build_schedule(name, pp, microbatches, overlap=overlap))
     opt = ZeroOptimizer(module, "adamw", stage=stage, lr=1e-2, weight_decay=0.1)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, clip_grad_norm=CLIP)
+    engine = pipekit.PipelineEngine(module, optimizer=opt, clip_grad_norm=CLIP, record_timeline=overlap)
     plain = get_model(family.split("-")[0], "tiny", **{**MODELS[family], "fused_loss": False})
     ref = reference_model(model_specs(plain), SEED)  # the fused model's weights, unfused head and loss
     ref_loss_fn = model_loss(plain).build()
@@ -82,21 +93,22 @@ def run_case(family: str, layout: tuple, stage: int, schedule: str) -> dict:
     ref_params = dict(ref.named_parameters())
     pairs = {n: (p, ref_params[reference_name(n, specs)]) for n, p in module.named_parameters()}
     marked = sorted(n for n, (p, _) in pairs.items() if is_sequence_parallel(p))
-    boundary = tuple(module.stage_io_meta(torch.zeros(BATCH // dp // 2, SEQ, dtype=torch.long))[0][1].shape)
-    block_out: list[tuple] = []  # what a local block gives in training
-    block = next(m for m in module.modules() if isinstance(m, TransformerBlock))
-    block.register_forward_hook(lambda mod, args, out: block_out.append(tuple(out.shape)))
+    boundary = tuple(module.stage_io_meta(torch.zeros(BATCH // dp // microbatches, SEQ, dtype=torch.long))[0][1].shape)
+    block_out: list[tuple] = []  # what the local blocks give in training (a rank may hold none)
+    for block in (m for m in module.modules() if isinstance(m, TransformerBlock)):
+        block.register_forward_hook(lambda mod, args, out: block_out.append(tuple(out.shape)))
 
     worst = {"start": 0.0, "loss": 0.0, "grad": 0.0, "weight": 0.0, "grad_norm": 0.0}
     for p, r in pairs.values():
         worst["start"] = max(worst["start"], _diff(p.detach(), reference_slice(r.detach(), p, topo)))
     gen = torch.Generator().manual_seed(5)
     rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
-    clipped = True
+    clipped, overlapped = True, 0
     for _ in range(STEPS):
         ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=gen)
         x, y = ids[:, :-1], ids[:, 1:]
         loss = engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
+        overlapped += sum("+" in e.action for e in engine.timeline)
         ref_opt.zero_grad()
         ref_loss = ref_loss_fn(ref(x), y)
         ref_loss.backward()
@@ -111,6 +123,7 @@ def run_case(family: str, layout: tuple, stage: int, schedule: str) -> dict:
                 worst["grad"] = max(worst["grad"], _diff(p.grad, reference_slice(r.grad, p, topo)))
             worst["weight"] = max(worst["weight"], _diff(p.detach(), reference_slice(r.detach(), p, topo)))
     return {"worst": worst, "marked": marked, "boundary": boundary, "blocks": set(block_out), "clipped": clipped,
+            "microbatches": microbatches, "overlapped": overlapped,
             "topology": repr(topo)}
 
 
@@ -131,15 +144,19 @@ def test_sequence_parallel_layouts_match_one_process(results):
                 assert diff <= TOL, f"{where}: {what} differs by {diff:.3g}"
             assert r["clipped"], f"{where}: the clipping never acted"
             assert "sequence_parallel=True" in r["topology"], where
+            assert (r["overlapped"] > 0) == schedule.endswith("+overlap"), (where, r["overlapped"])
 
 
 def test_sequence_parallel_splits_the_activations_and_marks_the_replicated_parameters(results):
+    for i, case in enumerate(CASES):
+        assert any(res[i]["blocks"] for res in results), f"{case}: no rank ran a block"
     for rank, res in enumerate(results):
         for (family, layout, *_), r in zip(CASES, res):
             pp, dp, tp, _ = layout
             where = f"rank {rank}, {family} {layout}"
-            split = (BATCH // dp // 2, SEQ // tp, 16)  # a microbatch's rows, this rank's T/tp positions, dim
-            assert r["blocks"] == {split}, (where, r["blocks"])
+            # a microbatch's rows, this rank's T/tp positions, dim
+            split = (BATCH // dp // r["microbatches"], SEQ // tp, 16)
+            assert r["blocks"] <= {split}, (where, r["blocks"])
             if pp > 1:
                 assert r["boundary"] == split, where  # the first stage's output: the p2p message
             names = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] for n in r["marked"]}
@@ -150,7 +167,7 @@ def test_sequence_parallel_splits_the_activations_and_marks_the_replicated_param
                                                                    else {"proj.bias"})
             if family in ("mixtral", "gpt2-moe"):
                 expect |= {"router.weight", "experts.w_down" if family == "mixtral" else "experts.w_proj"}
-            assert expect <= names, (where, names)
+            assert expect <= names or not r["blocks"], (where, names)  # a rank with blocks has their marks
             assert all(".q." not in n and ".fc." not in n and "wte" not in n for n in r["marked"]), where
             if family.startswith("gpt2") and any(n.startswith("tied.") for n in r["marked"]):
                 assert "tied.embed.wpe.weight" in r["marked"], where
