@@ -127,8 +127,26 @@ def run_case(family: str, layout: tuple, stage: int, schedule: str) -> dict:
             "topology": repr(topo)}
 
 
+def reduce_scatter_paths() -> float:
+    """`_reduce_scatter` along T: the gloo path (all-reduce, slice) against the one other backends
+    take (`reduce_scatter_single`, forced here by naming the backend otherwise) and the plain sum."""
+    from unittest import mock
+
+    from pipekit.layers.parallel import _reduce_scatter
+
+    torch.set_default_dtype(torch.float64)
+    topo = pipekit.Topology(tp=4)
+    x = torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(topo.rank))
+    whole = sum(torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(r)) for r in range(4))
+    mine = whole[:, 2 * topo.tp_rank:2 * topo.tp_rank + 2]
+    gloo = _reduce_scatter(x, topo.tp_group, 1)
+    with mock.patch("torch.distributed.get_backend", return_value="other"):
+        other = _reduce_scatter(x, topo.tp_group, 1)
+    return max(_diff(gloo, mine), _diff(other, mine))
+
+
 def check() -> list:
-    return [run_case(*case) for case in CASES]
+    return [run_case(*case) for case in CASES] + [reduce_scatter_paths()]
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +155,8 @@ def results():
 
 
 def test_sequence_parallel_layouts_match_one_process(results):
+    for rank, res in enumerate(results):
+        assert res[-1] <= TOL, f"rank {rank}: a reduce-scatter path differs from the sum by {res[-1]:.3g}"
     for rank, res in enumerate(results):
         for (family, layout, stage, schedule), r in zip(CASES, res):
             where = f"rank {rank}, {family} (pp, dp, tp, ep)={layout} ZeRO-{stage} {schedule}"

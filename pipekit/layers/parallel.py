@@ -175,7 +175,7 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     """Sum `x` over `group` and keep this rank's equal part along `dim` (on meta: the part's
     shape, no communication). On gloo an all-reduce and a slice (gloo's reduce-scatter is
-    emulated and measured slower than its all-reduce); elsewhere `reduce_scatter_tensor`."""
+    emulated and measured slower than its all-reduce); elsewhere `reduce_scatter_single`."""
     size = group_size(group)
     if size == 1:
         return x
@@ -187,7 +187,7 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
         return _own_slice(_all_reduce(x, group), group, dim)
     parts = x.movedim(dim, 0).contiguous()  # (size * n, ...): rank r's part is rows [r*n, (r+1)*n)
     out = torch.empty((n, *parts.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, parts, group=g)
+    dist.reduce_scatter_single(out, parts, group=g)
     return out.movedim(0, dim).contiguous()
 
 
