@@ -9,7 +9,7 @@ at pp=2 x tp=2 with the zero-bubble split backward (zb_h1); Llama with the fused
 (untied head) at tp=4; Llama at pp=2 x tp=2 under DualPipe-V with overlapped forwards
 and backwards (the layers' collectives on `pipekit.lanes`); MoE, each tp rank routing
 its own slice: Mixtral with the global-batch balancing loss, the z-loss and the
-aux-free bias at tp=4 and tp=2 x dp=2 x ep=2, GPT-2-MoE at pp=2 x tp=2. Every rank checks its
+aux-free bias at tp=4 and tp=2 x dp=2 x ep=2, GPT-2-MoE (with a shared expert) at pp=2 x tp=2. Every rank checks its
 loss, the clipping norm, every local weight and (at ZeRO stage 0; under stages 1 and
 2 a rank's gradients are final on its own shard only) every local gradient within
 1e-10 of the one-process model. Each case also checks that the sequence really was
@@ -56,7 +56,7 @@ MODELS = {
                     n_experts=8, top_k=2, aux_loss_coef=0.01, global_balance=True, z_loss_coef=1e-3,
                     bias_update_rate=1e-3),
     "gpt2-moe": dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, n_experts=4, top_k=1,
-                     aux_loss_coef=0.0, z_loss_coef=0.0),
+                     n_shared_experts=1, aux_loss_coef=0.0, z_loss_coef=0.0),
 }
 # (model, (pp, dp, tp, ep), ZeRO stage, schedule)
 CASES = [

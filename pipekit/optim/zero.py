@@ -84,6 +84,12 @@ no `dp_group` has its expert-parallel parameters (`p.expert_parallel`, ep > 1)
 put in the topology's expert dp and ep groups, so a wrapped plain optimizer
 needs no expert groups of its own.
 
+Sequence parallelism (the topology's `sequence_parallel`): the parameters marked
+`sequence_parallel` (replicated over tp, each copy fed by its rank's sequence slice:
+norms, row-parallel biases, GPT-2's position table, MoE layers) get their gradients
+summed over the tp group after the dp reduction, one all-reduce per step over the
+part of the buckets this rank updates (`_sum_sequence_parallel`).
+
 A parameter that got no gradient anywhere in its dp group this step (an
 expert that received no tokens) is skipped by the wrapped optimizer, as torch's
 optimizers skip a parameter whose .grad is None: the wrapped optimizer sees each
