@@ -1,22 +1,24 @@
 """Sequence parallelism (`Topology(sequence_parallel=True)`, `parallel.sequence_parallel`) equals one process.
 
-On 4 gloo ranks, float64: GPT-2 (tied, learned positions) and Llama (untied, rotary
-positions inside attention) train 3 AdamW steps with global-norm clipping at tp=4,
-tp=2 x dp=2 and pp=2 x tp=2, sequence-parallel; besides, GPT-2 with the fused
-head-and-loss at tp=2 x dp=2, GPT-2 under ZeRO stage 1 and Llama under stage 2 at
-tp=2 x dp=2 (the sequence-parallel gradient sum on this rank's shard only), and GPT-2
-at pp=2 x tp=2 with the zero-bubble split backward (zb_h1); Llama with the fused loss
-(untied head) at tp=4; Llama at pp=2 x tp=2 under DualPipe-V with overlapped forwards
-and backwards (the layers' collectives on `pipekit.lanes`); MoE, each tp rank routing
-its own slice: Mixtral with the global-batch balancing loss, the z-loss and the
-aux-free bias at tp=4 and tp=2 x dp=2 x ep=2, GPT-2-MoE (with a shared expert) at pp=2 x tp=2. Every rank checks its
-loss, the clipping norm, every local weight and (at ZeRO stage 0; under stages 1 and
-2 a rank's gradients are final on its own shard only) every local gradient within
-1e-10 of the one-process model. Each case also checks that the sequence really was
-split: every block's output, and the first stage's output (the p2p message at pp=2),
-is (B, T/tp, D); and that the norms, row-parallel biases and GPT-2's position table
-carry the `sequence_parallel` mark (their gradients would be wrong without the sum
-over tp, which the gradient check sees).
+On 4 gloo ranks, float64, 3 AdamW steps with global-norm clipping, sequence-parallel:
+GPT-2 (tied, learned positions) and Llama (untied, rotary positions inside attention)
+at tp=4, tp=2 x dp=2 and pp=2 x tp=2; besides, at tp=2 x dp=2: GPT-2 with the fused
+head-and-loss, GPT-2 under ZeRO stage 1 and Llama under stage 2 (the sequence-parallel
+gradient sum on this rank's shard only), Llama with every layer recomputed in backward
+(activation checkpointing: the all-gathers run again there); Llama with the fused loss
+(untied head) at tp=4; at pp=2 x tp=2, GPT-2 with the zero-bubble split backward
+(zb_h1) and Llama under DualPipe-V with overlapped forwards and backwards (the layers'
+collectives on `pipekit.lanes`); MoE, each tp rank routing its own slice: Mixtral with
+the global-batch balancing loss, the z-loss and the aux-free bias at tp=4 and
+tp=2 x dp=2 x ep=2, GPT-2-MoE (with a shared expert) at pp=2 x tp=2.
+
+Every rank checks its loss, the clipping norm, every local weight and (at ZeRO stage 0;
+under stages 1 and 2 a rank's gradients are final on its own shard only) every local
+gradient within 1e-10 of the one-process model. Each case also checks that the sequence
+really was split: every block's output, and the first stage's output (the p2p message
+at pp=2), is (B, T/tp, D); and that the norms, row-parallel biases, GPT-2's position
+table and the MoE layers carry the `sequence_parallel` mark (their gradients would be
+wrong without the sum over tp, which the gradient check sees).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ MODELS = {
 # (model, (pp, dp, tp, ep), ZeRO stage, schedule)
 CASES = [
     ("gpt2", (1, 1, 4, 1), 0, "1f1b"), ("gpt2", (1, 2, 2, 1), 1, "1f1b"), ("gpt2", (2, 1, 2, 1), 0, "zb_h1"),
-    ("llama", (1, 1, 4, 1), 0, "1f1b"), ("llama", (1, 2, 2, 1), 0, "1f1b"), ("llama", (2, 1, 2, 1), 0, "1f1b"),
+    ("llama", (1, 1, 4, 1), 0, "1f1b"), ("llama", (1, 2, 2, 1), 0, "1f1b+recompute"),
+    ("llama", (2, 1, 2, 1), 0, "1f1b"),
     ("gpt2-fused", (1, 2, 2, 1), 0, "1f1b"), ("llama", (1, 2, 2, 1), 2, "1f1b"),
     ("mixtral", (1, 1, 4, 1), 0, "1f1b"), ("mixtral", (1, 2, 2, 2), 0, "1f1b"), ("gpt2-moe", (2, 1, 2, 1), 0, "1f1b"),
     ("llama-fused", (1, 1, 4, 1), 0, "1f1b"),
@@ -80,10 +83,12 @@ def run_case(family: str, layout: tuple, stage: int, schedule: str) -> dict:
     cfg = get_model(family.split("-")[0], "tiny", **MODELS[family])
     specs = model_specs(cfg)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, ep=ep, sequence_parallel=True)
-    name, overlap = schedule.removesuffix("+overlap"), schedule.endswith("+overlap")
+    name, _, extra = schedule.partition("+")
+    overlap, recompute = extra == "overlap", extra == "recompute"
     microbatches = 4 if overlap else 2
     module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED,
-                                    schedule=build_schedule(name, pp, microbatches, overlap=overlap))
+                                    schedule=build_schedule(name, pp, microbatches, overlap=overlap),
+                                    activation_checkpoint_interval=1 if recompute else 0)
     opt = ZeroOptimizer(module, "adamw", stage=stage, lr=1e-2, weight_decay=0.1)
     engine = pipekit.PipelineEngine(module, optimizer=opt, clip_grad_norm=CLIP, record_timeline=overlap)
     plain = get_model(family.split("-")[0], "tiny", **{**MODELS[family], "fused_loss": False})
