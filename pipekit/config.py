@@ -92,6 +92,11 @@ class ParallelConfig:
     # dimension over the tp ranks, so none repeats another's expert work (false: every tp rank runs its
     # experts whole). Needs the experts' hidden divisible by tp.
     expert_tp: bool = False
+    # sequence parallelism (Megatron's): with tp > 1, the activations outside attention and the MLP
+    # (norms, residual adds, stage boundaries) are split along the sequence over the tp ranks (an
+    # all-gather / reduce-scatter replaces each all-reduce); a no-op at tp=1. Needs train.seq_len
+    # divisible by tp; MoE blocks route each rank's slice; not with expert_tp.
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -505,6 +510,7 @@ def _check_model_fits(cfg: Config, model, specs: list, chunks: int) -> None:
         raise ConfigError(f"parallel.ep={p.ep} shards experts, but model.family={cfg.model.family} has none; "
                           f"use parallel.ep=1 or an MoE family (mixtral)")
     _check_expert_tp(cfg, model)
+    _check_sequence_parallel(cfg, model)
     max_len = getattr(model, "max_seq_len", None)
     if max_len is not None and cfg.train.seq_len > max_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={max_len}")
@@ -524,6 +530,20 @@ def _check_expert_tp(cfg: Config, model) -> None:
         raise ConfigError(f"model.hidden={hidden} (each expert's width) is not divisible by parallel.tp={p.tp}, "
                           f"over which parallel.expert_tp=true splits it; use a hidden multiple of {p.tp}, or "
                           "parallel.expert_tp=false")
+
+
+def _check_sequence_parallel(cfg: Config, model) -> None:
+    """parallel.sequence_parallel (at tp > 1; a no-op at tp=1) splits the sequence over tp:
+    train.seq_len must be divisible by tp; not with parallel.expert_tp."""
+    p = cfg.parallel
+    if not p.sequence_parallel or p.tp == 1:
+        return
+    if cfg.train.seq_len % p.tp:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} is not divisible by parallel.tp={p.tp}, over which "
+                          f"parallel.sequence_parallel=true splits the sequence; use a seq_len multiple of {p.tp}")
+    if p.expert_tp:
+        raise ConfigError("parallel.sequence_parallel=true does not support parallel.expert_tp=true yet (each "
+                          "tp rank routes its own sequence slice); use one of them")
 
 
 def _check_model_family(m: ModelConfig) -> None:

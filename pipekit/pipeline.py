@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers.parallel import expert_parallel, expert_tensor_parallel, tensor_parallel
+from .layers.parallel import expert_parallel, expert_tensor_parallel, sequence_parallel, tensor_parallel
 from .partition import partition as partition_specs
 from .precision import Precision, precision_policy
 from .schedules import SCHEDULES, Schedule, build_schedule
@@ -198,10 +198,12 @@ class PipelineModule(nn.Module):
     # ---- construction -------------------------------------------------
     @contextlib.contextmanager
     def _groups(self):
-        """The topology's tp, ep and expert-tp groups as the current ones, for building layers."""
+        """The topology's tp, ep and expert-tp groups as the current ones, and its sequence
+        parallelism, for building layers."""
         topo = self.topology
         with tensor_parallel(topo.tp_group), expert_parallel(getattr(topo, "ep_group", None)), \
-                expert_tensor_parallel(getattr(topo, "etp_group", None)):
+                expert_tensor_parallel(getattr(topo, "etp_group", None)), \
+                sequence_parallel(getattr(topo, "sequence_parallel", False)):
             yield
 
     def _build(self, i: int) -> None:

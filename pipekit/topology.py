@@ -194,6 +194,11 @@ class Topology:
     expert's hidden dimension over the tp group (`etp_group`, the tp group itself; None
     without it, or at tp=1): `etp` is then tp, else 1.
 
+    With `sequence_parallel` (Megatron's sequence parallelism; a no-op at tp=1) the layers
+    built on this topology split the activations outside their tp regions along the
+    sequence over the tp group (`pipekit.layers.parallel.sequence_parallel`): the attribute
+    `sequence_parallel` is then True.
+
     `Topology(pp=2, tp=2)` on 8 ranks gives dp=2. Uses the default process group;
     when none is up but a launcher's RANK and WORLD_SIZE > 1 are in the
     environment (torchrun, or torch.multiprocessing workers that set them), it
@@ -212,8 +217,11 @@ class Topology:
     moe_mesh: DeviceMesh | None  # the (pp, edp, ep, tp) mesh when ep > 1, else None
 
     def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1, device_type: str | None = None,
-                 device: str | None = None, ep: int = 1, expert_tp: bool = False):
+                 device: str | None = None, ep: int = 1, expert_tp: bool = False,
+                 sequence_parallel: bool = False):
         device = _one_device_arg(device, device_type)
+        if not isinstance(sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
         if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # a launcher's workers
             init_distributed(device=device or "auto")
         if not dist.is_initialized():
@@ -221,6 +229,7 @@ class Topology:
             if ep != 1:
                 raise ValueError(f"ep={ep} must divide dp=1 (experts are sharded over ranks carved out of dp)")
             self.etp, self.etp_group = 1, None
+            self.sequence_parallel = False  # one process: tp=1
             return
         self.world_size = dist.get_world_size()
         self.pp, self.dp, self.tp = grid_sizes(self.world_size, pp, dp, tp)
@@ -237,6 +246,7 @@ class Topology:
         )
         self._init_expert_groups(ep, device_type)
         self.etp, self.etp_group = (self.tp, self.tp_group) if expert_tp else (1, None)
+        self.sequence_parallel = sequence_parallel and self.tp > 1
 
     def backward_twins(self) -> dict:
         """{group: a second group of the same ranks} for the groups the model's layers talk
@@ -303,7 +313,8 @@ class Topology:
             f"Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}" + (f", ep={self.ep}" if self.ep > 1 else "")
             + f", rank={self.rank} -> pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, tp_rank={self.tp_rank}"
             + (f", ep_rank={self.ep_rank}" if self.ep > 1 else "")
-            + (f", expert_tp={self.etp})" if self.etp > 1 else ")")
+            + (f", expert_tp={self.etp}" if self.etp > 1 else "")
+            + (", sequence_parallel=True)" if self.sequence_parallel else ")")
         )
 
 

@@ -176,7 +176,8 @@ def _join(run: Run) -> tuple[Topology, str | None]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or run.world_size > 1:
         init_distributed(device=device)
     topo = Topology(pp=run.pp, dp=run.dp, tp=run.tp, ep=run.ep, device=device,
-                    expert_tp=run.config.parallel.expert_tp)
+                    expert_tp=run.config.parallel.expert_tp,
+                    sequence_parallel=run.config.parallel.sequence_parallel)
     return topo, reason if fell_back(run.config.train.device, device) else None
 
 

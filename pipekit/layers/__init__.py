@@ -2,8 +2,10 @@
 
 Every layer takes `group=None`, meaning the tp group current at construction
 (`with tensor_parallel(group): ...`); with no group it is a plain one-process
-layer. A tp shard is a slice of the full tensor initialised the same way at
-every tp size, and parameter names do not depend on the tp size.
+layer; built inside `with sequence_parallel(True): ...` as well (and at tp > 1), the
+activations between their tp regions are split along the sequence. A tp shard is a
+slice of the full tensor initialised the same way at every tp size, and parameter
+names do not depend on the tp size.
 """
 
 from .attention import CausalSelfAttention
@@ -18,10 +20,13 @@ from .parallel import (
     copy_to_tp,
     current_tp_group,
     gather_from_tp,
+    gather_sequence,
     group_rank,
     group_size,
     reduce_from_tp,
+    reduce_scatter_sequence,
     scatter_to_tp,
+    sequence_parallel,
     shard_dim,
     sharded_parameter,
     tensor_parallel,
@@ -46,11 +51,14 @@ __all__ = [
     "copy_to_tp",
     "current_tp_group",
     "gather_from_tp",
+    "gather_sequence",
     "group_rank",
     "group_size",
     "reduce_from_tp",
+    "reduce_scatter_sequence",
     "rotary_cos_sin",
     "scatter_to_tp",
+    "sequence_parallel",
     "shard_dim",
     "sharded_parameter",
     "tensor_parallel",

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .parallel import copy_to_tp, current_tp_group, group_size
+from .parallel import current_tp_group, group_size
 from .rotary import apply_rotary, rotary_cos_sin
 
 
@@ -56,7 +56,9 @@ class CausalSelfAttention(nn.Module):
         self.o = RowParallelLinear(n_heads * self.head_dim, dim, bias=bias, init_std=out_std, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.q.group)  # one backward all-reduce for q, k and v together
+        # one backward all-reduce for q, k and v together; sequence-parallel: the all-gather of the
+        # sequence slices (B, T/tp, dim) -> (B, T, dim), so attention and the rotary positions see all T
+        x = self.q.enter(x)
         q = einops.rearrange(self.q.forward_copied(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, H/tp, T, hd)
         k = einops.rearrange(self.k.forward_copied(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, KV/tp, T, hd)
         v = einops.rearrange(self.v.forward_copied(x), "b t (h d) -> b h t d", d=self.head_dim)

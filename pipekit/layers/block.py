@@ -9,11 +9,13 @@ import torch
 from torch import nn
 
 from .norm import LayerNorm, RMSNorm
-from .parallel import current_tp_group
+from .parallel import current_tp_group, mark_sequence_parallel, sequence_parallel_active
 
 
 class TransformerBlock(nn.Module):
-    """x + attn(norm1(x)), then x + mlp(norm2(x)); (B, T, dim) -> (B, T, dim), full on every tp rank.
+    """x + attn(norm1(x)), then x + mlp(norm2(x)); (B, T, dim) -> (B, T, dim), full on every tp rank
+    (sequence-parallel, built inside `sequence_parallel(True)`: (B, T/tp, dim), this rank's slice,
+    which attention and the MLP gather at their entry and reduce-scatter at their exit).
 
     The parts are factories, built in this order (the order of the parameter draws):
     `norm(dim)` twice (`norm1`, `norm2`), `attn(dim, group=, init_std=, out_init_std=)`
@@ -43,6 +45,8 @@ class TransformerBlock(nn.Module):
         self.attn = attn(dim, **init)
         self.norm2 = norm(dim)
         self.mlp = mlp(dim, **init)
+        if sequence_parallel_active(group):  # any norm module sees this rank's sequence slice only
+            mark_sequence_parallel(*self.norm1.parameters(), *self.norm2.parameters())
         self._fused_add = isinstance(self.norm2, (RMSNorm, LayerNorm))  # a norm that takes residual=
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .parallel import TensorParallelModule, divide, group_rank, normal_full, reduce_from_tp, sharded_parameter
+from .parallel import TensorParallelModule, divide, group_rank, leave_tp, normal_full, sharded_parameter
 
 
 class VocabParallelEmbedding(TensorParallelModule):
@@ -18,6 +18,8 @@ class VocabParallelEmbedding(TensorParallelModule):
     Each rank looks up the ids it holds and writes zeros for the others; the
     forward all-reduce (`reduce_from_tp`) sums the parts. Backward: no
     communication (each rank's table gets the gradient of its own ids only).
+    Sequence-parallel (`sequence_parallel`): ids (B, T), the parts are reduce-scattered
+    along T instead, and the output is this rank's slice (B, T/tp, embedding_dim).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float = 0.02, group=None):
@@ -34,7 +36,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         outside = (local < 0) | (local >= self.rows_per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)  # (..., D)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp(out, self.group)
+        return leave_tp(out, self.group, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp_size}"

@@ -15,11 +15,12 @@ from torch import nn
 
 from .parallel import (
     TensorParallelModule,
-    copy_to_tp,
     divide,
+    enter_tp,
     gather_from_tp,
+    leave_tp,
+    mark_sequence_parallel,
     normal_full,
-    reduce_from_tp,
     scatter_to_tp,
     sharded_parameter,
 )
@@ -34,7 +35,9 @@ class ColumnParallelLinear(TensorParallelModule):
 
     Communication: forward none, or an all-gather of the output with
     `gather_output`; backward an all-reduce of the input gradient (`copy_to_tp`),
-    preceded by the slicing of the output gradient when gathered.
+    preceded by the slicing of the output gradient when gathered. Sequence-parallel
+    (`sequence_parallel`, set at construction): the input is (B, T/tp, in) and is
+    all-gathered along T first, its gradient reduce-scattered (`enter_tp`).
     """
 
     bias: nn.Parameter | None
@@ -50,17 +53,24 @@ class ColumnParallelLinear(TensorParallelModule):
         self.register_parameter("bias", bias_param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_copied(copy_to_tp(x, self.group))
+        return self.forward_copied(self.enter(x))
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The input made ready for `forward_copied`: `copy_to_tp`, or when sequence-parallel
+        the all-gather along the sequence (`enter_tp`)."""
+        return enter_tp(x, self.group, self.sequence_parallel)
 
     def forward_copied(self, x: torch.Tensor) -> torch.Tensor:
-        """The layer on an input the caller already passed through `copy_to_tp`: several
-        projections of one input (q, k, v; gate, up) then share one backward all-reduce."""
+        """The layer on an input the caller already passed through `enter`: several
+        projections of one input (q, k, v; gate, up) then share one backward all-reduce
+        (one all-gather forward and one reduce-scatter backward when sequence-parallel)."""
         y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
         return gather_from_tp(y, self.group, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp_size}, "
-                f"bias={self.bias is not None}, gather_output={self.gather_output}")
+                f"bias={self.bias is not None}, gather_output={self.gather_output}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))
 
 
 class RowParallelLinear(TensorParallelModule):
@@ -73,7 +83,10 @@ class RowParallelLinear(TensorParallelModule):
 
     Communication: forward an all-reduce of the partial products
     (`reduce_from_tp`); backward none, or an all-gather of the input gradient
-    when the input was not already parallel (`scatter_to_tp`).
+    when the input was not already parallel (`scatter_to_tp`). Sequence-parallel: the
+    partial products are reduce-scattered along the sequence instead (`leave_tp`), the
+    output is (B, T/tp, out), and the bias, fed by this rank's slice only, is marked
+    `sequence_parallel` (its gradient is summed over tp by the optimizer).
     """
 
     bias: nn.Parameter | None
@@ -86,13 +99,16 @@ class RowParallelLinear(TensorParallelModule):
         self.input_is_parallel = input_is_parallel
         self.weight = sharded_parameter(normal_full((out_features, in_features), init_std), 1, self.group)
         self.register_parameter("bias", nn.Parameter(torch.zeros(out_features)) if bias else None)
+        if self.sequence_parallel:
+            mark_sequence_parallel(self.bias)  # added after the reduce-scatter, to this rank's slice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, dim=-1)  # (..., in/tp)
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)  # (..., out)
+        y = leave_tp(F.linear(x, self.weight), self.group, self.sequence_parallel)  # (..., out)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp_size}, "
-                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+                f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
+                + (", sequence_parallel=True" if self.sequence_parallel else ""))

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..kernels.glu import swiglu
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .parallel import copy_to_tp, current_tp_group
+from .parallel import current_tp_group
 
 
 class GeluMLP(nn.Module):
@@ -51,5 +51,5 @@ class SwiGLUMLP(nn.Module):
         self.down = RowParallelLinear(hidden, dim, bias=bias, init_std=out_std, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp(x, self.gate.group)  # one backward all-reduce for gate and up together
+        x = self.gate.enter(x)  # one backward all-reduce (sequence-parallel: one all-gather) for gate and up
         return self.down(swiglu(self.gate.forward_copied(x), self.up.forward_copied(x)))  # hidden: (B, T, hidden/tp)

@@ -1,4 +1,6 @@
-"""Normalisation layers; replicated on every tp rank (they see full activations).
+"""Normalisation layers; replicated on every tp rank (they see full activations, or with
+sequence parallelism their rank's sequence slice: built then, their parameters are marked
+`sequence_parallel`, so the optimizer sums their gradients over the current tp group).
 
 Both take an optional `residual`: `norm(x, residual=r)` returns `(norm(x + r), x + r)`,
 the add fused into the norm's pass over memory (`pipekit.kernels.norm`), which
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 from ..kernels import layer_norm, rms_norm
+from .parallel import current_tp_group, mark_sequence_parallel, sequence_parallel_active
 
 
 class RMSNorm(nn.Module):
@@ -28,6 +31,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        if sequence_parallel_active(current_tp_group()):
+            mark_sequence_parallel(self.weight)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         """The norm of x; with `residual`, `(norm(x + residual), x + residual)` in one pass."""
@@ -51,6 +56,8 @@ class LayerNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.register_parameter("bias", nn.Parameter(torch.zeros(dim)) if bias else None)
+        if sequence_parallel_active(current_tp_group()):
+            mark_sequence_parallel(self.weight, self.bias)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         """The norm of x; with `residual`, `(norm(x + residual), x + residual)` in one pass."""

@@ -11,6 +11,19 @@ The four collectives come in conjugate pairs (Megatron's "regions"):
     gather_from_tp  forward: all-gather + cat     backward: keep own slice
     scatter_to_tp   forward: keep own slice       backward: all-gather + cat
 
+Sequence parallelism (Megatron's, `with sequence_parallel(True): ...` at construction,
+with a tp group of more than one rank): the activations outside the tp regions (norms,
+residual adds) are split along the sequence (dim 1 of (B, T, D)) over the tp ranks, and
+the region boundaries become
+
+    gather_sequence          forward: all-gather along T    backward: reduce-scatter along T
+    reduce_scatter_sequence  forward: reduce-scatter along T  backward: all-gather along T
+
+(`enter_tp` / `leave_tp` pick the pair a layer uses). A parameter replicated over tp
+that works on the split activations (a norm's weight, a row-parallel bias) then gets
+only its rank's part of the gradient; such parameters carry `sequence_parallel = True`
+and the optimizer sums their gradients over tp (`is_sequence_parallel`).
+
 On `meta` tensors none of them communicates: they only produce the right
 shape (the engine runs the model on meta to find activation shapes).
 
@@ -82,6 +95,41 @@ def expert_tensor_parallel(group) -> Iterator[Any]:
     yield from _scoped(_ETP_GROUP, group)
 
 
+_SP: contextvars.ContextVar[bool] = contextvars.ContextVar("pipekit_sequence_parallel", default=False)
+
+
+@contextlib.contextmanager
+def sequence_parallel(on: bool = True) -> Iterator[Any]:
+    """Make layers constructed inside the block split the activations outside their tp regions
+    along the sequence over the tp group (a no-op for a tp group of one rank)."""
+    yield from _scoped(_SP, bool(on))
+
+
+def current_sequence_parallel() -> bool:
+    """Whether the innermost `sequence_parallel(...)` turned sequence parallelism on."""
+    return _SP.get()
+
+
+def sequence_parallel_active(group) -> bool:
+    """Whether a layer built now on tp group `group` runs sequence-parallel: switched on and
+    more than one tp rank."""
+    return _SP.get() and group_size(group) > 1
+
+
+def mark_sequence_parallel(*params: torch.Tensor | None) -> None:
+    """Mark `params` (None skipped) as replicated over tp but fed by this rank's sequence
+    slice only: the optimizer sums their gradients over the tp group."""
+    for p in params:
+        if p is None:
+            continue
+        p.sequence_parallel = True  # type: ignore[attr-defined]  # pipekit's own mark on a Parameter
+
+
+def is_sequence_parallel(param: torch.Tensor) -> bool:
+    """Whether `param`'s gradient must be summed over the tp group (`mark_sequence_parallel`)."""
+    return bool(getattr(param, "sequence_parallel", False))
+
+
 def current_etp_group():
     """The group set by the innermost `expert_tensor_parallel(...)`, or None (experts not split)."""
     return _ETP_GROUP.get()
@@ -122,6 +170,25 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x, group=lane(group))
     return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Sum `x` over `group` and keep this rank's equal part along `dim` (on meta: the part's
+    shape, no communication). On gloo an all-reduce and a slice (gloo's reduce-scatter is
+    emulated and measured slower than its all-reduce); elsewhere `reduce_scatter_single`."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    n = divide(x.shape[dim], size, f"size of dim {dim}")
+    if x.is_meta:
+        return x.narrow(dim, 0, n)
+    g = lane(group)
+    if dist.get_backend(g) == "gloo":
+        return _own_slice(_all_reduce(x, group), group, dim)
+    parts = x.movedim(dim, 0).contiguous()  # (size * n, ...): rank r's part is rows [r*n, (r+1)*n)
+    out = torch.empty((n, *parts.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, parts, group=g)
+    return out.movedim(0, dim).contiguous()
 
 
 def _own_slice(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -185,6 +252,53 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+SEQUENCE_DIM = 1  # activations are (B, T, ...): sequence parallelism splits dim 1
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """Enter a tp region from sequence-split activations: all-gather along the sequence
+    forward; reduce-scatter of the gradient along it backward."""
+    return x if group_size(group) == 1 else _GatherSequence.apply(x, group, dim)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """Leave a tp region into sequence-split activations by summing partial results:
+    reduce-scatter along the sequence forward; all-gather of the gradient backward."""
+    return x if group_size(group) == 1 else _ReduceScatterSequence.apply(x, group, dim)
+
+
+def enter_tp(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """The entry of a tp region: `gather_sequence` when sequence-parallel, else `copy_to_tp`."""
+    return gather_sequence(x, group) if sequence_parallel else copy_to_tp(x, group)
+
+
+def leave_tp(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """The exit of a tp region: `reduce_scatter_sequence` when sequence-parallel, else `reduce_from_tp`."""
+    return reduce_scatter_sequence(x, group) if sequence_parallel else reduce_from_tp(x, group)
 
 
 def copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
@@ -257,7 +371,8 @@ class _SharedRef:
 class TensorParallelModule(nn.Module):
     """Base of the layers that hold a tp group.
 
-    Captures `group` (None: the current tp group) at construction. A deep copy
+    Captures `group` (None: the current tp group) at construction, and whether it runs
+    sequence-parallel (`sequence_parallel`, see `sequence_parallel_active`). A deep copy
     shares the group and keeps each parameter's `tp_shard_dim` mark, which
     torch's own `Parameter.__deepcopy__` would drop.
     """
@@ -265,6 +380,7 @@ class TensorParallelModule(nn.Module):
     def __init__(self, group=None):
         super().__init__()
         self._tp_group = _SharedRef(current_tp_group() if group is None else group)
+        self.sequence_parallel = sequence_parallel_active(self.group)  # captured at construction
 
     @property
     def group(self):
@@ -283,4 +399,6 @@ class TensorParallelModule(nn.Module):
             copied = new._parameters[name]
             if dim is not None and copied is not None:
                 _mark_tp_shard(copied, dim)
+            if param is not None and copied is not None and is_sequence_parallel(param):
+                copied.sequence_parallel = True  # kept like tp_shard_dim
         return new

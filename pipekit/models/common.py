@@ -38,9 +38,9 @@ from ..layers import (
     FusedLinearCrossEntropy,
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
-    copy_to_tp,
+    gather_from_tp,
 )
-from ..layers.parallel import current_ep_group, group_rank
+from ..layers.parallel import SEQUENCE_DIM, current_ep_group, enter_tp, group_rank
 from ..spec import LayerSpec, TiedLayerSpec
 
 
@@ -137,13 +137,23 @@ def vocab_logits(embedding: VocabParallelEmbedding, h: torch.Tensor, vocab_size:
     `FusedLinearCrossEntropy`, which multiplies by the table itself): `h` as it is while the
     table is in training mode, the logits in eval.
 
-    Communication: none forward; backward all-reduces the gradient of `h` over tp."""
+    Communication: none forward; backward all-reduces the gradient of `h` over tp.
+    Sequence-parallel (the table was built so): `h` is this rank's slice (B, T/tp, D), all-gathered
+    along T first (backward: reduce-scatter; fused: backward keeps this rank's slice of the
+    kernel's already summed gradient)."""
     if fused and embedding.training:
-        return h
-    logits = F.linear(copy_to_tp(h, embedding.group), embedding.weight)
+        return sequence_whole(h, embedding)
+    logits = F.linear(enter_tp(h, embedding.group, embedding.sequence_parallel), embedding.weight)
     if vocab_size is None:
         return logits
     return mask_padded_vocab(logits, vocab_size, embedding.vocab_start)
+
+
+def sequence_whole(h: torch.Tensor, head) -> torch.Tensor:
+    """What a fused head passes to `FusedLinearCrossEntropy` in training: `h`, or with sequence
+    parallelism its slices all-gathered along T (backward keeps this rank's slice: the kernel
+    all-reduces the gradient of h over tp itself)."""
+    return gather_from_tp(h, head.group, dim=SEQUENCE_DIM) if head.sequence_parallel else h
 
 
 class VocabParallelHead(ColumnParallelLinear):
@@ -162,7 +172,7 @@ class VocabParallelHead(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_loss and self.training:
-            return x
+            return sequence_whole(x, self)
         return mask_padded_vocab(super().forward(x), self.vocab_size, self.vocab_start)
 
 

@@ -42,7 +42,7 @@ from ..layers import (
     TransformerBlock,
     VocabParallelEmbedding,
 )
-from ..layers.parallel import normal_full
+from ..layers.parallel import mark_sequence_parallel, normal_full, tp_slice
 from ..spec import LayerSpec, TiedLayerSpec
 from .common import (  # noqa: F401 - the shared helpers, importable from here as before
     MoEConfig,
@@ -103,7 +103,8 @@ FLAVOURS: dict[str, GPT2Config] = {
 
 
 class GPT2Embedding(nn.Module):
-    """Token ids (B, T) int64 -> wte(ids) + wpe(0..T-1), (B, T, D), full on every tp rank.
+    """Token ids (B, T) int64 -> wte(ids) + wpe(0..T-1), (B, T, D), full on every tp rank
+    (sequence-parallel: this rank's slice along T, (B, T/tp, D), with its own positions).
 
     `wte` is vocab-parallel (rows split over tp; one forward all-reduce), with
     `padded_vocab` rows (default: `vocab_size`); `wpe` is replicated. Both start
@@ -117,13 +118,17 @@ class GPT2Embedding(nn.Module):
         self.wte = VocabParallelEmbedding(padded_vocab or vocab_size, dim, init_std=init_std)
         # drawn by hand (nn.Embedding's own init would draw once more, and on meta imports torch._dynamo)
         self.wpe = nn.Embedding(max_seq_len, dim, _weight=normal_full((max_seq_len, dim), init_std))
+        if self.wte.sequence_parallel:  # the output is this rank's sequence slice: so are wpe's rows' gradients
+            mark_sequence_parallel(self.wpe.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         T = ids.shape[1]
         if T > self.wpe.num_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.wpe.num_embeddings} of the position table")
         pos = torch.arange(T, device=ids.device)
-        return self.wte(ids) + self.wpe(pos)  # (B, T, D) + (T, D)
+        if self.wte.sequence_parallel:  # wte gives (B, T/tp, D), this rank's slice: its positions
+            pos = tp_slice(pos, 0, self.wte.group)
+        return self.wte(ids) + self.wpe(pos)  # (B, T, D) + (T, D); sequence-parallel (B, T/tp, D)
 
 
 def tied_logits(module: GPT2Embedding, h: torch.Tensor, fused: bool = False) -> torch.Tensor:

@@ -7,7 +7,16 @@ import torch
 from torch import nn
 
 from .. import auxloss
-from ..layers.parallel import _SharedRef, current_ep_group, current_etp_group, group_rank, group_size
+from ..layers.parallel import (
+    _SharedRef,
+    current_ep_group,
+    current_etp_group,
+    current_tp_group,
+    group_rank,
+    group_size,
+    mark_sequence_parallel,
+    sequence_parallel_active,
+)
 from .dispatch import DROP_POLICIES, DispatchState, all_reduce_counts, check_dispatcher, make_dispatcher
 from .experts import ACTIVATIONS, Experts, SharedExpert
 from .grouped import check_gemm
@@ -70,6 +79,15 @@ class MoEMLP(nn.Module, auxloss.StepStatistic):
     the router and shared expert are replicated over tp and run whole on the
     (replicated) input.
 
+    Sequence parallelism (built inside `sequence_parallel(True)` at tp > 1; not with
+    expert tensor parallelism): the input is this tp rank's sequence slice and each tp
+    rank routes its own tokens, as a dp rank does; every parameter is marked
+    `sequence_parallel` (its gradient summed over tp), the loads of the global balance
+    and of the aux-free bias are summed over tp as well as dp, and the aux and z losses
+    are divided by tp (the tp ranks' terms are then averaged, as dp ranks' are). With
+    `global_balance` (or the aux loss off) and the z-loss this equals one process; the
+    per-call aux loss and capacity drops depend on the split, as they do under dp.
+
     Limits: On the meta device
     the block returns an empty tensor of the input's shape (routing is data
     dependent). Host syncs are dispatch.py's, named there: none at ep=1 with a
@@ -115,6 +133,14 @@ class MoEMLP(nn.Module, auxloss.StepStatistic):
         super().__init__()
         ep_group = current_ep_group() if ep_group is None else ep_group
         expert_tp_group = current_etp_group() if expert_tp_group is None else expert_tp_group
+        tp_group = current_tp_group()
+        sp = sequence_parallel_active(tp_group)
+        if sp and group_size(expert_tp_group) > 1:
+            raise ValueError(f"sequence parallelism at tp={group_size(tp_group)} does not support expert tensor "
+                             "parallelism yet (each tp rank routes its own sequence slice, so the tp ranks hold "
+                             "different tokens); use expert_tp=False with sequence parallelism")
+        # sequence-parallel: this rank's tokens only; loads and losses are completed over tp
+        self._sp_group = _SharedRef(tp_group if sp else None)
         ep = group_size(ep_group)
         _check_layer(n_experts, ep_group, activation, capacity_factor, drop_policy, n_shared_experts, dispatcher,
                      gemm, bias_update)
@@ -138,6 +164,8 @@ class MoEMLP(nn.Module, auxloss.StepStatistic):
         self.register_buffer("step_load", torch.zeros(n_experts, dtype=torch.long) if self.needs_prepass else None,
                              persistent=False)
         self._step_load_ready = False  # step_load holds this step's completed loads
+        if sp:  # replicated over tp, each copy fed by its rank's tokens: gradients summed over tp
+            mark_sequence_parallel(*self.parameters())
 
     @property
     def ep_group(self):
@@ -168,7 +196,11 @@ class MoEMLP(nn.Module, auxloss.StepStatistic):
             self.pending_load += routing.counts_E
             if self.bias_update == "forward":
                 self.apply_bias_update()
-        return auxloss.attach(out_TD, self.router.loss(routing)).view_as(x)
+        aux = self.router.loss(routing)
+        sp_size = group_size(self._sp_group.value)
+        if sp_size > 1:  # the tp ranks' aux terms are summed with the router's gradients over tp: their mean
+            aux = aux / sp_size
+        return auxloss.attach(out_TD, aux).view_as(x)
 
     def apply_bias_update(self) -> None:
         """Move the aux-free bias by the loads counted since the last update (summed over
@@ -179,7 +211,8 @@ class MoEMLP(nn.Module, auxloss.StepStatistic):
     def _update_bias(self, group) -> None:
         if self.pending_load is None:
             return
-        self.router.update_bias(all_reduce_counts(self.pending_load, group))
+        counts = all_reduce_counts(all_reduce_counts(self.pending_load, group), self._sp_group.value)
+        self.router.update_bias(counts)
         self.pending_load.zero_()
 
     # ---- auxloss.StepStatistic: the engine's calls around a step ----------------------
@@ -193,7 +226,8 @@ class MoEMLP(nn.Module, auxloss.StepStatistic):
         """The step's loads, summed over the data-parallel `group`: the f_i of every call until
         the step ends (one all-reduce of E int64)."""
         if self.step_load is not None:
-            self.step_load.copy_(all_reduce_counts(self.step_load, group))
+            self.step_load.copy_(all_reduce_counts(all_reduce_counts(self.step_load, group),
+                                                   self._sp_group.value))
             self._step_load_ready = True
 
     def end_step(self, group) -> None:

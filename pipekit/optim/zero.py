@@ -84,6 +84,12 @@ no `dp_group` has its expert-parallel parameters (`p.expert_parallel`, ep > 1)
 put in the topology's expert dp and ep groups, so a wrapped plain optimizer
 needs no expert groups of its own.
 
+Sequence parallelism (the topology's `sequence_parallel`): the parameters marked
+`sequence_parallel` (replicated over tp, each copy fed by its rank's sequence slice:
+norms, row-parallel biases, GPT-2's position table, MoE layers) get their gradients
+summed over the tp group after the dp reduction, one all-reduce per step over the
+part of the buckets this rank updates (`_sum_sequence_parallel`).
+
 A parameter that got no gradient anywhere in its dp group this step (an
 expert that received no tokens) is skipped by the wrapped optimizer, as torch's
 optimizers skip a parameter whose .grad is None: the wrapped optimizer sees each
@@ -105,6 +111,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..kernels.adamw import FusedAdamW, unscale_and_check_
+from ..layers.parallel import is_sequence_parallel
 from ..spec import TiedLayerSpec
 from .fsdp import gather_rows, own_rows
 from .scaler import LossScaler
@@ -520,6 +527,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for b in self.buckets:
             if isinstance(b.segment, str) and b.segment in tie_groups:
                 dist.all_reduce(self._owned_grad(b), group=tie_groups[b.segment])
+        self._sum_sequence_parallel()
+
+    def _sum_sequence_parallel(self) -> None:
+        """Sequence parallelism (the topology's `sequence_parallel`): sum over the tp group the
+        gradients of the parameters marked `sequence_parallel` (norms, row-parallel biases,
+        GPT-2's position table: replicated over tp, each rank's copy fed by its sequence slice
+        only), in the part of each bucket this rank updates, as one all-reduce. Every tp rank
+        has the same buckets (the same parameters, tp shards of the same shapes), so the
+        pieces line up."""
+        topo = getattr(self.module, "topology", None)
+        group = getattr(topo, "tp_group", None) if getattr(topo, "sequence_parallel", False) else None
+        if group is None:
+            return
+        pieces = []
+        for b in self.buckets:
+            owned = self._owned_grad(b)
+            start = 0 if self.stage == 0 else b.shard.start
+            for p in b.params:
+                if not is_sequence_parallel(p):
+                    continue
+                offset, n = b.offsets[id(p)]
+                lo, hi = max(offset, start), min(offset + n, start + owned.numel())
+                if lo < hi:
+                    pieces.append(owned[lo - start:hi - start])
+        if not pieces:
+            return
+        flat = torch.cat(pieces)
+        dist.all_reduce(flat, group=group)
+        torch._foreach_copy_(pieces, list(flat.split([t.numel() for t in pieces])))
 
     def _take_sharded_grads(self) -> None:
         from .fsdp import reduce_gradients
