@@ -5,7 +5,8 @@ pipeline ranks) trains 3 AdamW steps with global-norm clipping under
 `ZeroOptimizer(stage=3)`: every layer FSDP-sharded over dp, gradients reduce-scattered
 once per step. Layouts: dp=4; pp=2 x dp=2 with 1F1B, ZBV (split backward: I and W
 accumulate into the gathered parameters) and 1F1B re-gathering the parameters per
-microbatch (`reshard_after_forward`); tp=2 x dp=2 (FSDP shards the tp shards). Each rank
+microbatch (`reshard_after_forward`); tp=2 x dp=2 (FSDP shards the tp shards), also with
+sequence parallelism. Each rank
 checks its loss, the clipping norm, every gradient shard and every gathered weight
 against one process within 1e-10, and that each sharded parameter holds 1/dp of the
 elements.
@@ -36,12 +37,13 @@ TOL = 1e-10
 SEED = 3
 BATCH, SEQ, STEPS, CLIP = 8, 8, 3, 0.5
 GPT2 = dict(vocab_size=40, max_seq_len=16, n_layers=3, dim=16, n_heads=4)
-CASES = [  # (pp, dp, tp, schedule, microbatches, reshard_after_forward)
-    (1, 4, 1, "1f1b", 2, False),
-    (2, 2, 1, "1f1b", 2, False),
-    (2, 2, 1, "zbv", 4, False),
-    (2, 2, 1, "1f1b", 2, True),
-    (1, 2, 2, "gpipe", 2, False),
+CASES = [  # (pp, dp, tp, schedule, microbatches, reshard_after_forward, sequence_parallel)
+    (1, 4, 1, "1f1b", 2, False, False),
+    (2, 2, 1, "1f1b", 2, False, False),
+    (2, 2, 1, "zbv", 4, False, False),
+    (2, 2, 1, "1f1b", 2, True, False),
+    (1, 2, 2, "gpipe", 2, False, False),
+    (1, 2, 2, "1f1b", 2, True, True),
 ]
 
 
@@ -49,13 +51,13 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() if a.numel() else 0.0
 
 
-def run_case(pp, dp, tp, name, microbatches, reshard) -> dict:
+def run_case(pp, dp, tp, name, microbatches, reshard, sp) -> dict:
     from torch.distributed.tensor import DTensor
 
     torch.set_default_dtype(torch.float64)
     cfg = get_model("gpt2", "tiny", **GPT2)
     specs = model_specs(cfg)
-    topo = pipekit.Topology(pp=pp, dp=dp, tp=tp)
+    topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, sequence_parallel=sp)
     module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule=name,
                                     microbatches=microbatches)
     zero = ZeroOptimizer(module, "adamw", stage=3, lr=1e-2, weight_decay=0.1, clip_grad_norm=CLIP,
@@ -199,7 +201,7 @@ def results(tmp_path_factory):
 def test_zero3_layouts_match_one_process(results):
     for rank, (res, *_) in enumerate(results):
         for case, r in zip(CASES, res):
-            where = f"rank {rank}, (pp, dp, tp, schedule, M, reshard_after_forward)={case}"
+            where = f"rank {rank}, (pp, dp, tp, schedule, M, reshard_after_forward, sp)={case}"
             for what, diff in r["worst"].items():
                 assert diff <= TOL, f"{where}: {what} differs by {diff:.3g}"
             assert r["clipped"], f"{where}: the clipping never acted"

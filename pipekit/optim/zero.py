@@ -543,7 +543,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         pieces = []
         for b in self.buckets:
             owned = self._owned_grad(b)
-            start = 0 if self.stage == 0 else b.shard.start
+            start = 0 if self._layout == 0 else b.shard.start
             for p in b.params:
                 if not is_sequence_parallel(p):
                     continue
