@@ -97,6 +97,9 @@ class ParallelConfig:
     # all-gather / reduce-scatter replaces each all-reduce); a no-op at tp=1. Needs train.seq_len
     # divisible by tp; MoE blocks route each rank's slice; not with expert_tp.
     sequence_parallel: bool = False
+    # ZeRO-3's hybrid sharding (FSDP's HSDP): runs of dp_shard consecutive dp ranks shard the parameters,
+    # the dp // dp_shard runs replicate each other (all-gathers stay within a run: a node). None: all of dp.
+    dp_shard: Optional[int] = None
 
 
 @dataclass
@@ -315,6 +318,7 @@ def check_config(cfg: Config) -> None:
     _check_choice("optimizer.decay", cfg.optimizer.decay, ("cosine", "constant"))
     _check_choice("optimizer.name", cfg.optimizer.name, ("adamw", "sgd"))
     _check_choice("optimizer.zero_stage", cfg.optimizer.zero_stage, (0, 1, 2, 3))
+    _check_dp_shard(cfg)
     _check_choice("optimizer.fused", str(cfg.optimizer.fused).lower(), FUSED)
     _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
     _check_choice("train.precision", t.precision, PRECISION_NAMES)
@@ -449,6 +453,20 @@ def _check_layer_choices(cfg: Config, specs: list, num_stages: int) -> None:
     if not any(pattern.search(name) for name in names):
         raise ConfigError(f"schedule.checkpoint_layers={s.checkpoint_layers!r} matches no layer; "
                           f"the layer class names are: {', '.join(names)}")
+
+
+def _check_dp_shard(cfg: Config) -> None:
+    """parallel.dp_shard divides parallel.dp, and shards only ZeRO-3's parameters."""
+    p, shard = cfg.parallel, cfg.parallel.dp_shard
+    if shard is None:
+        return
+    if cfg.optimizer.zero_stage != 3:
+        raise ConfigError(f"parallel.dp_shard={shard} is ZeRO-3's hybrid sharding, but optimizer.zero_stage="
+                          f"{cfg.optimizer.zero_stage}; set optimizer.zero_stage=3 or leave parallel.dp_shard out")
+    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or p.dp % shard:
+        divisors = [d for d in range(1, p.dp + 1) if p.dp % d == 0]
+        raise ConfigError(f"parallel.dp_shard={shard!r} must divide parallel.dp={p.dp} (the ranks that shard "
+                          f"the parameters; the rest replicate them); use one of {divisors}")
 
 
 def _check_device(cfg: Config) -> None:

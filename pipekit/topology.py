@@ -215,11 +215,13 @@ class Topology:
 
     mesh: DeviceMesh | None  # the (pp, dp, tp) mesh; None in one plain process
     moe_mesh: DeviceMesh | None  # the (pp, edp, ep, tp) mesh when ep > 1, else None
+    hsdp_mesh: DeviceMesh | None  # the (pp, dp_replicate, dp_shard, tp) mesh with hybrid sharding, else None
 
     def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1, device_type: str | None = None,
                  device: str | None = None, ep: int = 1, expert_tp: bool = False,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, dp_shard: int | None = None):
         device = _one_device_arg(device, device_type)
+        self.dp_shard = dp_shard
         if not isinstance(sequence_parallel, bool):
             raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
         if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # a launcher's workers
@@ -230,6 +232,7 @@ class Topology:
                 raise ValueError(f"ep={ep} must divide dp=1 (experts are sharded over ranks carved out of dp)")
             self.etp, self.etp_group = 1, None
             self.sequence_parallel = False  # one process: tp=1
+            self.hsdp_mesh, self.dp_shard = None, 1
             return
         self.world_size = dist.get_world_size()
         self.pp, self.dp, self.tp = grid_sizes(self.world_size, pp, dp, tp)
@@ -247,6 +250,33 @@ class Topology:
         self._init_expert_groups(ep, device_type)
         self.etp, self.etp_group = (self.tp, self.tp_group) if expert_tp else (1, None)
         self.sequence_parallel = sequence_parallel and self.tp > 1
+        self._init_hybrid(dp_shard, device_type)
+
+    def _init_hybrid(self, dp_shard: int | None, device_type: str) -> None:
+        """ZeRO-3's hybrid sharding: `dp_shard` consecutive dp ranks shard the parameters, and the
+        dp // dp_shard such groups replicate each other (`hsdp_mesh`, the (pp, dp_replicate,
+        dp_shard, tp) mesh; None when every dp rank shards)."""
+        self.hsdp_mesh = None
+        if dp_shard is None:
+            self.dp_shard = self.dp
+            return
+        if isinstance(dp_shard, bool) or not isinstance(dp_shard, int) or dp_shard < 1 or self.dp % dp_shard:
+            divisors = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
+            raise ValueError(f"dp_shard={dp_shard!r} must divide dp={self.dp} (the ranks a parameter is sharded "
+                             f"over; the rest replicate them); use one of {divisors}")
+        if dp_shard < self.dp:
+            self.hsdp_mesh = init_device_mesh(device_type, (self.pp, self.dp // dp_shard, dp_shard, self.tp),
+                                              mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh ZeRO-3 shards a stage's parameters over: this rank's dp ranks (1-D), or with
+        hybrid sharding its (dp_replicate, dp_shard) part (2-D); None at dp=1."""
+        if self.dp_group is None:
+            return None
+        if self.hsdp_mesh is not None:
+            return self.hsdp_mesh["dp_replicate", "dp_shard"]
+        assert self.mesh is not None  # a dp group lies on the mesh
+        return self.mesh["dp"]
 
     def backward_twins(self) -> dict:
         """{group: a second group of the same ranks} for the groups the model's layers talk

@@ -177,7 +177,8 @@ def _join(run: Run) -> tuple[Topology, str | None]:
         init_distributed(device=device)
     topo = Topology(pp=run.pp, dp=run.dp, tp=run.tp, ep=run.ep, device=device,
                     expert_tp=run.config.parallel.expert_tp,
-                    sequence_parallel=run.config.parallel.sequence_parallel)
+                    sequence_parallel=run.config.parallel.sequence_parallel,
+                    dp_shard=run.config.parallel.dp_shard)
     return topo, reason if fell_back(run.config.train.device, device) else None
 
 

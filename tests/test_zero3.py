@@ -6,7 +6,7 @@ pipeline ranks) trains 3 AdamW steps with global-norm clipping under
 once per step. Layouts: dp=4; pp=2 x dp=2 with 1F1B, ZBV (split backward: I and W
 accumulate into the gathered parameters) and 1F1B re-gathering the parameters per
 microbatch (`reshard_after_forward`); tp=2 x dp=2 (FSDP shards the tp shards), also with
-sequence parallelism. Each rank
+sequence parallelism; dp=4 with hybrid sharding (`dp_shard=2`) and ZB-H1. Each rank
 checks its loss, the clipping norm, every gradient shard and every gathered weight
 against one process within 1e-10, and that each sharded parameter holds 1/dp of the
 elements.
@@ -37,13 +37,14 @@ TOL = 1e-10
 SEED = 3
 BATCH, SEQ, STEPS, CLIP = 8, 8, 3, 0.5
 GPT2 = dict(vocab_size=40, max_seq_len=16, n_layers=3, dim=16, n_heads=4)
-CASES = [  # (pp, dp, tp, schedule, microbatches, reshard_after_forward, sequence_parallel)
-    (1, 4, 1, "1f1b", 2, False, False),
-    (2, 2, 1, "1f1b", 2, False, False),
-    (2, 2, 1, "zbv", 4, False, False),
-    (2, 2, 1, "1f1b", 2, True, False),
-    (1, 2, 2, "gpipe", 2, False, False),
-    (1, 2, 2, "1f1b", 2, True, True),
+CASES = [  # (pp, dp, tp, schedule, microbatches, reshard_after_forward, more Topology arguments)
+    (1, 4, 1, "1f1b", 2, False, {}),
+    (2, 2, 1, "1f1b", 2, False, {}),
+    (2, 2, 1, "zbv", 4, False, {}),
+    (2, 2, 1, "1f1b", 2, True, {}),
+    (1, 2, 2, "gpipe", 2, False, {}),
+    (1, 2, 2, "1f1b", 2, True, {"sequence_parallel": True}),
+    (1, 4, 1, "zb_h1", 2, False, {"dp_shard": 2}),  # hybrid: 2 runs of 2 ranks shard, replicating each other
 ]
 
 
@@ -51,13 +52,13 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() if a.numel() else 0.0
 
 
-def run_case(pp, dp, tp, name, microbatches, reshard, sp) -> dict:
+def run_case(pp, dp, tp, name, microbatches, reshard, more) -> dict:
     from torch.distributed.tensor import DTensor
 
     torch.set_default_dtype(torch.float64)
     cfg = get_model("gpt2", "tiny", **GPT2)
     specs = model_specs(cfg)
-    topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, sequence_parallel=sp)
+    topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, **more)
     module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule=name,
                                     microbatches=microbatches)
     zero = ZeroOptimizer(module, "adamw", stage=3, lr=1e-2, weight_decay=0.1, clip_grad_norm=CLIP,
@@ -201,12 +202,13 @@ def results(tmp_path_factory):
 def test_zero3_layouts_match_one_process(results):
     for rank, (res, *_) in enumerate(results):
         for case, r in zip(CASES, res):
-            where = f"rank {rank}, (pp, dp, tp, schedule, M, reshard_after_forward, sp)={case}"
+            where = f"rank {rank}, (pp, dp, tp, schedule, M, reshard_after_forward, more)={case}"
             for what, diff in r["worst"].items():
                 assert diff <= TOL, f"{where}: {what} differs by {diff:.3g}"
             assert r["clipped"], f"{where}: the clipping never acted"
             assert r["sharded"] == r["params"], f"{where}: {r['params'] - r['sharded']} parameters not sharded"
-            assert r["fraction"] <= 1 / r["dp"] + 0.25, f"{where}: a rank holds {r['fraction']:.2f} of a parameter"
+            shards = case[6].get("dp_shard", r["dp"])
+            assert r["fraction"] <= 1 / shards + 0.25, f"{where}: a rank holds {r['fraction']:.2f} of a parameter"
 
 
 def test_a_zero3_checkpoint_resumes_at_zero1_pp1_and_the_reverse(results):
@@ -230,3 +232,30 @@ def test_zero3_with_experts_matches_one_process(results):
                 assert diff <= TOL, f"{where}: {what} differs by {diff:.3g}"
             assert r["dead"] > 0, f"{where}: every expert got a token in every step; the test lost its point"
             assert r["experts_sharded"] == (r["edp"] > 1), f"{where}: experts sharded: {r['experts_sharded']}"
+
+
+EIGHT = [(2, 2, 2, "1f1b", 2, False, {}), (2, 2, 2, "zbv", 4, False, {"sequence_parallel": True})]
+
+
+def check_eight() -> list:
+    return [run_case(*case) for case in EIGHT]
+
+
+def test_zero3_at_pp2_dp2_tp2_matches_one_process():
+    """8 ranks: pp=2 x dp=2 x tp=2, 1F1B, and ZBV with sequence parallelism."""
+    for rank, res in enumerate(run_distributed(check_eight, 8, timeout=400)):
+        for case, r in zip(EIGHT, res):
+            for what, diff in r["worst"].items():
+                assert diff <= TOL, f"rank {rank}, {case}: {what} differs by {diff:.3g}"
+            assert r["clipped"] and r["sharded"] == r["params"], (rank, case, r)
+
+
+def test_hybrid_sharding_is_checked_before_launch():
+    from pipekit.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard=3 must divide parallel.dp=4 .* use one of \[1, 2, 4\]"):
+        load_config(None, ["parallel.dp=4", "parallel.dp_shard=3", "optimizer.zero_stage=3"])
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard=2 is ZeRO-3's hybrid sharding, but "
+                                          r"optimizer.zero_stage=1; set optimizer.zero_stage=3"):
+        load_config(None, ["parallel.dp=4", "parallel.dp_shard=2", "optimizer.zero_stage=1"])
+    assert load_config(None, ["parallel.dp=4", "parallel.dp_shard=2", "optimizer.zero_stage=3"]).parallel.dp_shard == 2

@@ -3,7 +3,11 @@
 `shard_layers(module)` wraps each layer a rank holds (a transformer block, the
 embedding, the head; a tied layer once) with `fully_shard` over the stage's
 data-parallel group, so each dp rank keeps 1/N of every parameter between steps:
-its gradients, fp32 weights and optimizer state are that rank's shard too. Layer
+its gradients, fp32 weights and optimizer state are that rank's shard too. With
+hybrid sharding (`Topology(dp_shard=S)`, config `parallel.dp_shard`) each run of S
+dp ranks shards and the dp / S runs replicate one another (FSDP's HSDP: a
+reduce-scatter within the run, an all-reduce across them), so the all-gathers
+stay inside a node. Layer
 by layer, the parameters are all-gathered before their forward (and, when
 resharded after it, before their backward).
 
@@ -37,8 +41,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["assign", "gather_rows", "gathered_params", "own_rows", "reduce_gradients", "shard_layers", "sharded",
-           "whole"]
+__all__ = ["assign", "gather_rows", "gathered_params", "own_rows", "reduce_gradients", "replica_group",
+           "shard_group", "shard_layers", "sharded", "whole"]
 
 
 def sharded(p: torch.Tensor) -> bool:
@@ -59,7 +63,8 @@ def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: t
     topo = module.topology
     if topo.dp_group is None:
         return []
-    mesh = DeviceMesh.from_group(topo.dp_group, topo.device.type)
+    mesh = topo.fsdp_mesh() if hasattr(topo, "fsdp_mesh") else DeviceMesh.from_group(topo.dp_group,
+                                                                                      topo.device.type)
     split_experts = getattr(topo, "ep", 1) > 1  # experts split over ep: their replicas are the edp group's
     edp = topo.edp_group if split_experts else None
     expert_mesh = DeviceMesh.from_group(edp, topo.device.type) if edp is not None else None
@@ -201,6 +206,17 @@ def own_rows(full: torch.Tensor, group) -> torch.Tensor:
     return full[start:end]
 
 
+def shard_group(p: torch.Tensor):
+    """The group FSDP splits `p` over: its mesh's last dim (the shard dim of a hybrid mesh)."""
+    return p.device_mesh.get_group(p.device_mesh.ndim - 1)  # type: ignore[attr-defined]  # a DTensor
+
+
+def replica_group(p: torch.Tensor):
+    """The group of `p`'s replicas under hybrid sharding (a 2-D mesh's first dim), else None."""
+    mesh = p.device_mesh  # type: ignore[attr-defined]  # a DTensor
+    return mesh.get_group(0) if mesh.ndim > 1 else None
+
+
 def whole(t: torch.Tensor) -> torch.Tensor:
     """`t` whole: a DTensor (FSDP's shard) gathered over its mesh (collective), else itself."""
     return t.full_tensor() if sharded(t) else t  # type: ignore[attr-defined]  # a DTensor
@@ -209,7 +225,7 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 def assign(t: torch.Tensor, value: torch.Tensor) -> None:
     """Copy whole tensor `value` into `t`: into its local rows when `t` is FSDP's shard."""
     if sharded(t):
-        group = t.device_mesh.get_group()  # type: ignore[attr-defined]  # a DTensor
+        group = shard_group(t)
         t.to_local().copy_(own_rows(value, group).reshape(t.to_local().shape))  # type: ignore[attr-defined]
     else:
         t.copy_(value)

@@ -113,7 +113,7 @@ from torch import nn
 from ..kernels.adamw import FusedAdamW, unscale_and_check_
 from ..layers.parallel import is_sequence_parallel
 from ..spec import TiedLayerSpec
-from .fsdp import gather_rows, own_rows
+from .fsdp import gather_rows, own_rows, replica_group, shard_group
 from .scaler import LossScaler
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -131,6 +131,7 @@ class Bucket:
     segment: Any
     ep_group: Any = None  # experts: the group their parameters are sharded over (summed in the norm)
     shard_group: Any = None  # stage 3: the dp group FSDP shards its one parameter over (this is its shard)
+    replica_group: Any = None  # stage 3, hybrid sharding: the groups holding the same shard
     param_buf: torch.Tensor = field(init=False)
     offsets: dict = field(default_factory=dict)  # id(param) -> (start, numel)
     grad_buf: torch.Tensor | None = None  # full bucket (stages 0, 1; stage 2 while in flight)
@@ -350,7 +351,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _shard_bucket(self, p: nn.Parameter, gi: int, counted, segment) -> Bucket:
         """Stage 3: a bucket over FSDP's local shard of `p`, aliased, not copied (FSDP gathers
         the layer from that storage), whose gradient FSDP has already reduced."""
-        b = Bucket([p], gi, None, segment, shard_group=p.device_mesh.get_group())  # type: ignore[attr-defined]
+        b = Bucket([p], gi, None, segment, shard_group=shard_group(p), replica_group=replica_group(p))
         local = _local(p).detach()
         b.param_buf = local.view(-1)
         n = b.param_buf.numel()
@@ -717,7 +718,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if isinstance(b.segment, str) and b.segment in tie_groups:
                 touched.update(id(p) for p in b.params)
             elif b.dp_group is not None or b.ep_group is not None or b.shard_group is not None:
-                by_group.setdefault((b.dp_group or b.shard_group, b.ep_group), []).extend(b.params)
+                by_group.setdefault((b.dp_group or b.shard_group, b.ep_group, b.replica_group), []).extend(b.params)
         for groups, params in by_group.items():
             here = [id(p) in touched for p in params]
             flags = (torch.ones(len(params), dtype=torch.uint8, device=self._state_device()) if all(here) else
