@@ -655,7 +655,13 @@ def _schedule(cfg: Config) -> Schedule:
     s, pp = cfg.schedule, cfg.parallel.pp
     try:
         if s.name in SCHEDULES:
-            return build_schedule(s.name, pp, s.microbatches, s.chunks_per_rank, overlap=s.overlap)
+            built = build_schedule(s.name, pp, s.microbatches, s.chunks_per_rank, overlap=s.overlap)
+            if s.overlap and not built.overlaps:
+                raise ConfigError(f"schedule.overlap=true, but {s.name} at parallel.pp={pp} with schedule.microbatches="
+                                  f"{s.microbatches} runs no forward next to a backward of another microbatch, so "
+                                  "nothing would overlap; overlap needs 2 or more microbatches and a schedule that "
+                                  "alternates them (1f1b, dualpipe_v), or leave schedule.overlap out")
+            return built
         if not os.path.isfile(s.name):
             raise ConfigError(f"schedule.name={s.name!r} is not one of {list(SCHEDULES)}, nor an action-table file"
                               f"{_registered_hint(s)}")

@@ -123,6 +123,9 @@ def test_overlap_is_refused_where_it_cannot_run_in_one_line(tmp_path):
         load_config(None, [f"schedule.name={table}", "schedule.overlap=true", "parallel.pp=1",
                            "schedule.microbatches=2"])
     assert load_config(None, [f"schedule.name={table}", "parallel.pp=1", "schedule.microbatches=2"])
+    with pytest.raises(ConfigError, match=r"1f1b at parallel.pp=1 with schedule.microbatches=1 runs no forward next "
+                                          r"to a backward of another microbatch, so nothing would overlap"):
+        load_config(None, ["schedule.overlap=true", "parallel.pp=1", "schedule.microbatches=1"])
     with pytest.raises(ConfigError, match=r"on a GPU they need a CUDA stream each.*set schedule.overlap=false"):
         load_config(None, ["schedule.overlap=true", "train.device=cuda"])
     gpu = SimpleNamespace(topo=SimpleNamespace(device=torch.device("cuda", 0)), schedule=SimpleNamespace(name="1f1b"))
