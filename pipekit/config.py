@@ -456,7 +456,12 @@ def _check_layer_choices(cfg: Config, specs: list, num_stages: int) -> None:
 
 
 def _check_dp_shard(cfg: Config) -> None:
-    """parallel.dp_shard divides parallel.dp, and shards only ZeRO-3's parameters."""
+    """parallel.dp_shard divides parallel.dp, and shards only ZeRO-3's parameters (which cannot
+    overlap a forward with a backward yet)."""
+    if cfg.optimizer.zero_stage == 3 and cfg.schedule.overlap:
+        raise ConfigError("optimizer.zero_stage=3 cannot run with schedule.overlap=true yet (FSDP's gathers and "
+                          "per-layer state are not made for a forward and a backward on two threads at once); "
+                          "use optimizer.zero_stage=0, 1 or 2 with the overlap, or set schedule.overlap=false")
     p, shard = cfg.parallel, cfg.parallel.dp_shard
     if shard is None:
         return

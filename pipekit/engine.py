@@ -401,6 +401,11 @@ class PipelineEngine:
                 f"schedule {self.schedule.name!r} runs forwards beside backwards (OVERLAP actions, "
                 "schedule.overlap=true), which pipekit runs on the CPU (gloo) only for now: on a GPU the two "
                 "need a CUDA stream each, not built yet; set schedule.overlap=false")
+        if self.optimizer is not None and self.optimizer.sharded_layers:
+            raise ValueError(
+                f"schedule {self.schedule.name!r} runs forwards beside backwards (OVERLAP actions), which ZeRO "
+                "stage 3 cannot do yet: FSDP's gathers and its per-layer state are not made for two threads at "
+                "once; use ZeRO stage 0-2 with the overlap, or a schedule without it (schedule.overlap=false)")
         if dist.is_initialized():
             lanes.use_backward_twins(self.topo.backward_twins())
 

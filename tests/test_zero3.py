@@ -31,6 +31,7 @@ import pipekit
 from pipekit.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.optim import ZeroOptimizer
+from pipekit.schedules import build_schedule
 from pipekit.testing import reference_model, reference_name, reference_slice, run_distributed
 
 TOL = 1e-10
@@ -59,8 +60,8 @@ def run_case(pp, dp, tp, name, microbatches, reshard, more) -> dict:
     cfg = get_model("gpt2", "tiny", **GPT2)
     specs = model_specs(cfg)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, **more)
-    module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule=name,
-                                    microbatches=microbatches)
+    schedule = build_schedule(name.removesuffix("+overlap"), pp, microbatches, overlap=name.endswith("+overlap"))
+    module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule=schedule)
     zero = ZeroOptimizer(module, "adamw", stage=3, lr=1e-2, weight_decay=0.1, clip_grad_norm=CLIP,
                          reshard_after_forward=reshard)
     engine = pipekit.PipelineEngine(module, optimizer=zero)
@@ -189,9 +190,22 @@ def bf16_curves() -> tuple[list, list]:
     return curves[0], curves[1]
 
 
+def overlap_refused() -> str:
+    """ZeRO-3 with an overlapped schedule: the engine refuses it (the message)."""
+    cfg = get_model("gpt2", "tiny", **GPT2)
+    topo = pipekit.Topology(pp=1, dp=4)
+    module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo, seed=SEED,
+                                    schedule=build_schedule("1f1b", 1, 2, overlap=True))
+    try:
+        pipekit.PipelineEngine(module, optimizer=ZeroOptimizer(module, "adamw", stage=3, lr=1e-2))
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
 def check(root: str) -> tuple:
     return ([run_case(*case) for case in CASES], checkpoints(root), bf16_curves(),
-            [run_moe_case(*case) for case in MOE_CASES])
+            [run_moe_case(*case) for case in MOE_CASES], overlap_refused())
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +239,7 @@ def test_zero3_in_bf16_follows_zero1(results):
 
 
 def test_zero3_with_experts_matches_one_process(results):
-    for rank, (*_, moe) in enumerate(results):
+    for rank, (*_, moe, _) in enumerate(results):
         for case, r in zip(MOE_CASES, moe):
             where = f"rank {rank}, (pp, dp, ep)={case}"
             for what, diff in r["worst"].items():
@@ -234,7 +248,8 @@ def test_zero3_with_experts_matches_one_process(results):
             assert r["experts_sharded"] == (r["edp"] > 1), f"{where}: experts sharded: {r['experts_sharded']}"
 
 
-EIGHT = [(2, 2, 2, "1f1b", 2, False, {}), (2, 2, 2, "zbv", 4, False, {"sequence_parallel": True})]
+EIGHT = [(2, 2, 2, "1f1b", 2, False, {}), (2, 2, 2, "zbv", 4, False, {"sequence_parallel": True}),
+         (2, 2, 2, "dualpipe_v", 4, False, {})]
 
 
 def check_eight() -> list:
@@ -242,7 +257,7 @@ def check_eight() -> list:
 
 
 def test_zero3_at_pp2_dp2_tp2_matches_one_process():
-    """8 ranks: pp=2 x dp=2 x tp=2, 1F1B, and ZBV with sequence parallelism."""
+    """8 ranks: pp=2 x dp=2 x tp=2: 1F1B; ZBV with sequence parallelism; DualPipe-V."""
     for rank, res in enumerate(run_distributed(check_eight, 8, timeout=400)):
         for case, r in zip(EIGHT, res):
             for what, diff in r["worst"].items():
@@ -250,7 +265,7 @@ def test_zero3_at_pp2_dp2_tp2_matches_one_process():
             assert r["clipped"] and r["sharded"] == r["params"], (rank, case, r)
 
 
-def test_hybrid_sharding_is_checked_before_launch():
+def test_hybrid_sharding_and_overlap_are_checked_before_launch():
     from pipekit.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"parallel.dp_shard=3 must divide parallel.dp=4 .* use one of \[1, 2, 4\]"):
@@ -259,3 +274,10 @@ def test_hybrid_sharding_is_checked_before_launch():
                                           r"optimizer.zero_stage=1; set optimizer.zero_stage=3"):
         load_config(None, ["parallel.dp=4", "parallel.dp_shard=2", "optimizer.zero_stage=1"])
     assert load_config(None, ["parallel.dp=4", "parallel.dp_shard=2", "optimizer.zero_stage=3"]).parallel.dp_shard == 2
+    with pytest.raises(ConfigError, match=r"optimizer.zero_stage=3 cannot run with schedule.overlap=true yet"):
+        load_config(None, ["parallel.dp=2", "optimizer.zero_stage=3", "schedule.overlap=true"])
+
+
+def test_the_engine_refuses_zero3_with_an_overlapped_schedule(results):
+    for rank, (*_, refused) in enumerate(results):
+        assert "runs forwards beside backwards (OVERLAP actions), which ZeRO stage 3 cannot do yet" in refused, rank
