@@ -698,7 +698,7 @@ class PipelineEngine:
         s, m = a.stage, a.microbatch
         if (s, m) not in st.weight_work:
             raise RuntimeError(f"weight grads of microbatch {m} on stage {s} before its input grads (I)")
-        with self._weight_pass(s, m), self._aux_scale():
+        with self._weight_pass(s, m), self._aux_scale(), self._trainer.gathered(self._stage_params[s]):
             split_backward.backward_weight(st.weight_work.pop((s, m)))
 
     def _backward_operands(self, st: Step, s: int, m: int):

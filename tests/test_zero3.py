@@ -46,6 +46,7 @@ CASES = [  # (pp, dp, tp, schedule, microbatches, reshard_after_forward, more To
     (1, 2, 2, "gpipe", 2, False, {}),
     (1, 2, 2, "1f1b", 2, True, {"sequence_parallel": True}),
     (1, 4, 1, "zb_h1", 2, False, {"dp_shard": 2}),  # hybrid: 2 runs of 2 ranks shard, replicating each other
+    (2, 2, 1, "zbv", 4, True, {}),
 ]
 
 

@@ -22,8 +22,10 @@ included: `I` and `W` both add into the gathered parameters' gradients), and
 torch.distributed.pipelining does for FSDP stages. `reshard_after_forward`
 trades memory for traffic: False keeps a layer's parameters gathered from its
 first use to the end of the step (one all-gather per layer and step), True frees
-them after each forward and gathers them again for each backward (2 per
-microbatch, as FSDP does without pipelining).
+them after each forward and each backward and gathers them again for the next
+(2 per microbatch, 3 with a split backward, whose weight pass gathers them too:
+`ZeroOptimizer.gathered`). Either way the step's gradients accumulate whole (in
+the reduce dtype) until the one reduce-scatter at its end.
 
 What FSDP does not manage stays as ZeRO stage 0 beside it (`ZeroOptimizer`):
 experts without replicas (dp = ep) and frozen parameters.
@@ -96,7 +98,8 @@ def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: t
                 setattr(p, key, value)
     for layer in wrapped:
         layer.set_requires_gradient_sync(False)
-        layer.set_reshard_after_backward(False)
+        layer.set_reshard_after_backward(reshard_after_forward)
+        layer.pipekit_reshard = reshard_after_forward
     return wrapped
 
 
@@ -165,7 +168,7 @@ def reduce_gradients(layers: list[Any]) -> set[int]:
         group.post_backward()  # as torch.distributed.pipelining's stages do after their last backward
         group.finalize_backward()  # on a GPU: the current stream waits for the reduce-scatter
         layer.set_requires_gradient_sync(False)
-        layer.set_reshard_after_backward(False)
+        layer.set_reshard_after_backward(layer.pipekit_reshard)
     return touched
 
 

@@ -211,7 +211,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             dp_group = topo.dp_group
         groups = _param_groups(params)
         self._requested_grad_dtype = grad_dtype
-        self.sharded_layers: list[nn.Module] = []  # stage 3: the layers FSDP shards
+        self.sharded_layers: list[Any] = []  # stage 3: the layers FSDP shards (FSDPModules)
         if stage == 3:
             groups = self._shard(groups, reshard_after_forward)
         super().__init__(groups, defaults)
@@ -580,6 +580,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return b.grad_shard
         assert b.grad_buf is not None  # made with the bucket at stages 0, 1, never freed
         return b.grad_buf if self._layout == 0 else b.grad_buf[b.shard]
+
+    @contextlib.contextmanager
+    def gathered(self, params: list):
+        """Stage 3 with `reshard_after_forward`: the layers holding `params` gathered for the
+        block inside (a split backward's weight pass, after its input pass resharded them),
+        resharded after. Elsewhere nothing to do."""
+        layers: list[Any] = [layer for layer in self.sharded_layers if getattr(layer, "pipekit_reshard", False)]
+        ids = {id(p) for p in params}
+        mine = [layer for layer in layers if any(id(p) in ids for p in layer.parameters())]
+        for layer in mine:
+            layer.unshard()
+        try:
+            yield
+        finally:
+            for layer in mine:
+                layer.reshard()
 
     def autograd_params(self, params: list) -> list:
         """The tensors autograd differentiates for `params` in a forward run now: the
