@@ -1,4 +1,4 @@
-"""Per-rank memory of ZeroOptimizer stages 0-2 against the ZeRO paper, and step time against ZeroRedundancyOptimizer.
+"""Per-rank memory of ZeroOptimizer stages 0-3 against the ZeRO paper and the planner, and step time against torch.
 
 Run:  python benchmarks/zero_memory.py [--steps 8] [--warmup 2] [--dp 1 2 4]
 
@@ -59,7 +59,38 @@ parameters, counted from the built module).
    shards whole parameters greedily, pipekit flat equal shards). Formula
    for both: 4 Psi + 4 Psi + 8 Psi/N. The loss after the last step of each
    is printed as a check that they do the same work.
-3. Collectives. What the two steps communicate, timed alone on this
+3. Stage 3 (each layer FSDP2-sharded over dp, `pipekit.optim.fsdp`). Memory:
+   the bf16 model of 1. with `ZeroOptimizer(module, "adamw", stage=3,
+   grad_dtype=g, reshard_after_forward=r)` for (g, r) in STAGE3, one
+   train_batch of one microbatch. Two views per rank:
+     between steps: `opt.memory_bytes()` (FSDP's local parameter shard, the
+       gradient shard FSDP reduce-scattered, the fp32 master shard, Adam's
+       moments), against 2/N + g/N + 4/N + 8/N bytes per parameter: 16 Psi/N
+       with bf16 gradients (the ZeRO paper's), 18 Psi/N with fp32 ones;
+       also what FSDP still holds whole then (0 when it has resharded);
+     in the step: what FSDP holds whole at the end of the backward passes,
+       summed over its parameters' storages just before the optimizer step
+       (the benchmark wraps `ZeroOptimizer._take_sharded_grads`, which
+       reduce-scatters): the gathered parameters (`_unsharded_param`) and the
+       unsharded gradients (`unsharded_accumulated_grad`, in the reduce dtype,
+       plus any `.grad` not yet folded into it). Nothing is resharded or
+       reduced before that point, so it is the step's peak of both. Formulas:
+       2 Psi gathered, g Psi of gradients (0 at dp=1, where FSDP shards
+       nothing and stage 3 is stage 0).
+   Against the planner: `pipekit.memplan.memory_plan` for the same model at
+   pp=1 x dp, train.precision=bf16 (the engine's fp32 reduce dtype, so only
+   the fp32-gradient rows), ZeRO-3, keep_gathered = not r (at dp=1 its
+   stage-0 row, what stage 3 runs there): params, grads, master, optimizer
+   and gathered, measured / predicted, target within 10%. The plan has no
+   component for the unsharded gradients, shown beside it. Activations are
+   not compared (the memory rows measure model state only).
+   Step time: the timed runs of 2. alternate with two more, fp32, the same
+   weights and batches: `ZeroOptimizer(stage=3)` under the same engine, and
+   a torchtitan-style loop on `reference_model` (`fully_shard` per
+   transformer block, then the root, which holds the tied embedding/head
+   and the final norm; torch AdamW on the shards; zero_grad, forward, loss,
+   backward, step). Memory between steps: both 16 Psi/N.
+4. Collectives. What the two steps communicate, timed alone on this
    backend: all_reduce, reduce_scatter_tensor and all_gather_into_tensor of
    a Psi-element fp32 buffer, and N broadcasts of its N slices (what
    ZeroRedundancyOptimizer sends after its step); median of 5 after a
@@ -68,12 +99,13 @@ parameters, counted from the built module).
    avoids them there.
 
 Not measured: GPUs, NCCL, peak allocator memory (activations, temporaries,
-communication buffers: these are the bytes each optimizer holds by design,
-not a high-water mark of the process), fp16 loss scaling, more than one
-microbatch, pp or tp > 1, bf16 step times (this CPU has no bf16 matmul
-units, so they would time the emulation). N ranks share this machine's
-cores: at dp=4 four processes run on 2 cores, so the step times compare the
-two optimizers under the same contention, not what dp gains.
+communication buffers, FSDP's all-gather and reduce-scatter buffers: these
+are the bytes each optimizer holds by design, not a high-water mark of the
+process), fp16 loss scaling, more than one microbatch, pp or tp > 1, bf16
+step times (this CPU has no bf16 matmul units, so they would time the
+emulation). N ranks share this machine's cores: at dp=4 four processes run
+on 2 cores, so the step times compare the runs under the same contention,
+not what dp gains.
 """
 
 from __future__ import annotations
