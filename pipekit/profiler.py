@@ -175,7 +175,9 @@ class _SavedBytes:
 
     def __init__(self, params):
         self.params = list(params)
-        self.skip = {p.data_ptr() for p in self.params if p.device.type != "meta"}
+        # by storage, as saved tensors are keyed below: a parameter may be a view into a flat buffer
+        # (the optimizer's buckets), whose other views are the other parameters, never activations
+        self.skip = {p.untyped_storage().data_ptr() for p in self.params if p.device.type != "meta"}
         self.seen, self.total = set(), 0
 
     def __enter__(self):

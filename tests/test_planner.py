@@ -100,6 +100,9 @@ def test_profile_measures_every_layer_and_scales_with_rows():
     assert all(c.F > 0 and c.B > 0 and c.I > 0 and c.W > 0 and c.saved_bytes > 0 for c in blocks)
     assert all(c.out_bytes == 2 * 16 * 32 * 4 for c in blocks)  # rows x seq x dim float32
     assert prof.loss.F > 0 and prof.optimizer_seconds_per_param > 0
+    # identical blocks save the same bytes: the optimizer's flat parameter buffers (which the
+    # parameters are views of once it is built) are not counted as a block's activations
+    assert len({c.saved_bytes for c in blocks}) == 1
     double = prof.at(2 * prof.rows)
     assert [c.saved_bytes for c in double[1:5]] == [2 * c.saved_bytes for c in blocks]
     assert all(d.F >= c.F for d, c in zip(double, prof.at(prof.rows)))
