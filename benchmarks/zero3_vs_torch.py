@@ -69,8 +69,22 @@ from pipekit.optim import ZeroOptimizer
 from pipekit.schedules import build_schedule
 from pipekit.spec import build_layer
 from pipekit.testing import run_distributed
-from vs_torch_pipelining import (SEED, SHAPES, Shape, cuts, first_steps, gpt_specs, load_average, machine, make_batch,
-                                 make_loss, round_sizes, run_summary, table, time_alternating)
+from vs_torch_pipelining import (
+    SEED,
+    SHAPES,
+    Shape,
+    cuts,
+    first_steps,
+    gpt_specs,
+    load_average,
+    machine,
+    make_batch,
+    make_loss,
+    round_sizes,
+    run_summary,
+    table,
+    time_alternating,
+)
 
 PP, DP, LR, WD = 2, 2, 1e-3, 0.01
 # "small": the compute shape at half the width and sequence, for a slower or busier machine
@@ -191,7 +205,7 @@ def report(shape: Shape, rows: list[dict], cfg: dict, info: dict) -> str:
 
 def parse_args(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=8, help="timed steps per run (default 8)")
+    p.add_argument("--steps", type=int, default=16, help="timed steps per run (default 16)")
     p.add_argument("--quick", action="store_true", help="smoke mode: 2 timed steps after 1 warm-up")
     p.add_argument("--shape", default="compute", choices=list(SIZES),
                    help="compute: vs_torch_pipelining's (d=256, 32 x 128 tokens); small: d=128, 32 x 64")
