@@ -40,13 +40,14 @@ per-row log-sum-exp), so the fp32 count from the saved tensors themselves
 is, per GPT-2 block, in bytes (4 bytes per element, f = 4h the MLP width):
 
     SP off:  sbh * 4 * (4 + (4 + 2f/h)/t) + 4abs/t   = sbh(16 + 48/t) + 4abs/t
-    SP on:   sbh * 4 * (2 + (2 + 4 + 2f/h)/t) + 4abs/t = sbh(8 + 56/t) + 4abs/t
+    SP on:   sbh * 4 * (2 + 2 + 4 + 2f/h)/t + 4abs/t    = sbh * 64/t + 4abs/t
 
 (replicated without SP: both norms' inputs and the two tp-region inputs,
-QKV's and fc1's; with SP the norms' inputs are split, but the all-gathered
-tp-region inputs are what the QKV and fc1 linears save, full-length on every
-rank). No such count is given for Llama (its RMSNorm, rotary and SwiGLU save
-more than the q, k, v, gate and up tensors alone; the table says n/a).
+QKV's and fc1's; with SP all four are split: the QKV and fc1 linears save
+their input's sequence slice and all-gather it again in backward,
+`pipekit.layers.parallel.sequence_parallel_linears`). No such count is given
+for Llama (its RMSNorm, rotary and SwiGLU save more than the q, k, v, gate and
+up tensors alone; the table says n/a).
 
 The script prints measured / memplan and measured / this count; the target is
 measured / memplan within 10%.
@@ -182,7 +183,7 @@ def count_block(family: str, model: dict, shape: dict, tp: int, sp: bool) -> flo
     lse = 4 * a * b * s / tp
     split = 4 + 2 * 4  # q, k, v, attention output; fc1 output and GELU output (f = 4h)
     if sp:
-        return s * b * h * 4 * (2 + (2 + split) / tp) + lse
+        return s * b * h * 4 * (4 + split) / tp + lse
     return s * b * h * 4 * (4 + split / tp) + lse
 
 

@@ -226,6 +226,42 @@ def test_sequence_collectives_give_shapes_on_meta_and_refusals():
             model_specs(cfg)[1].build(seed=SEED, index=1, device="meta")
 
 
+def test_sequence_parallel_linears_save_only_the_slice_on_meta():
+    """Sequence-parallel q/k/v, fc and gate/up keep their input's (B, T/tp, D) slice for backward,
+    never the all-gathered (B, T, D) input (no other tensor of that shape is saved at these widths),
+    and backward gives every gradient its tensor's shape (meta: shapes only, no communication)."""
+    from pipekit.layers import CausalSelfAttention, ColumnParallelLinear
+    from pipekit.layers.linear import column_parallel_linears
+    from pipekit.layers.mlp import GeluMLP, SwiGLUMLP
+
+    group, (b, t, d) = FakeGroup(2, 0), (2, 8, 16)
+    with tensor_parallel(group), sequence_parallel(True), torch.device("meta"):
+        parts = [CausalSelfAttention(d, 4, bias=True), GeluMLP(d, 48), SwiGLUMLP(d, 40)]
+        plain = ColumnParallelLinear(d, 8, group=FakeGroup(2, 0))
+    with tensor_parallel(group), torch.device("meta"):
+        no_sp = ColumnParallelLinear(d, 8)
+    for part in parts:
+        x = torch.empty(b, t // 2, d, device="meta", requires_grad=True)
+        saved: list[tuple] = []
+
+        def pack(s: torch.Tensor, saved: list = saved) -> torch.Tensor:
+            saved.append(tuple(s.shape))
+            return s
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda s: s):
+            y = part(x)
+        assert y.shape == x.shape, type(part).__name__
+        assert (b, t // 2, d) in saved and (b, t, d) not in saved, (type(part).__name__, saved)
+        y.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+        for name, p in part.named_parameters():
+            assert p.grad is not None and p.grad.shape == p.shape, (type(part).__name__, name)
+    with pytest.raises(ValueError, match="one tp group and one sequence_parallel setting"):
+        column_parallel_linears(torch.empty(b, t // 2, d, device="meta"), parts[0].q, plain)
+    with pytest.raises(ValueError, match="one tp group and one sequence_parallel setting"):
+        column_parallel_linears(torch.empty(b, t // 2, d, device="meta"), parts[0].q, no_sp)
+
+
 def test_sequence_parallel_config_switch_and_its_refusals():
     from pipekit.config import ConfigError, load_config
 

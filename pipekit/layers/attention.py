@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from .parallel import current_tp_group, group_size
 from .rotary import apply_rotary, rotary_cos_sin
 
@@ -58,12 +58,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one backward all-reduce for q, k and v together; sequence-parallel: the all-gather of the
         # sequence slices (B, T/tp, dim) -> (B, T, dim), so attention and the rotary positions see all T
-        x = self.q.enter(x)
-        q = einops.rearrange(self.q.forward_copied(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, H/tp, T, hd)
-        k = einops.rearrange(self.k.forward_copied(x), "b t (h d) -> b h t d", d=self.head_dim)  # (B, KV/tp, T, hd)
-        v = einops.rearrange(self.v.forward_copied(x), "b t (h d) -> b h t d", d=self.head_dim)
+        # (only the slice is saved for backward, gathered again there)
+        q, k, v = column_parallel_linears(x, self.q, self.k, self.v)
+        q = einops.rearrange(q, "b t (h d) -> b h t d", d=self.head_dim)  # (B, H/tp, T, hd)
+        k = einops.rearrange(k, "b t (h d) -> b h t d", d=self.head_dim)  # (B, KV/tp, T, hd)
+        v = einops.rearrange(v, "b t (h d) -> b h t d", d=self.head_dim)
         if self.rope_theta is not None:
-            cos, sin = rotary_cos_sin(x.shape[1], self.head_dim, self.rope_theta, x.device, q.dtype)
+            cos, sin = rotary_cos_sin(q.shape[2], self.head_dim, self.rope_theta, q.device, q.dtype)
             q, k = apply_rotary(q, k, cos, sin)
         if self.local_kv_heads != self.local_heads:  # query head i uses kv head i // r
             r = self.local_heads // self.local_kv_heads

@@ -22,6 +22,7 @@ from .parallel import (
     mark_sequence_parallel,
     normal_full,
     scatter_to_tp,
+    sequence_parallel_linears,
     sharded_parameter,
 )
 
@@ -37,7 +38,10 @@ class ColumnParallelLinear(TensorParallelModule):
     `gather_output`; backward an all-reduce of the input gradient (`copy_to_tp`),
     preceded by the slicing of the output gradient when gathered. Sequence-parallel
     (`sequence_parallel`, set at construction): the input is (B, T/tp, in) and is
-    all-gathered along T first, its gradient reduce-scattered (`enter_tp`).
+    all-gathered along T first, its gradient reduce-scattered; the layer saves for
+    backward only that (B, T/tp, in) slice, not the gathered input, and all-gathers it
+    again in backward for the weight gradient (`sequence_parallel_linears`).
+    Several layers fed by one input share these collectives: `column_parallel_linears`.
     """
 
     bias: nn.Parameter | None
@@ -53,24 +57,51 @@ class ColumnParallelLinear(TensorParallelModule):
         self.register_parameter("bias", bias_param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_copied(self.enter(x))
+        return column_parallel_linears(x, self)[0]
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The input made ready for `forward_copied`: `copy_to_tp`, or when sequence-parallel
-        the all-gather along the sequence (`enter_tp`)."""
+        the all-gather along the sequence (`enter_tp`; the gathered input is then what the
+        linear saves for backward: `column_parallel_linears` saves only the slice)."""
         return enter_tp(x, self.group, self.sequence_parallel)
 
     def forward_copied(self, x: torch.Tensor) -> torch.Tensor:
         """The layer on an input the caller already passed through `enter`: several
         projections of one input (q, k, v; gate, up) then share one backward all-reduce
         (one all-gather forward and one reduce-scatter backward when sequence-parallel)."""
-        y = F.linear(x, self.weight, self.bias)  # (..., out/tp)
+        return self._output(F.linear(x, self.weight, self.bias))  # (..., out/tp)
+
+    def _output(self, y: torch.Tensor) -> torch.Tensor:
         return gather_from_tp(y, self.group, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, tp={self.tp_size}, "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}"
                 + (", sequence_parallel=True" if self.sequence_parallel else ""))
+
+
+def column_parallel_linears(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[torch.Tensor, ...]:
+    """Each of `layers` (built on one tp group, all sequence-parallel or none) on the one input
+    `x`, their outputs in order, sharing the entry collectives: without sequence parallelism one
+    `copy_to_tp` (one backward all-reduce of the summed input gradient); with it one forward
+    all-gather along T and, in backward, one all-gather of the saved (B, T/tp, in) slice and one
+    reduce-scatter of the summed input gradient (`sequence_parallel_linears`: the gathered
+    (B, T, in) input is not kept for backward)."""
+    if not layers:
+        raise ValueError("column_parallel_linears needs at least one ColumnParallelLinear")
+    first = layers[0]
+    for layer in layers[1:]:
+        if layer.group is not first.group or layer.sequence_parallel != first.sequence_parallel:
+            raise ValueError(
+                f"column_parallel_linears shares one entry among its layers, so they need one tp group and one "
+                f"sequence_parallel setting; got {layer!r} after {first!r}"
+            )
+    if not first.sequence_parallel:
+        x = first.enter(x)
+        return tuple(layer.forward_copied(x) for layer in layers)
+    ys = sequence_parallel_linears(x, first.group, tuple(layer.weight for layer in layers),
+                                   tuple(layer.bias for layer in layers))
+    return tuple(layer._output(y) for layer, y in zip(layers, ys))
 
 
 class RowParallelLinear(TensorParallelModule):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.glu import swiglu
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from .parallel import current_tp_group
 
 
@@ -51,5 +51,6 @@ class SwiGLUMLP(nn.Module):
         self.down = RowParallelLinear(hidden, dim, bias=bias, init_std=out_std, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.gate.enter(x)  # one backward all-reduce (sequence-parallel: one all-gather) for gate and up
-        return self.down(swiglu(self.gate.forward_copied(x), self.up.forward_copied(x)))  # hidden: (B, T, hidden/tp)
+        # one backward all-reduce (sequence-parallel: one all-gather, the slice saved) for gate and up
+        gate, up = column_parallel_linears(x, self.gate, self.up)
+        return self.down(swiglu(gate, up))  # hidden: (B, T, hidden/tp)

@@ -19,7 +19,12 @@ the region boundaries become
     gather_sequence          forward: all-gather along T    backward: reduce-scatter along T
     reduce_scatter_sequence  forward: reduce-scatter along T  backward: all-gather along T
 
-(`enter_tp` / `leave_tp` pick the pair a layer uses). A parameter replicated over tp
+(`enter_tp` / `leave_tp` pick the pair a layer uses). The column-parallel linears a
+sequence-parallel tp region starts with do not use `gather_sequence`: `sequence_parallel_linears`
+fuses the all-gather with the linears fed by it (q, k, v; gate and up) and saves for backward
+only this rank's slice (B, T/tp, D) and the weights, not the gathered (B, T, D) input; backward
+all-gathers the slice again for the weight gradients and reduce-scatters the summed input
+gradient (Megatron's sequence-parallel linear). A parameter replicated over tp
 that works on the split activations (a norm's weight, a row-parallel bias) then gets
 only its rank's part of the gradient; such parameters carry `sequence_parallel = True`
 and the optimizer sums their gradients over tp (`is_sequence_parallel`).
@@ -43,6 +48,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from ..lanes import lane
@@ -277,6 +283,61 @@ class _ReduceScatterSequence(torch.autograd.Function):
 
 
 SEQUENCE_DIM = 1  # activations are (B, T, ...): sequence parallelism splits dim 1
+
+
+class _SequenceParallelLinears(torch.autograd.Function):
+    """y_i = linear(all_gather(x), w_i, b_i) for each (w_i, b_i), saving x (the slice), not the
+    gathered input: backward all-gathers x again. `params` is w_0, b_0, w_1, b_1, ... (a b_i may
+    be None)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, *params):
+        whole = _all_gather(x, group, dim)  # (B, T, D)
+        weights, biases = params[0::2], params[1::2]
+        ctx.group, ctx.dim = group, dim
+        ctx.has_bias = tuple(b is not None for b in biases)
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(whole, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        need = ctx.needs_input_grad  # x, group, dim, w_0, b_0, w_1, b_1, ...
+        grad_x = None
+        if need[0]:  # sum over the linears of dy_i W_i, (B, T, D), then this rank's slice of the sum over tp
+            for g, w in zip(grads, weights):
+                part = g.matmul(w)
+                grad_x = part if grad_x is None else grad_x + part
+            grad_x = _reduce_scatter(grad_x, ctx.group, ctx.dim)
+        grad_params: list[torch.Tensor | None] = []
+        whole = None
+        if any(need[3::2]):  # the all-gather again, once for all the linears: (B*T, D)
+            whole = _all_gather(x, ctx.group, ctx.dim)
+            whole = whole.reshape(-1, whole.shape[-1])
+        for i, g in enumerate(grads):
+            g2 = g.reshape(-1, g.shape[-1])  # (B*T, out_i/tp)
+            grad_params.append(g2.t().matmul(whole) if whole is not None and need[3 + 2 * i] else None)
+            grad_params.append(g2.sum(0) if ctx.has_bias[i] and need[4 + 2 * i] else None)
+        return (grad_x, None, None, *grad_params)
+
+
+def sequence_parallel_linears(x: torch.Tensor, group, weights: tuple[torch.Tensor, ...],
+                              biases: tuple[torch.Tensor | None, ...], dim: int = SEQUENCE_DIM
+                              ) -> tuple[torch.Tensor, ...]:
+    """The column-parallel linears fed by one sequence-split input, entering a tp region together:
+    `x` (B, T/tp, D) is all-gathered along `dim` and each (weights[i], biases[i]) applied to it,
+    giving (B, T, out_i/tp) each. Saved for backward: `x` (this rank's slice) and the weights;
+    backward all-gathers `x` again (for the weight gradients) and reduce-scatters the sum of the
+    linears' input gradients along `dim`. The same values as `gather_sequence` then `F.linear`
+    each, which keeps the gathered (B, T, D) input alive until backward. One rank (or None): the
+    linears on `x`. On meta: shapes only."""
+    if len(weights) != len(biases) or not weights:
+        raise ValueError(f"sequence_parallel_linears needs one bias (or None) per weight and at least one "
+                         f"weight, got {len(weights)} weights and {len(biases)} biases")
+    if group_size(group) == 1:
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    params = [t for pair in zip(weights, biases) for t in pair]
+    return _SequenceParallelLinears.apply(x, group, dim, *params)
 
 
 def gather_sequence(x: torch.Tensor, group, dim: int = SEQUENCE_DIM) -> torch.Tensor:

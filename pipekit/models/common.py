@@ -40,7 +40,7 @@ from ..layers import (
     VocabParallelEmbedding,
     gather_from_tp,
 )
-from ..layers.parallel import SEQUENCE_DIM, current_ep_group, enter_tp, group_rank
+from ..layers.parallel import SEQUENCE_DIM, current_ep_group, enter_tp, group_rank, sequence_parallel_linears
 from ..spec import LayerSpec, TiedLayerSpec
 
 
@@ -139,11 +139,15 @@ def vocab_logits(embedding: VocabParallelEmbedding, h: torch.Tensor, vocab_size:
 
     Communication: none forward; backward all-reduces the gradient of `h` over tp.
     Sequence-parallel (the table was built so): `h` is this rank's slice (B, T/tp, D), all-gathered
-    along T first (backward: reduce-scatter; fused: backward keeps this rank's slice of the
+    along T first (backward: reduce-scatter; only the slice is saved for backward and gathered
+    again there, `sequence_parallel_linears`; fused: backward keeps this rank's slice of the
     kernel's already summed gradient)."""
     if fused and embedding.training:
         return sequence_whole(h, embedding)
-    logits = F.linear(enter_tp(h, embedding.group, embedding.sequence_parallel), embedding.weight)
+    if embedding.sequence_parallel:  # saves h's slice, not the gathered h
+        (logits,) = sequence_parallel_linears(h, embedding.group, (embedding.weight,), (None,))
+    else:
+        logits = F.linear(enter_tp(h, embedding.group, False), embedding.weight)
     if vocab_size is None:
         return logits
     return mask_padded_vocab(logits, vocab_size, embedding.vocab_start)
