@@ -57,13 +57,19 @@ ZeRO-2 buckets in flight, the allocator's fragmentation, CUDA context and worksp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
 
 from .config import ConfigError, ParallelConfig, Run, load_config
 from .planner import Candidate, activation_peaks, predict
-from .profiler import KINDS, CommModel, LayerCost, Profile, _layer_params, _model
+from .profiler import KINDS, CommModel, LayerCost, Profile, _layer_params, _model, _nbytes
 from .schedules import build_schedule
+from .testing import FakeGroup
 
 ZERO_STAGES = (0, 1, 2, 3)
 BLOCK = "TransformerBlock"
@@ -162,8 +168,121 @@ def state_memory(dense: float, expert: float, run: Run, zero: int, gathered_para
 
 
 # ---- activations -------------------------------------------------------------------
+class SavedStorages:
+    """While active (`with counter:`), the bytes autograd saves for backward: each storage
+    counted once, whole (views of one storage are one tensor's bytes), the storages of
+    `params` (so parameters and their views) left out. Works on the meta device, where
+    storages have sizes but no addresses: a storage is told apart by its identity, and
+    the saved tensors are kept alive until `close()` so that no identity is reused."""
+
+    def __init__(self, params=()):
+        self.skip = {self._key(p) for p in params}
+        self.seen: set[int] = set()
+        self.kept: list[torch.Tensor] = []
+        self.total = 0
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        storage = t.untyped_storage()
+        return storage._cdata if t.is_meta else storage.data_ptr()
+
+    def __enter__(self):
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = self._key(t)
+            if key not in self.skip and key not in self.seen:
+                self.seen.add(key)
+                self.kept.append(t)
+                self.total += t.untyped_storage().nbytes()
+            return t
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    def take(self) -> int:
+        """Bytes counted since the last take."""
+        n, self.total = self.total, 0
+        return n
+
+    def close(self) -> None:
+        self.kept.clear()
+
+
+@contextlib.contextmanager
+def _fused_attention_on_meta() -> Iterator[None]:
+    """`F.scaled_dot_product_attention` on meta tensors as the fused kernel a real run takes
+    (on meta torch picks its math path, which saves the (T, T) score matrix; the CPU flash
+    kernel, like CUDA's flash and memory-efficient ones, saves q, k, v, the output and a
+    per-row log-sum-exp). Other calls (a mask, real tensors) go to torch's own."""
+    real = F.scaled_dot_product_attention
+
+    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        if q.is_meta and attn_mask is None and not kwargs.get("enable_gqa", False):
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, dropout_p, is_causal, scale=scale)[0]
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs)
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+def meta_activations(run: Run, rows: int, sp: bool) -> list[tuple[int, int]]:
+    """Per layer, one tp rank's (saved bytes, output bytes) for one microbatch of `rows`
+    rows, counted by running the run's own layers on the meta device: built at the run's tp
+    (a `FakeGroup(tp, 0)` as their tp group, sequence parallel when `sp`), one forward in
+    train mode under `SavedStorages`, the loss's saved bytes folded into the last layer.
+    Nothing is allocated and nothing communicates (meta collectives only shape). Exact
+    for what these layers save, whatever they save (fused attention, SP's gathered inputs);
+    routed experts see every token of the microbatch (no expert parallelism on meta)."""
+    group = FakeGroup(run.tp, 0) if run.tp > 1 else None
+    module, batch = _model(run, "meta", tp_group=group, sequence_parallel=sp and run.tp > 1)
+    module.train()
+    x, labels = (t.to("meta") for t in batch(rows))
+    counter = SavedStorages([p for p in module.parameters() if p.requires_grad])  # buffers count (rotary tables)
+    out, found = x, []
+    try:
+        with counter, torch.enable_grad(), _fused_attention_on_meta():
+            for i in range(len(module.specs)):
+                out = module.run_layer(i, out)
+                found.append([counter.take(), _nbytes(out)])
+            module.loss_fn(out, labels)
+            found[-1][0] += counter.take()
+    finally:
+        counter.close()
+    return [(s, o) for s, o in found]
+
+
+def planned_activations(run: Run, layers: list[LayerCost], rows: int, sp: bool, ac: bool,
+                        cache: dict | None = None) -> tuple[list[float], list[float], str]:
+    """`layer_activations` from the meta count (`meta_activations`) at `rows` rows, and where
+    the bytes come from; when the layers cannot run on meta, from `layers` (the profile)
+    by Korthikanti et al.'s proportions, and the source says why."""
+    key = (rows, sp and run.tp > 1)
+    if cache is None or key not in cache:
+        try:
+            found: list[tuple[int, int]] | str = meta_activations(run, rows, key[1])
+        except Exception as e:  # noqa: BLE001 -- any layer that cannot run on meta: say so, use the fallback
+            found = f"{type(e).__name__}: {e}"
+        if cache is not None:
+            cache[key] = found
+    else:
+        found = cache[key]
+    if isinstance(found, str):
+        held, recompute = layer_activations(run, layers, sp, ac)
+        return held, recompute, (f"the tp=1 profile scaled by Korthikanti et al.'s proportions (the layers "
+                                 f"did not run on the meta device: {found})")
+    held, recompute = layer_activations(run, layers, sp, ac, measured=found)
+    return held, recompute, f"counted on the meta device at tp={run.tp}"
+
+
 def tp_fraction(run: Run, sp: bool) -> float:
-    """The share of a transformer block's activations one tp rank keeps (Korthikanti et al.)."""
+    """The share of a transformer block's activations one tp rank keeps (Korthikanti et al.):
+    the fallback when the layers cannot be counted on meta."""
     t = run.tp
     if t == 1:
         return 1.0
@@ -174,13 +293,21 @@ def tp_fraction(run: Run, sp: bool) -> float:
     return (10 + 24 / t + attn / t) / (34 + attn)
 
 
-def layer_activations(run: Run, layers: list[LayerCost], sp: bool, ac: bool) -> tuple[list[float], list[float]]:
+def layer_activations(run: Run, layers: list[LayerCost], sp: bool, ac: bool,
+                      measured: list[tuple[int, int]] | None = None) -> tuple[list[float], list[float]]:
     """Per layer, on one rank: (bytes held per microbatch in flight, bytes of the block
-    recomputed in backward: 0 unless `ac` and a block)."""
+    recomputed in backward: 0 unless `ac` and a block). `measured`: per layer (saved,
+    output) bytes of one tp rank (`meta_activations`), used as they are; without it,
+    `layers`' tp=1 bytes by Korthikanti et al.'s proportions (the fallback)."""
     t, frac = run.tp, tp_fraction(run, sp)
     held, recompute = [], []
-    for c in layers:
-        if c.name == BLOCK:
+    for i, c in enumerate(layers):
+        block = c.name == BLOCK
+        if measured is not None:
+            saved, out = measured[i]
+            held.append(float(out if ac and block else saved))
+            recompute.append(float(saved) if ac and block else 0.0)
+        elif block:
             full = c.saved_bytes * frac
             held.append(c.out_bytes / (t if sp else 1) if ac else full)
             recompute.append(full if ac else 0.0)
