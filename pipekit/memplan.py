@@ -66,14 +66,16 @@ import torch
 import torch.nn.functional as F
 
 from .config import ConfigError, ParallelConfig, Run, load_config
+from .models import model_specs
 from .planner import Candidate, activation_peaks, predict
 from .profiler import KINDS, CommModel, LayerCost, Profile, _layer_params, _model, _nbytes
 from .schedules import build_schedule
+from .spec import TiedLayerSpec
 from .testing import FakeGroup
 
 ZERO_STAGES = (0, 1, 2, 3)
 BLOCK = "TransformerBlock"
-COMPONENTS = ("params", "grads", "master", "optimizer", "gathered", "activations")
+COMPONENTS = ("params", "grads", "master", "optimizer", "gathered", "unsharded_grads", "activations")
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class Memory:
     master: float = 0.0
     optimizer: float = 0.0
     gathered: float = 0.0
+    unsharded_grads: float = 0.0
     activations: float = 0.0
 
     @property
@@ -116,6 +119,7 @@ class MemoryRow:
     fits: bool
     runnable: bool = True
     timeline: list = field(default_factory=list, repr=False)
+    activations_source: str = ""  # where the activation bytes come from (`planned_activations`)
 
     def record(self) -> dict:
         c = self.candidate
@@ -123,6 +127,7 @@ class MemoryRow:
                 "micro_batch": c.micro_batch, "partition": c.partition, "boundaries": c.boundaries,
                 "zero_stage": self.option.zero, "sequence_parallel": self.option.sp,
                 "activation_checkpointing": self.option.ac, "runnable": self.runnable,
+                "activations_source": self.activations_source,
                 "bytes": {**{k: getattr(self.memory, k) for k in COMPONENTS}, "total": self.memory.total},
                 "per_rank_total_bytes": self.per_rank, "step_seconds": self.step_seconds, "fits": self.fits}
 
@@ -130,13 +135,32 @@ class MemoryRow:
 # ---- parameters ------------------------------------------------------------------
 def layer_params(run: Run) -> list[tuple[int, int]]:
     """Per layer of the whole model (tp=1, ep=1, on the meta device): (dense, routed-expert)
-    parameter counts; a tied layer counts at each use (each pipeline owner holds it)."""
+    parameter counts; a tied layer counts at each use (`tied_keys` tells a rank's uses apart)."""
     module, _ = _model(run, "meta")
     out = []
     for i in range(len(module.specs)):
         params = [p for p in _layer_params(module, i) if p.requires_grad]
         expert = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
         out.append((sum(p.numel() for p in params) - expert, expert))
+    return out
+
+
+def tied_keys(run: Run) -> list[str | None]:
+    """Per layer: the key of the weights it shares with other layers (a `TiedLayerSpec`: a
+    GPT's embedding and head), or None."""
+    return [spec.key if isinstance(spec, TiedLayerSpec) else None for spec in model_specs(run.model)]
+
+
+def held_once(layers: list[int], keys: list[str | None]) -> list[int]:
+    """`layers` (a rank's), a tied key's later uses left out: the rank holds one copy of it."""
+    seen: set[str] = set()
+    out = []
+    for i in layers:
+        if keys[i] is not None:
+            if keys[i] in seen:
+                continue
+            seen.add(keys[i])  # type: ignore[arg-type]
+        out.append(i)
     return out
 
 
@@ -148,23 +172,41 @@ def rank_params(run: Run, split: list[tuple[int, int]]) -> tuple[float, float]:
     return dense, expert
 
 
-def state_memory(dense: float, expert: float, run: Run, zero: int, gathered_params: float = 0.0) -> Memory:
+def state_memory(dense: float, expert: float, run: Run, zero: int,
+                 gathered_params: tuple[float, float] = (0.0, 0.0)) -> Memory:
     """Model state on one rank holding `dense` and `expert` parameters (already split over
     tp and ep) at ZeRO stage `zero` (see the module docstring); `gathered_params`: the
-    parameters a stage-3 rank gathers whole at once."""
+    (dense, expert) parameters a stage-3 rank holds gathered whole at once. Stage 3 also
+    holds the step's gradients whole, in the reduce dtype, until the step's reduce-scatter.
+    A group sharded over one rank (dp=1, or edp=1 for experts) is whole already: nothing
+    is gathered and its gradients are the `grads` component."""
     policy, o = run.precision, run.config.optimizer
     width, grad = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
     master = policy.master_dtype.itemsize if policy.mixed else 0
     moments = (2 if o.name == "adamw" else (1 if o.momentum else 0)) * policy.master_dtype.itemsize
     mem = Memory()
-    for n, shards in ((dense, run.dp), (expert, run.dp // run.ep)):
+    for n, shards, whole in ((dense, run.dp, gathered_params[0]), (expert, run.dp // run.ep, gathered_params[1])):
         mem.params += n * width / (shards if zero >= 3 else 1)
         mem.grads += n * grad / (shards if zero >= 2 else 1)
         mem.master += n * master / (shards if zero >= 1 else 1)
         mem.optimizer += n * moments / (shards if zero >= 1 else 1)
-    if zero >= 3:
-        mem.gathered = gathered_params * width
+        if zero >= 3 and shards > 1:
+            mem.gathered += whole * width
+            mem.unsharded_grads += n * grad
     return mem
+
+
+def gathered_params(run: Run, splits: list[tuple[int, int]], mine: list[int]) -> tuple[float, float]:
+    """(dense, expert) parameters a stage-3 rank holding layers `mine` (each held once) keeps
+    gathered at its peak: with `optimizer.reshard_after_forward` one layer at a time (FSDP frees
+    each after its forward and after its backward), the largest; without, every layer from
+    its first use to the step's end, so all of them."""
+    per_layer = [rank_params(run, [splits[i]]) for i in mine]
+    if not per_layer:
+        return 0.0, 0.0
+    if run.config.optimizer.reshard_after_forward:
+        return max(per_layer, key=sum)
+    return sum(d for d, _ in per_layer), sum(e for _, e in per_layer)
 
 
 # ---- activations -------------------------------------------------------------------
@@ -224,7 +266,7 @@ def _fused_attention_on_meta() -> Iterator[None]:
                 q, k, v, dropout_p, is_causal, scale=scale)[0]
         return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs)
 
-    F.scaled_dot_product_attention = fused
+    F.scaled_dot_product_attention = fused  # type: ignore[assignment]  # undone below
     try:
         yield
     finally:
@@ -364,29 +406,29 @@ def runnable(run: Run, option: Option) -> bool:
 
 
 def memory_plan(run: Run, profile: Profile, comm: CommModel, candidates: list[Candidate],
-                budget: float, *, keep_gathered: bool = False) -> list[MemoryRow]:
+                budget: float) -> list[MemoryRow]:
     """For each (schedule, chunks) and option, the fastest of `candidates` (microbatches x
     partition) that fits `budget` bytes on every rank, or else the one needing least
     memory; rows that fit first, fastest first, then the rest by memory."""
-    splits = layer_params(run)
+    splits, keys = layer_params(run), tied_keys(run)
     runs = {o: runnable(run, o) for o in options(run)}
     by_schedule: dict[tuple[str, int, Option], list[MemoryRow]] = {}
     cache: dict[tuple, dict] = {}
+    activations: dict = {}  # (rows, sp) -> the meta count, or why there is none
     for cand in candidates:
         layers = [replace(c, **{k: getattr(c, k) / run.tp for k in KINDS}) for c in profile.at(cand.micro_batch)]
         schedule = build_schedule(cand.schedule, run.pp, cand.microbatches, cand.chunks_per_rank)
         for option in runs:
             stages = list(zip(cand.boundaries, cand.boundaries[1:]))
-            held, recompute = layer_activations(run, layers, option.sp, option.ac)
+            held, recompute, source = planned_activations(run, layers, cand.micro_batch, option.sp, option.ac,
+                                                          activations)
             peaks = activation_peaks(schedule, [round(sum(held[lo:hi])) for lo, hi in stages])
             mems = []
             for r in range(schedule.pp):
                 mine = [i for s in schedule.local_stages(r) for i in range(*stages[s])]
-                dense, expert = rank_params(run, [splits[i] for i in mine])
-                blocks = [i for i in mine if layers[i].name == BLOCK] or mine
-                gathered = (dense + expert if keep_gathered
-                            else max(sum(rank_params(run, [splits[i]])) for i in blocks))
-                mem = state_memory(dense, expert, run, option.zero, gathered)
+                once = held_once(mine, keys)
+                dense, expert = rank_params(run, [splits[i] for i in once])
+                mem = state_memory(dense, expert, run, option.zero, gathered_params(run, splits, once))
                 mem.activations = peaks[r] + max((recompute[i] for i in mine), default=0.0)
                 mems.append(mem)
             worst = max(mems, key=lambda m: m.total)
@@ -396,7 +438,7 @@ def memory_plan(run: Run, profile: Profile, comm: CommModel, candidates: list[Ca
                                      comm, profile.optimizer_seconds_per_param, run)
             p = cache[key]
             row = MemoryRow(cand, option, worst, [m.total for m in mems], p["step"], worst.total <= budget,
-                            runs[option], p["timeline"])
+                            runs[option], p["timeline"], source)
             by_schedule.setdefault((cand.schedule, cand.chunks_per_rank, option), []).append(row)
     best = [min(rows, key=lambda r: (not r.fits, r.step_seconds if r.fits else r.memory.total))
             for rows in by_schedule.values()]
@@ -412,7 +454,7 @@ def _gib(nbytes: float) -> str:
 
 def memory_table(rows: list[MemoryRow], top: int | None = None) -> str:
     table = [["schedule", "chunks", "mb x rows", "ZeRO", "SP", "AC", "params", "grads", "master", "optim",
-              "gathered", "activ.", "total GiB", "step ms", ""]]
+              "gathered", "unsh. grads", "activ.", "total GiB", "step ms", ""]]
     for r in rows[:top]:
         c, m, o = r.candidate, r.memory, r.option
         note = ("fits" if r.fits else "over budget") + ("" if r.runnable else " (not yet runnable)")
