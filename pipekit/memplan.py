@@ -3,19 +3,23 @@ ZeRO stage (0-3) x sequence parallelism (off/on, at tp > 1) x activation checkpo
 (off / every transformer block), the bytes each rank holds, and the fastest plan that fits.
 
 Nothing is allocated: parameter counts come from the model built on the meta device
-(`layer_params`), activation bytes from the planner's layer profile (measured, or
-counted on the meta device with `--no-profile` or for a model too large to profile).
+(`layer_params`), activation bytes from the run's own layers run on the meta device
+(`meta_activations`).
 
 Model state per rank (ZeRO, Rajbhandari et al. 2020), Ψ parameters of the rank's
-stages, N the group the state is sharded over:
+stages (a tied weight, a GPT's embedding and head, counted once per rank holding it),
+N the group the state is sharded over:
 
-    params      Ψ · param bytes            / N at stage 3
-    grads       Ψ · gradient bytes         / N at stages 2, 3
-    master      Ψ · master bytes           / N at stages 1, 2, 3   (0 when params are fp32: their own master)
-    optimizer   Ψ · k · master bytes       / N at stages 1, 2, 3   (k = 2 Adam moments; SGD with momentum 1)
-    gathered    stage 3 only: the largest block's parameters, gathered whole while it runs (FSDP
-                gathers one block at a time; `keep_gathered=True`: the rank's whole stages, kept
-                gathered for the step)
+    params           Ψ · param bytes            / N at stage 3
+    grads            Ψ · gradient bytes         / N at stages 2, 3
+    master           Ψ · master bytes           / N at stages 1, 2, 3   (0 when params are fp32: their own master)
+    optimizer        Ψ · k · master bytes       / N at stages 1, 2, 3   (k = 2 Adam moments; SGD with momentum 1)
+    gathered         stage 3 only: parameters FSDP holds gathered whole, in param bytes. Without
+                     `optimizer.reshard_after_forward` every layer stays gathered from its first use
+                     to the step's end: the rank's whole Ψ; with it each layer is freed after its
+                     forward and after its backward: the rank's largest layer
+    unsharded_grads  stage 3 only: Ψ · gradient bytes, the step's gradients FSDP accumulates whole
+                     until the one reduce-scatter at the step's end
 
 Bytes are the run's precision policy's: param bytes `param_dtype`, gradient bytes
 `reduce_dtype` (the dtype `ZeroOptimizer` accumulates and reduces gradients in: fp32
@@ -23,25 +27,29 @@ under bf16/fp16, as its own table says), master and moments `master_dtype`.
 Ψ on a rank: the dense parameters of its stages / tp (every one counted as split:
 norm weights and MoE routers, in fact replicated over tp, are well under 1% of a
 block), sharded over N = dp; the routed experts' parameters / ep (and / tp with
-`parallel.expert_tp`), sharded over N = edp = dp / ep.
+`parallel.expert_tp`), sharded over N = edp = dp / ep (a group over N = 1 is whole:
+nothing gathered, its gradients in `grads`).
 
 Activations per rank: a stage's microbatch holds its saved bytes from its F to its B/W,
 so a rank's peak is `planner.activation_peaks` of the per-stage sums below. Per layer
-and microbatch, with M the layer's saved bytes at tp=1 (`LayerCost.saved_bytes`):
+and microbatch, the bytes one tp rank saves for backward are counted, not modelled
+(`meta_activations`): the run's layers are built at its tp on the meta device (a
+`FakeGroup(tp, 0)` as their tp group, sequence parallel when the option has it), one
+microbatch runs forward in train mode under `torch.autograd.graph.saved_tensors_hooks`,
+and the saved storages are summed, each once, parameters' left out (the loss's folded
+into the last layer). So whatever the layers save (fused attention's log-sum-exp and no
+score matrix, SP's gathered or sharded inputs, SwiGLU, rotary tables) is what is
+counted, at the candidate's rows per microbatch. Attention on meta is routed to the
+fused kernel a real run takes (torch's meta path is the math one). With activation
+checkpointing a block holds its output (as counted, / t with SP), plus once per rank
+the largest of its blocks' saved bytes (the block recomputed in backward). Routed
+experts on meta see all the microbatch's tokens (no expert parallelism there).
 
-    transformer block           M · (10 + 24/t + 5as/(ht)) / (34 + 5as/h)     the parts tp splits
-                                 (Korthikanti et al. 2022, "Reducing Activation Recomputation",
-                                 eq. 2: sbh(10 + 24/t + 5as/(ht)) of sbh(34 + 5as/h) bytes in fp16)
-      with sequence parallel    M / t                                        (their eq. 3: everything split)
-      checkpointed              the block's input, `LayerCost.out_bytes` (sbh · bytes; / t with SP),
-                                plus once per rank the largest of its blocks' un-checkpointed
-                                bytes (the block being recomputed in backward)
-    vocabulary-parallel layers  M / t   (the head; the loss, folded into the last layer, on tp-split logits)
-    other layers                M, / t with sequence parallel
-
-(t = tp, a = heads, s = sequence length, h = model width.) Korthikanti's coefficients
-are used as proportions of the measured M, not as absolute bytes, so a layer that
-saves more or less than their GPT-style block (SwiGLU, flash attention) keeps its own size.
+Fallback, when the layers cannot run on meta (the reason is printed with the plan):
+the profile's tp=1 saved bytes M, per transformer block M · (10 + 24/t + 5as/(ht)) /
+(34 + 5as/h) (Korthikanti et al. 2022, eq. 2, as a proportion), M / t with sequence
+parallelism (their eq. 3), vocabulary-parallel layers M / t, other layers M (/ t with
+SP); t = tp, a = heads, s = sequence length, h = model width.
 
 Step time: the planner's prediction of the candidate (`planner.predict`), with
 activation checkpointing adding each block's forward to its backward (in I, the half

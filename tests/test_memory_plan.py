@@ -1,7 +1,10 @@
 """The planner's memory model (`pipekit.memplan`, `pipekit plan --memory-budget-gb`): each
-component against the ZeRO formulas by hand, against the real optimizer's buffers, the
-activations against Korthikanti et al.'s tp / SP / checkpointing splits, and the command
-on Llama-3 8B (meta device: nothing allocated)."""
+component against the ZeRO formulas by hand (stage 3's gathered parameters and unsharded
+gradients, a tied weight once), against the real optimizer's buffers, the activations
+counted on the meta device against the same count on real tensors (tp=1 in this process,
+tp=2 over two gloo processes, sequence parallelism off and on), the fallback against
+Korthikanti et al.'s tp / SP / checkpointing splits, and the command on Llama-3 8B (meta
+device: nothing allocated)."""
 
 from __future__ import annotations
 
@@ -32,16 +35,20 @@ def _plan_rows(run, budget=GIB, microbatches=None):
     return prof, memplan.memory_plan(run, prof, profiler.CommModel(), cands, budget)
 
 
-def test_state_components_are_the_zero_formulas():
+@pytest.mark.parametrize("reshard", [False, True])
+def test_state_components_are_the_zero_formulas(reshard):
     """Mixtral tiny, bf16 AdamW, dp=4 x ep=2 at pp=1: dense parameters sharded over dp=4, the
     routed experts (half of them per rank) over edp=2; bf16 weights, fp32 gradients (the
-    engine's reduce dtype), fp32 master weights and two fp32 moments."""
-    run = load_run(MIXTRAL, [*QUIET, "parallel.dp=4", "parallel.ep=2", "train.precision=bf16"])
+    engine's reduce dtype), fp32 master weights and two fp32 moments. Stage 3 also holds the
+    step's gradients whole in fp32, and gathered bf16 parameters: the whole rank's without
+    `optimizer.reshard_after_forward`, its largest layer's with it."""
+    run = load_run(MIXTRAL, [*QUIET, "parallel.dp=4", "parallel.ep=2", "train.precision=bf16",
+                             f"optimizer.reshard_after_forward={reshard}"])
     m = run.model
     experts = m.n_layers * m.n_experts * 3 * m.dim * m.hidden  # w_gate, w_up, w_down per expert
     dense = count_params(m) - experts
     E = experts / 2  # this rank's half of the experts
-    block = max(d + e / 2 for d, e in memplan.layer_params(run)[1:1 + m.n_layers])
+    largest = max(d + e / 2 for d, e in memplan.layer_params(run))
     _, rows = _plan_rows(run)
     got = {r.option.zero: r.memory for r in rows if r.candidate.schedule == "1f1b" and not r.option.ac}
     assert set(got) == {0, 1, 2, 3}
@@ -53,7 +60,9 @@ def test_state_components_are_the_zero_formulas():
         n, ne = (4, 2) if z >= 1 else (1, 1)
         assert mem.master == pytest.approx(4 * dense / n + 4 * E / ne)
         assert mem.optimizer == pytest.approx(8 * dense / n + 8 * E / ne)
-        assert mem.gathered == pytest.approx(2 * block if z == 3 else 0)
+        whole = largest if reshard else dense + E
+        assert mem.gathered == pytest.approx(2 * whole if z == 3 else 0)
+        assert mem.unsharded_grads == pytest.approx(4 * (dense + E) if z == 3 else 0)
         assert mem.total == pytest.approx(sum(getattr(mem, k) for k in memplan.COMPONENTS))
     assert got[1].total < got[0].total and got[3].params < got[2].params
 
@@ -74,6 +83,29 @@ def test_stage_0_state_is_what_the_optimizer_allocates():
     mem = memplan.state_memory(*memplan.rank_params(run, memplan.layer_params(run)), run, 0)
     assert (mem.params, mem.grads, mem.master, mem.optimizer) == (
         real["params"], real["grads"], real["master"], real["optimizer_state"])
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_tied_weight_is_counted_once_per_rank_holding_it(pp):
+    """GPT-2's embedding and head share one weight: a rank holding both uses holds it once
+    (pp=1), each of two ranks holding one use holds it (pp=2). bf16 AdamW, ZeRO-3 over dp=2."""
+    run = load_run(GPT, [*GPT_SMALL, f"parallel.pp={pp}", "parallel.dp=2", "train.precision=bf16"])
+    splits, keys = memplan.layer_params(run), memplan.tied_keys(run)
+    assert keys[0] == keys[-1] == "embed" and splits[0] == splits[-1]
+    embed = splits[0][0]
+    _, rows = _plan_rows(run)
+    row = next(r for r in rows if r.candidate.schedule == "1f1b" and r.option == memplan.Option(3, False, False))
+    cuts = row.candidate.boundaries
+    per_rank = [sum(d for d, _ in splits[lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
+    if pp == 1:
+        per_rank = [per_rank[0] - embed]  # the head's use of the embedding's weight: not a second copy
+    psi = row.memory.params  # bf16 / 2 shards: the worst rank's psi; it must be one of the ranks' counts
+    assert psi in per_rank
+    # bf16 params / 2, fp32 grads / 2, fp32 master / 2, two fp32 moments / 2; gathered bf16, unsharded fp32
+    assert (row.memory.grads, row.memory.master, row.memory.optimizer) == pytest.approx(
+        (4 * psi / 2, 4 * psi / 2, 8 * psi / 2))
+    assert (row.memory.gathered, row.memory.unsharded_grads) == pytest.approx((2 * psi, 4 * psi))
+    assert memplan.held_once([0, 3, 6, 0], keys) == [0, 3]
 
 
 def test_sgd_and_fp32_state():
