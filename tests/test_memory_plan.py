@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MIXTRAL = str(ROOT / "configs" / "mixtral_tiny.yaml")
 GPT = str(ROOT / "configs" / "gpt2_tiny.yaml")
 LLAMA8B = str(ROOT / "configs" / "llama3_8b.yaml")
+LLAMA = str(ROOT / "configs" / "llama_tiny.yaml")
 QUIET = ["data.source=synthetic", "logging.out_dir=null"]
 GPT_SMALL = [*QUIET, "model.dim=32", "model.n_heads=2", "model.n_layers=4", "train.seq_len=16",
              "model.max_seq_len=16", "train.micro_batch=2", "schedule.microbatches=4"]
@@ -115,15 +116,98 @@ def test_sgd_and_fp32_state():
     assert (mem.params, mem.grads, mem.master, mem.optimizer) == (4000, 4000, 0, 2000)
 
 
-def test_activations_follow_korthikanti_splits_and_the_schedule():
+def _real_saved(run, rows: int, tp_group=None, sp: bool = False) -> list[tuple[int, int]]:
+    """What `memplan.meta_activations` counts, counted on real CPU tensors: per layer (saved,
+    output) bytes of one forward of `rows` rows, the loss's folded into the last layer."""
+    module, batch = profiler._model(run, "cpu", tp_group=tp_group, sequence_parallel=sp)
+    module.train()
+    x, labels = (t.clone() for t in batch(rows))  # own storages, as meta's copies have
+    counter = memplan.SavedStorages([p for p in module.parameters() if p.requires_grad])
+    found = []
+    with counter:
+        out = x
+        for i in range(len(module.specs)):
+            out = module.run_layer(i, out)
+            found.append([counter.take(), profiler._nbytes(out)])
+        module.loss_fn(out, labels)
+        found[-1][0] += counter.take()
+    return [(saved, nbytes) for saved, nbytes in found]
+
+
+LLAMA_SMALL = [*QUIET, "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.hidden=48",
+               "model.n_layers=2", "train.seq_len=16", "model.max_seq_len=16", "train.micro_batch=2"]
+
+
+@pytest.mark.parametrize("config,small", [(GPT, GPT_SMALL), (LLAMA, LLAMA_SMALL)])
+def test_meta_activations_are_the_real_saved_bytes_at_tp1(config, small):
+    run = load_run(config, small)
+    meta = memplan.meta_activations(run, 2, sp=False)
+    assert meta == _real_saved(run, 2)
+    assert all(saved > 0 for saved, _ in meta[1:-1])  # every block saves something
+
+
+def _saved_at_tp2(config: str, small: list[str]) -> dict:
+    import torch.distributed as dist
+    run = load_run(config, [*small, "parallel.tp=2"])
+    group = dist.new_group([0, 1])
+    return {sp: _real_saved(run, 2, group, sp) for sp in (False, True)}
+
+
+def test_meta_activations_are_the_real_saved_bytes_at_tp2():
+    """tp=2 over two gloo processes, sequence parallelism off and on: each rank's real count
+    is the meta count with a FakeGroup(2, 0), layer by layer; SP saves less than without."""
+    from pipekit.testing import run_distributed
+
+    run = load_run(GPT, [*GPT_SMALL, "parallel.tp=2"])
+    ranks = run_distributed(_saved_at_tp2, 2, GPT, GPT_SMALL, timeout=300)
+    for sp in (False, True):
+        meta = memplan.meta_activations(run, 2, sp)
+        for real in ranks:
+            assert real[sp] == meta, (sp, real[sp], meta)
+    one = memplan.meta_activations(load_run(GPT, GPT_SMALL), 2, sp=False)
+    blocks = slice(1, 1 + run.model.n_layers)
+    off, on = (sum(s for s, _ in memplan.meta_activations(run, 2, sp)[blocks]) for sp in (False, True))
+    assert on < off < sum(s for s, _ in one[blocks])
+
+
+def test_plan_activations_follow_the_meta_count_and_the_schedule():
+    run = load_run(GPT, [*GPT_SMALL, "parallel.pp=1", "parallel.tp=2", "parallel.dp=2"])
+    prof = profiler.flop_layers(run, flops_per_second=1e9)
+    layers = prof.at(2)
+    for sp, ac in ((False, False), (True, False), (False, True), (True, True)):
+        meta = memplan.meta_activations(run, 2, sp)
+        held, recompute, source = memplan.planned_activations(run, layers, 2, sp, ac)
+        assert source == "counted on the meta device at tp=2"
+        for c, (saved, out), got, again in zip(layers, meta, held, recompute):
+            block = ac and c.name == "TransformerBlock"
+            assert (got, again) == ((out, saved) if block else (saved, 0))
+    # pp=1: 1F1B holds one microbatch at a time, GPipe all 4 of them
+    _, rows = _plan_rows(run, microbatches=[4])
+    by = {(r.candidate.schedule, r.option): r for r in rows}
+    for sp, ac in ((False, False), (True, True)):
+        held, recompute, _ = memplan.planned_activations(run, layers, 2, sp, ac)
+        one = round(sum(held))
+        extra = max(recompute)
+        assert by["1f1b", memplan.Option(0, sp, ac)].memory.activations == pytest.approx(one + extra)
+        assert by["gpipe", memplan.Option(0, sp, ac)].memory.activations == pytest.approx(4 * one + extra)
+        assert by["1f1b", memplan.Option(0, sp, ac)].activations_source == "counted on the meta device at tp=2"
+
+
+def test_fallback_follows_korthikanti_splits_and_says_so(monkeypatch):
     run = load_run(GPT, [*GPT_SMALL, "parallel.pp=1", "parallel.tp=2", "parallel.dp=2"])
     prof = profiler.flop_layers(run, flops_per_second=1e9)
     layers = prof.at(2)
     a, s, h, t = 2, 16, 32, 2
     frac = (10 + 24 / t + 5 * a * s / (h * t)) / (34 + 5 * a * s / h)
     assert memplan.tp_fraction(run, sp=False) == pytest.approx(frac)
+
+    def cannot(*args):
+        raise NotImplementedError("no meta kernel for this op")
+
+    monkeypatch.setattr(memplan, "meta_activations", cannot)
     for sp, ac in ((False, False), (True, False), (False, True), (True, True)):
-        held, recompute = memplan.layer_activations(run, layers, sp, ac)
+        held, recompute, source = memplan.planned_activations(run, layers, 2, sp, ac)
+        assert "Korthikanti" in source and "NotImplementedError: no meta kernel for this op" in source
         for c, got, again in zip(layers, held, recompute):
             if c.name == "TransformerBlock":
                 full = c.saved_bytes * (1 / t if sp else frac)
@@ -133,15 +217,6 @@ def test_activations_follow_korthikanti_splits_and_the_schedule():
                 assert got == pytest.approx(c.saved_bytes / t)
             else:
                 assert got == pytest.approx(c.saved_bytes / (t if sp else 1))
-    # pp=1: 1F1B holds one microbatch at a time, GPipe all 4 of them
-    _, rows = _plan_rows(run, microbatches=[4])
-    by = {(r.candidate.schedule, r.option): r for r in rows}
-    for sp, ac in ((False, False), (True, True)):
-        held, recompute = memplan.layer_activations(run, layers, sp, ac)
-        one = round(sum(held))
-        extra = max(recompute)
-        assert by["1f1b", memplan.Option(0, sp, ac)].memory.activations == pytest.approx(one + extra)
-        assert by["gpipe", memplan.Option(0, sp, ac)].memory.activations == pytest.approx(4 * one + extra)
 
 
 def test_checkpointing_and_zero3_cost_time_and_options_say_what_runs():
