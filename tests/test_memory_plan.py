@@ -146,28 +146,31 @@ def test_meta_activations_are_the_real_saved_bytes_at_tp1(config, small):
     assert all(saved > 0 for saved, _ in meta[1:-1])  # every block saves something
 
 
-def _saved_at_tp2(config: str, small: list[str]) -> dict:
+def _saved_at_tp2(models: list[tuple[str, list[str]]]) -> dict:
     import torch.distributed as dist
-    run = load_run(config, [*small, "parallel.tp=2"])
     group = dist.new_group([0, 1])
-    return {sp: _real_saved(run, 2, group, sp) for sp in (False, True)}
+    return {(config, sp): _real_saved(load_run(config, [*small, "parallel.tp=2"]), 2, group, sp)
+            for config, small in models for sp in (False, True)}
 
 
 def test_meta_activations_are_the_real_saved_bytes_at_tp2():
-    """tp=2 over two gloo processes, sequence parallelism off and on: each rank's real count
-    is the meta count with a FakeGroup(2, 0), layer by layer; SP saves less than without."""
+    """GPT-2 and Llama at tp=2 over two gloo processes (one group for all), sequence
+    parallelism off and on: each rank's real count is the meta count with a FakeGroup(2, 0),
+    layer by layer; SP saves less than without, and tp=2 less than tp=1."""
     from pipekit.testing import run_distributed
 
-    run = load_run(GPT, [*GPT_SMALL, "parallel.tp=2"])
-    ranks = run_distributed(_saved_at_tp2, 2, GPT, GPT_SMALL, timeout=300)
-    for sp in (False, True):
-        meta = memplan.meta_activations(run, 2, sp)
-        for real in ranks:
-            assert real[sp] == meta, (sp, real[sp], meta)
-    one = memplan.meta_activations(load_run(GPT, GPT_SMALL), 2, sp=False)
-    blocks = slice(1, 1 + run.model.n_layers)
-    off, on = (sum(s for s, _ in memplan.meta_activations(run, 2, sp)[blocks]) for sp in (False, True))
-    assert on < off < sum(s for s, _ in one[blocks])
+    models = [(GPT, GPT_SMALL), (LLAMA, LLAMA_SMALL)]
+    ranks = run_distributed(_saved_at_tp2, 2, models, timeout=300)
+    for config, small in models:
+        run = load_run(config, [*small, "parallel.tp=2"])
+        for sp in (False, True):
+            meta = memplan.meta_activations(run, 2, sp)
+            for real in ranks:
+                assert real[config, sp] == meta, (config, sp, real[config, sp], meta)
+        one = memplan.meta_activations(load_run(config, small), 2, sp=False)
+        blocks = slice(1, 1 + run.model.n_layers)
+        off, on = (sum(s for s, _ in memplan.meta_activations(run, 2, sp)[blocks]) for sp in (False, True))
+        assert on < off < sum(s for s, _ in one[blocks])
 
 
 def test_plan_activations_follow_the_meta_count_and_the_schedule():
