@@ -250,8 +250,8 @@ def report(rows: list[dict], models: dict, shape: dict, info: dict, command: str
         f"Models (tiny flavour, float32, train mode): {shapes}. One microbatch of {shape['micro_batch']} x "
         f"{shape['seq']} tokens, whole model as one stage (pp=1), tp ranks spawned over gloo. MB = 10^6 bytes per "
         "rank (largest tp rank). Saved = storages autograd keeps for backward, parameters left out; memplan = "
-        "`layer_activations(run, profile, sp, ac=False)`; count = the docstring's fp32 per-block count; "
-        "message = one block's output (a stage boundary's p2p message).",
+        "`planned_activations(run, profile, rows, sp, ac=False)` (the meta count); count = the docstring's "
+        "fp32 per-block count; message = one block's output (a stage boundary's p2p message).",
         table(["model", "tp", "SP", "block MB", "memplan MB", "measured / memplan", "measured / count",
                "block SP on / off", "stage MB", "memplan MB", "measured / memplan", "stage SP on / off",
                "message MB", "message / memplan"], body),
