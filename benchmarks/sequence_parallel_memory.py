@@ -21,16 +21,18 @@ transformer block's output bytes, the message a pipeline stage ending after
 that block would send (at SP on, the (B, T/tp, D) slice the p2p carries).
 Per rank figures are the largest over the tp ranks (they are equal here).
 
-Prediction. `pipekit.memplan.layer_activations(run, layers, sp, ac=False)`
-for the same config (`load_run(None, [model, tp, seq_len, micro_batch
-overrides])`), the layers' tp=1 saved bytes from the planner's own measured
-profile (`profiler.profile_layers(run, rows=MICRO_BATCH, reps=1)`, loss folded
-into the head by `Profile.at`), i.e. what `pipekit plan --memory-budget-gb`
-uses. Its per-block rule (Korthikanti et al. 2022, as proportions of the
-measured tp=1 bytes M):
-
-    SP off:  M * (10 + 24/t + 5as/(ht)) / (34 + 5as/h)
-    SP on:   M / t
+Prediction. `pipekit.memplan.planned_activations(run, layers, rows, sp,
+ac=False)` for the same config (`load_run(None, [model, tp, seq_len,
+micro_batch overrides])`), i.e. what `pipekit plan --memory-budget-gb` uses:
+the run's own layers built at its tp (a `FakeGroup(tp, 0)` as their tp group,
+sequence parallel when on) on the meta device, one forward of one microbatch
+under the same saved-tensor hooks (storages told apart by identity on meta),
+the loss folded into the head (`memplan.meta_activations`). Only when the
+layers cannot run on meta does it fall back to the planner's tp=1 profile
+(`profiler.profile_layers(run, rows=MICRO_BATCH, reps=1)`) scaled per block
+by Korthikanti et al. 2022's proportions (SP off: M * (10 + 24/t +
+5as/(ht)) / (34 + 5as/h); SP on: M / t); the JSON's `memplan_source` says
+which was used.
 
 Korthikanti's coefficients are in 16-bit units with 1-byte dropout masks:
 per layer sbh(10 + 24/t + 5as/(ht)) bytes without SP, sbh(34/t + 5as/(ht))
@@ -74,7 +76,7 @@ import torch.distributed as dist
 import pipekit
 from pipekit.config import load_run
 from pipekit.layers import TransformerBlock
-from pipekit.memplan import BLOCK, layer_activations, tp_fraction
+from pipekit.memplan import BLOCK, planned_activations, tp_fraction
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.profiler import profile_layers
 from pipekit.testing import run_distributed
@@ -169,8 +171,9 @@ def predictions(family: str, model: dict, shape: dict) -> dict:
     for tp in TPS:
         run = load_run(None, overrides(family, model, shape, tp))
         for sp in ((False, True) if tp > 1 else (False,)):
-            held, _ = layer_activations(run, layers, sp, False)
+            held, _, source = planned_activations(run, layers, shape["micro_batch"], sp, False)
             out[(tp, sp)] = {"held": held, "names": [c.name for c in layers], "fraction": tp_fraction(run, sp),
+                             "source": source,
                              "tp1_saved": [c.saved_bytes for c in layers], "tp1_out": [c.out_bytes for c in layers]}
     return out
 
@@ -208,7 +211,7 @@ def rows_for(family: str, model: dict, shape: dict, per_tp: dict, pred: dict) ->
                                     for layer, held in zip(layers, p["held"])],
                          "block_saved_bytes": block_saved, "block_memplan_bytes": block_pred,
                          "block_count_bytes": count_block(family, model, shape, tp, sp),
-                         "memplan_block_fraction": p["fraction"],
+                         "memplan_block_fraction": p["fraction"], "memplan_source": p["source"],
                          "per_rank_total_saved_bytes": [sum(layer["saved"] for layer in ls) for ls in ranks],
                          "total_saved_bytes": total, "total_memplan_bytes": total_pred,
                          "block_ratio": block_saved[0] / block_pred[0], "total_ratio": total / total_pred,
@@ -248,8 +251,8 @@ def report(rows: list[dict], models: dict, shape: dict, info: dict, command: str
         f"Models (tiny flavour, float32, train mode): {shapes}. One microbatch of {shape['micro_batch']} x "
         f"{shape['seq']} tokens, whole model as one stage (pp=1), tp ranks spawned over gloo. MB = 10^6 bytes per "
         "rank (largest tp rank). Saved = storages autograd keeps for backward, parameters left out; memplan = "
-        "`layer_activations(run, profile, sp, ac=False)`; count = the docstring's fp32 per-block count; "
-        "message = one block's output (a stage boundary's p2p message).",
+        "`planned_activations(run, profile, rows, sp, ac=False)` (the meta count); count = the docstring's "
+        "fp32 per-block count; message = one block's output (a stage boundary's p2p message).",
         table(["model", "tp", "SP", "block MB", "memplan MB", "measured / memplan", "measured / count",
                "block SP on / off", "stage MB", "memplan MB", "measured / memplan", "stage SP on / off",
                "message MB", "message / memplan"], body),

@@ -68,22 +68,25 @@ parameters, counted from the built module).
        moments), against 2/N + g/N + 4/N + 8/N bytes per parameter: 16 Psi/N
        with bf16 gradients (the ZeRO paper's), 18 Psi/N with fp32 ones;
        also what FSDP still holds whole then (0 when it has resharded);
-     in the step: what FSDP holds whole at the end of the backward passes,
-       summed over its parameters' storages just before the optimizer step
-       (the benchmark wraps `ZeroOptimizer._take_sharded_grads`, which
-       reduce-scatters): the gathered parameters (`_unsharded_param`) and the
-       unsharded gradients (`unsharded_accumulated_grad`, in the reduce dtype,
-       plus any `.grad` not yet folded into it). Nothing is resharded or
-       reduced before that point, so it is the step's peak of both. Formulas:
-       2 Psi gathered, g Psi of gradients (0 at dp=1, where FSDP shards
-       nothing and stage 3 is stage 0).
+     in the step: what FSDP holds whole, summed over its parameters'
+       storages: the unsharded gradients (`unsharded_accumulated_grad`, in
+       the reduce dtype, plus any `.grad` not yet folded into it) just before
+       the optimizer step (the benchmark wraps
+       `ZeroOptimizer._take_sharded_grads`, which reduce-scatters: nothing is
+       reduced before then, so it is their peak), and the gathered parameters
+       (`_unsharded_param`) at their peak: the most held at once, measured
+       there and just before every reshard of a layer (the benchmark wraps
+       each FSDP param group's `reshard`). Formulas: 2 Psi gathered without
+       reshard_after_forward (every layer stays gathered to the step's end),
+       g Psi of gradients (0 at dp=1, where FSDP shards nothing and stage 3
+       is stage 0).
    Against the planner: `pipekit.memplan.memory_plan` for the same model at
    pp=1 x dp, train.precision=bf16 (the engine's fp32 reduce dtype, so only
-   the fp32-gradient rows), ZeRO-3, keep_gathered = not r (at dp=1 its
-   stage-0 row, what stage 3 runs there): params, grads, master, optimizer
-   and gathered, measured / predicted, target within 10%. The plan has no
-   component for the unsharded gradients, shown beside it. Activations are
-   not compared (the memory rows measure model state only).
+   the fp32-gradient rows), ZeRO-3, optimizer.reshard_after_forward=r (at
+   dp=1 its stage-0 row, what stage 3 runs there): params, grads, master,
+   optimizer, gathered and unsharded grads, measured / predicted, target
+   within 10%. Activations are not compared (the memory rows measure model
+   state only).
    Step time: the timed runs of 2. alternate with two more, fp32, the same
    weights and batches: `ZeroOptimizer(stage=3)` under the same engine, and
    a torchtitan-style loop on `reference_model` (`fully_shard` per
@@ -211,6 +214,7 @@ def stage3_memory_row(cfg, topo, grad_name: str, reshard: bool) -> dict:
     or reduced before then)."""
     module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo, seed=SEED,
                                     precision="bf16")
+    largest = max(sum(p.numel() for p in m.parameters()) for m in [*module.layers.values(), *module.tied.values()])
     opt = ZeroOptimizer(module, "adamw", stage=3, grad_dtype=GRAD_DTYPES[grad_name], reshard_after_forward=reshard,
                         lr=LR, weight_decay=WD)
     held = {"gathered": 0, "unsharded_grads": 0}  # dp=1: FSDP shards nothing, the optimizer never calls it
@@ -221,13 +225,28 @@ def stage3_memory_row(cfg, topo, grad_name: str, reshard: bool) -> dict:
         take()
 
     opt._take_sharded_grads = measured_take  # type: ignore[method-assign]
+    peak = {"gathered": 0}  # the most held gathered at once: just before each reshard frees a layer
+
+    def watched(group):
+        reshard = group.reshard
+
+        def measured_reshard():
+            peak["gathered"] = max(peak["gathered"], fsdp_held_bytes(layers)["gathered"])
+            reshard()
+        return measured_reshard
+
+    for layer in layers:
+        group = fully_shard.state(layer)._fsdp_param_group  # type: ignore[attr-defined]
+        group.reshard = watched(group)
     engine = pipekit.PipelineEngine(module, optimizer=opt)
     ids = torch.randint(0, cfg.vocab_size, (MEMORY_BATCH[0], MEMORY_BATCH[1] + 1),
                         generator=torch.Generator().manual_seed(topo.dp_rank))
     engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])]), reduce_loss=True)
     after = fsdp_held_bytes(layers)
+    held["gathered"] = max(held["gathered"], peak["gathered"])
     row = {"stage": 3, "grad_dtype": grad_name, "reshard_after_forward": reshard,
            "psi": sum(p.numel() for p in module.parameters()), "sharded_layers": len(opt.sharded_layers),
+           "largest_layer": largest,
            **opt.memory_bytes(), "gathered": held["gathered"], "unsharded_grads": held["unsharded_grads"],
            "held_after_step": after["gathered"] + after["unsharded_grads"]}
     del engine, opt, module
@@ -420,16 +439,17 @@ def versus_rows(dp: int, psi: int, per_rank: list[dict], runs=VERSUS) -> list[di
 def planner_prediction(dp: int, reshard: bool) -> dict:
     """pipekit.memplan's bytes per rank for this model at pp=1 x dp, bf16 (fp32 gradients, the
     engine's reduce dtype), one microbatch of MEMORY_BATCH, ZeRO-3 (at dp=1 the plan has only
-    stage 0: what stage 3 runs there), no checkpointing; `keep_gathered` as the run keeps them."""
+    stage 0: what stage 3 runs there), no checkpointing; `optimizer.reshard_after_forward` as the run's."""
     run = load_run(None, ["model.family=gpt2", "model.flavour=tiny", *(f"model.{k}={v}" for k, v in MODEL.items()),
                           "parallel.pp=1", f"parallel.dp={dp}", "train.precision=bf16", "optimizer.name=adamw",
-                          f"optimizer.zero_stage={3 if dp > 1 else 0}", f"train.micro_batch={MEMORY_BATCH[0]}",
+                          f"optimizer.zero_stage={3 if dp > 1 else 0}", f"optimizer.reshard_after_forward={reshard}",
+                          f"train.micro_batch={MEMORY_BATCH[0]}",
                           f"train.seq_len={MEMORY_BATCH[1]}", "schedule.microbatches=1", "data.source=synthetic",
                           "logging.out_dir=null"])
     prof = profiler.flop_layers(run)
     comm = profiler.CommModel()
     cands = planner.plan(run, prof, comm, schedules=["1f1b"], partitions=["parameters"], microbatches=[1])
-    rows = memplan.memory_plan(run, prof, comm, cands, float("inf"), keep_gathered=not reshard)
+    rows = memplan.memory_plan(run, prof, comm, cands, float("inf"))
     row = next(r for r in rows if r.option.zero == (3 if dp > 1 else 0) and not r.option.ac)
     return {k: getattr(row.memory, k) for k in memplan.COMPONENTS}
 
@@ -444,7 +464,9 @@ def stage3_rows(dp: int, per_rank: list[dict]) -> list[dict]:
         whole = 1 if dp > 1 else 0  # dp=1: FSDP shards nothing, nothing is gathered
         persistent = sum(top[c] for c in COLUMNS)
         formula = {"params": 2 * psi / dp, "grads": g * psi / dp, "master": 4 * psi / dp,
-                   "optimizer_state": 8 * psi / dp, "gathered": 2 * psi * whole, "unsharded_grads": g * psi * whole}
+                   "optimizer_state": 8 * psi / dp,
+                   "gathered": 2 * (first["largest_layer"] if first["reshard_after_forward"] else psi) * whole,
+                   "unsharded_grads": g * psi * whole}
         persistent_formula = sum(formula[c] for c in COLUMNS)
         peak = persistent + top["gathered"] + top["unsharded_grads"]
         row = {"dp": dp, "stage": 3, "grad_dtype": first["grad_dtype"],
@@ -458,15 +480,14 @@ def stage3_rows(dp: int, per_rank: list[dict]) -> list[dict]:
         if first["grad_dtype"] == "fp32":  # the planner models the engine's fp32 reduce dtype only
             plan = planner_prediction(dp, first["reshard_after_forward"])
             measured = {"params": top["params"], "grads": top["grads"], "master": top["master"],
-                        "optimizer": top["optimizer_state"], "gathered": top["gathered"]}
+                        "optimizer": top["optimizer_state"], "gathered": top["gathered"],
+                        "unsharded_grads": top["unsharded_grads"]}
             row["plan"] = plan
             row["plan_ratio"] = {k: (v / plan[k] if plan[k] else (1.0 if v == 0 else float("inf")))
                                  for k, v in measured.items()}
             plan_state = sum(plan[k] for k in measured)
             row["plan_state_total"] = plan_state
-            row["plan_ratio"]["total_without_unsharded_grads"] = sum(measured.values()) / plan_state
-            with_grads = sum(measured.values()) + top["unsharded_grads"]
-            row["plan_ratio"]["total_with_unsharded_grads"] = with_grads / plan_state
+            row["plan_ratio"]["total"] = sum(measured.values()) / plan_state
         rows.append(row)
     return rows
 
@@ -525,7 +546,9 @@ def stage3_memory_table(rows: list[dict]) -> str:
         body.append([r["grad_dtype"], "yes" if r["reshard_after_forward"] else "no", r["dp"], mb(r["params"]),
                      mb(r["grads"]), mb(r["master"]), mb(r["optimizer_state"]), mb(r["persistent"]),
                      f"{n}Ψ/N = {mb(r['persistent_formula'])}", f"{r['persistent_ratio']:.3f}",
-                     mb(r["held_after_step"]), mb(r["gathered"]) + (" (2Ψ)" if whole else ""),
+                     mb(r["held_after_step"]),
+                     mb(r["gathered"]) + ((" (2 x largest layer)" if r["reshard_after_forward"] else " (2Ψ)")
+                                          if whole else ""),
                      mb(r["unsharded_grads"]) + (f" ({g}Ψ)" if whole else ""), mb(r["step_peak"]),
                      f"{r['step_peak_ratio']:.3f}"])
     return table(["grads", "reshard after forward", "dp", "params MB", "grads MB", "master MB", "Adam state MB",
@@ -542,15 +565,14 @@ def plan_table(rows: list[dict]) -> str:
         ratio, plan = r["plan_ratio"], r["plan"]
         cells = []
         for k, measured in (("params", r["params"]), ("grads", r["grads"]), ("master", r["master"]),
-                            ("optimizer", r["optimizer_state"]), ("gathered", r["gathered"])):
+                            ("optimizer", r["optimizer_state"]), ("gathered", r["gathered"]),
+                            ("unsharded_grads", r["unsharded_grads"])):
             flag = "" if abs(ratio[k] - 1) <= PLAN_TARGET else " **miss**"
             cells.append(f"{mb(measured)} / {mb(plan[k])} = {ratio[k]:.3f}{flag}")
-        flag = "" if abs(ratio["total_with_unsharded_grads"] - 1) <= PLAN_TARGET else " **miss**"
-        body.append([r["dp"], "yes" if r["reshard_after_forward"] else "no", *cells, mb(r["unsharded_grads"]),
-                     f"{ratio['total_without_unsharded_grads']:.3f}",
-                     f"{ratio['total_with_unsharded_grads']:.3f}{flag}"])
+        flag = "" if abs(ratio["total"] - 1) <= PLAN_TARGET else " **miss**"
+        body.append([r["dp"], "yes" if r["reshard_after_forward"] else "no", *cells, f"{ratio['total']:.3f}{flag}"])
     return table(["dp", "reshard after forward", "params", "grads", "master", "Adam state", "gathered",
-                  "unsharded grads MB (not in the plan)", "state total / plan", "with unsharded grads / plan"], body)
+                  "unsharded grads", "state total / plan"], body)
 
 
 def collectives_table(collectives: dict) -> str:
@@ -605,17 +627,17 @@ def report(memory: list[dict], versus: list[dict], collectives: dict, cfg: dict,
         "ZeRO stage 3 (FSDP2 per layer), bf16 model, AdamW, `ZeroOptimizer(..., stage=3, grad_dtype=g, "
         "reshard_after_forward=r)`, one train_batch of one microbatch. Between steps: `memory_bytes()` "
         "(this rank's shards), against 16Ψ/N (bf16 grads, the ZeRO paper's) or 18Ψ/N (fp32 grads: "
-        "2/N + 4/N + 4/N + 8/N bytes per parameter). In the step: what FSDP holds whole at the end of the "
-        "backward passes, just before the optimizer step reduce-scatters (its peak: nothing is resharded "
-        "before then, with either setting, as the backward keeps what it gathers): the gathered "
-        "parameters (formula 2Ψ, the rank's whole stage) and the unsharded accumulated gradients (gΨ in "
-        "the reduce dtype); peak state = between steps + both, against 2Ψ + gΨ + the between-steps "
-        "formula. At dp=1 FSDP shards nothing (stage 3 is stage 0 there: 16Ψ or 18Ψ).",
+        "2/N + 4/N + 4/N + 8/N bytes per parameter). In the step: what FSDP holds whole: the gathered "
+        "parameters at their peak (the most at once, measured before every reshard of a layer and before the "
+        "step's reduce-scatter; formula 2Ψ, the rank's whole stage, without reshard_after_forward) and the "
+        "unsharded accumulated gradients just before the optimizer step reduce-scatters them (gΨ in the "
+        "reduce dtype); peak state = between steps + both, against 2Ψ (with reshard_after_forward: twice "
+        "the largest layer) + gΨ + the between-steps formula. "
+        "At dp=1 FSDP shards nothing (stage 3 is stage 0 there: 16Ψ or 18Ψ).",
         stage3_memory_table(stage3),
         "Against the planner (`pipekit.memplan.memory_plan`, the same model at pp=1 x dp, train.precision=bf16: "
-        "fp32 gradients, so the fp32 rows only; ZeRO-3 with keep_gathered = not reshard_after_forward; "
-        "at dp=1 its stage-0 row): measured / predicted MB per component, target within "
-        f"{PLAN_TARGET:.0%}. The plan has no component for the step's unsharded gradients:",
+        "fp32 gradients, so the fp32 rows only; ZeRO-3 with optimizer.reshard_after_forward as the run's; "
+        f"at dp=1 its stage-0 row): measured / predicted MB per component, target within {PLAN_TARGET:.0%}:",
         plan_table(stage3),
         f"Stage 3 against stage 1, fp32 model, pp=1, global batch {GLOBAL_BATCH} x {SEQ} tokens, one "
         "microbatch, and a torchtitan-style FSDP2 loop on the plain model (fully_shard per transformer "

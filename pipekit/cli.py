@@ -292,6 +292,8 @@ def _print_memory(run: Run, rows: list[memplan.MemoryRow], budget_gb: float, com
           f"{run.precision.name}, {run.config.optimizer.name}) for a budget of {budget_gb:g} GiB, "
           "fits first, fastest first:")
     print(memplan.memory_table(rows, top))
+    for source in sorted({r.activations_source for r in rows}):
+        print(f"activations: {source}")
     if len(rows) > top:
         print(f"({len(rows) - top} more: --top {len(rows)} lists them all; --json gives them all)")
     best = rows[0]

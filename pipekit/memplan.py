@@ -3,19 +3,23 @@ ZeRO stage (0-3) x sequence parallelism (off/on, at tp > 1) x activation checkpo
 (off / every transformer block), the bytes each rank holds, and the fastest plan that fits.
 
 Nothing is allocated: parameter counts come from the model built on the meta device
-(`layer_params`), activation bytes from the planner's layer profile (measured, or
-counted on the meta device with `--no-profile` or for a model too large to profile).
+(`layer_params`), activation bytes from the run's own layers run on the meta device
+(`meta_activations`).
 
 Model state per rank (ZeRO, Rajbhandari et al. 2020), Ψ parameters of the rank's
-stages, N the group the state is sharded over:
+stages (a tied weight, a GPT's embedding and head, counted once per rank holding it),
+N the group the state is sharded over:
 
-    params      Ψ · param bytes            / N at stage 3
-    grads       Ψ · gradient bytes         / N at stages 2, 3
-    master      Ψ · master bytes           / N at stages 1, 2, 3   (0 when params are fp32: their own master)
-    optimizer   Ψ · k · master bytes       / N at stages 1, 2, 3   (k = 2 Adam moments; SGD with momentum 1)
-    gathered    stage 3 only: the largest block's parameters, gathered whole while it runs (FSDP
-                gathers one block at a time; `keep_gathered=True`: the rank's whole stages, kept
-                gathered for the step)
+    params           Ψ · param bytes            / N at stage 3
+    grads            Ψ · gradient bytes         / N at stages 2, 3
+    master           Ψ · master bytes           / N at stages 1, 2, 3   (0 when params are fp32: their own master)
+    optimizer        Ψ · k · master bytes       / N at stages 1, 2, 3   (k = 2 Adam moments; SGD with momentum 1)
+    gathered         stage 3 only: parameters FSDP holds gathered whole, in param bytes. Without
+                     `optimizer.reshard_after_forward` every layer stays gathered from its first use
+                     to the step's end: the rank's whole Ψ; with it each layer is freed after its
+                     forward and after its backward: the rank's largest layer
+    unsharded_grads  stage 3 only: Ψ · gradient bytes, the step's gradients FSDP accumulates whole
+                     until the one reduce-scatter at the step's end
 
 Bytes are the run's precision policy's: param bytes `param_dtype`, gradient bytes
 `reduce_dtype` (the dtype `ZeroOptimizer` accumulates and reduces gradients in: fp32
@@ -23,25 +27,29 @@ under bf16/fp16, as its own table says), master and moments `master_dtype`.
 Ψ on a rank: the dense parameters of its stages / tp (every one counted as split:
 norm weights and MoE routers, in fact replicated over tp, are well under 1% of a
 block), sharded over N = dp; the routed experts' parameters / ep (and / tp with
-`parallel.expert_tp`), sharded over N = edp = dp / ep.
+`parallel.expert_tp`), sharded over N = edp = dp / ep (a group over N = 1 is whole:
+nothing gathered, its gradients in `grads`).
 
 Activations per rank: a stage's microbatch holds its saved bytes from its F to its B/W,
 so a rank's peak is `planner.activation_peaks` of the per-stage sums below. Per layer
-and microbatch, with M the layer's saved bytes at tp=1 (`LayerCost.saved_bytes`):
+and microbatch, the bytes one tp rank saves for backward are counted, not modelled
+(`meta_activations`): the run's layers are built at its tp on the meta device (a
+`FakeGroup(tp, 0)` as their tp group, sequence parallel when the option has it), one
+microbatch runs forward in train mode under `torch.autograd.graph.saved_tensors_hooks`,
+and the saved storages are summed, each once, parameters' left out (the loss's folded
+into the last layer). So whatever the layers save (fused attention's log-sum-exp and no
+score matrix, SP's gathered or sharded inputs, SwiGLU, rotary tables) is what is
+counted, at the candidate's rows per microbatch. Attention on meta is routed to the
+fused kernel a real run takes (torch's meta path is the math one). With activation
+checkpointing a block holds its output (as counted, / t with SP), plus once per rank
+the largest of its blocks' saved bytes (the block recomputed in backward). Routed
+experts on meta see all the microbatch's tokens (no expert parallelism there).
 
-    transformer block           M · (10 + 24/t + 5as/(ht)) / (34 + 5as/h)     the parts tp splits
-                                 (Korthikanti et al. 2022, "Reducing Activation Recomputation",
-                                 eq. 2: sbh(10 + 24/t + 5as/(ht)) of sbh(34 + 5as/h) bytes in fp16)
-      with sequence parallel    M / t                                        (their eq. 3: everything split)
-      checkpointed              the block's input, `LayerCost.out_bytes` (sbh · bytes; / t with SP),
-                                plus once per rank the largest of its blocks' un-checkpointed
-                                bytes (the block being recomputed in backward)
-    vocabulary-parallel layers  M / t   (the head; the loss, folded into the last layer, on tp-split logits)
-    other layers                M, / t with sequence parallel
-
-(t = tp, a = heads, s = sequence length, h = model width.) Korthikanti's coefficients
-are used as proportions of the measured M, not as absolute bytes, so a layer that
-saves more or less than their GPT-style block (SwiGLU, flash attention) keeps its own size.
+Fallback, when the layers cannot run on meta (the reason is printed with the plan):
+the profile's tp=1 saved bytes M, per transformer block M · (10 + 24/t + 5as/(ht)) /
+(34 + 5as/h) (Korthikanti et al. 2022, eq. 2, as a proportion), M / t with sequence
+parallelism (their eq. 3), vocabulary-parallel layers M / t, other layers M (/ t with
+SP); t = tp, a = heads, s = sequence length, h = model width.
 
 Step time: the planner's prediction of the candidate (`planner.predict`), with
 activation checkpointing adding each block's forward to its backward (in I, the half
@@ -57,17 +65,25 @@ ZeRO-2 buckets in flight, the allocator's fragmentation, CUDA context and worksp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+import torch
+import torch.nn.functional as F
+
 from .config import ConfigError, ParallelConfig, Run, load_config
+from .models import model_specs
 from .planner import Candidate, activation_peaks, predict
-from .profiler import KINDS, CommModel, LayerCost, Profile, _layer_params, _model
+from .profiler import KINDS, CommModel, LayerCost, Profile, _layer_params, _model, _nbytes
 from .schedules import build_schedule
+from .spec import TiedLayerSpec
+from .testing import FakeGroup
 
 ZERO_STAGES = (0, 1, 2, 3)
 BLOCK = "TransformerBlock"
-COMPONENTS = ("params", "grads", "master", "optimizer", "gathered", "activations")
+COMPONENTS = ("params", "grads", "master", "optimizer", "gathered", "unsharded_grads", "activations")
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,7 @@ class Memory:
     master: float = 0.0
     optimizer: float = 0.0
     gathered: float = 0.0
+    unsharded_grads: float = 0.0
     activations: float = 0.0
 
     @property
@@ -110,6 +127,7 @@ class MemoryRow:
     fits: bool
     runnable: bool = True
     timeline: list = field(default_factory=list, repr=False)
+    activations_source: str = ""  # where the activation bytes come from (`planned_activations`)
 
     def record(self) -> dict:
         c = self.candidate
@@ -117,6 +135,7 @@ class MemoryRow:
                 "micro_batch": c.micro_batch, "partition": c.partition, "boundaries": c.boundaries,
                 "zero_stage": self.option.zero, "sequence_parallel": self.option.sp,
                 "activation_checkpointing": self.option.ac, "runnable": self.runnable,
+                "activations_source": self.activations_source,
                 "bytes": {**{k: getattr(self.memory, k) for k in COMPONENTS}, "total": self.memory.total},
                 "per_rank_total_bytes": self.per_rank, "step_seconds": self.step_seconds, "fits": self.fits}
 
@@ -124,13 +143,32 @@ class MemoryRow:
 # ---- parameters ------------------------------------------------------------------
 def layer_params(run: Run) -> list[tuple[int, int]]:
     """Per layer of the whole model (tp=1, ep=1, on the meta device): (dense, routed-expert)
-    parameter counts; a tied layer counts at each use (each pipeline owner holds it)."""
+    parameter counts; a tied layer counts at each use (`tied_keys` tells a rank's uses apart)."""
     module, _ = _model(run, "meta")
     out = []
     for i in range(len(module.specs)):
         params = [p for p in _layer_params(module, i) if p.requires_grad]
         expert = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
         out.append((sum(p.numel() for p in params) - expert, expert))
+    return out
+
+
+def tied_keys(run: Run) -> list[str | None]:
+    """Per layer: the key of the weights it shares with other layers (a `TiedLayerSpec`: a
+    GPT's embedding and head), or None."""
+    return [spec.key if isinstance(spec, TiedLayerSpec) else None for spec in model_specs(run.model)]
+
+
+def held_once(layers: list[int], keys: list[str | None]) -> list[int]:
+    """`layers` (a rank's), a tied key's later uses left out: the rank holds one copy of it."""
+    seen: set[str] = set()
+    out = []
+    for i in layers:
+        if keys[i] is not None:
+            if keys[i] in seen:
+                continue
+            seen.add(keys[i])  # type: ignore[arg-type]
+        out.append(i)
     return out
 
 
@@ -142,28 +180,159 @@ def rank_params(run: Run, split: list[tuple[int, int]]) -> tuple[float, float]:
     return dense, expert
 
 
-def state_memory(dense: float, expert: float, run: Run, zero: int, gathered_params: float = 0.0) -> Memory:
+def state_memory(dense: float, expert: float, run: Run, zero: int,
+                 gathered_params: tuple[float, float] = (0.0, 0.0)) -> Memory:
     """Model state on one rank holding `dense` and `expert` parameters (already split over
     tp and ep) at ZeRO stage `zero` (see the module docstring); `gathered_params`: the
-    parameters a stage-3 rank gathers whole at once."""
+    (dense, expert) parameters a stage-3 rank holds gathered whole at once. Stage 3 also
+    holds the step's gradients whole, in the reduce dtype, until the step's reduce-scatter.
+    A group sharded over one rank (dp=1, or edp=1 for experts) is whole already: nothing
+    is gathered and its gradients are the `grads` component."""
     policy, o = run.precision, run.config.optimizer
     width, grad = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
     master = policy.master_dtype.itemsize if policy.mixed else 0
     moments = (2 if o.name == "adamw" else (1 if o.momentum else 0)) * policy.master_dtype.itemsize
     mem = Memory()
-    for n, shards in ((dense, run.dp), (expert, run.dp // run.ep)):
+    for n, shards, whole in ((dense, run.dp, gathered_params[0]), (expert, run.dp // run.ep, gathered_params[1])):
         mem.params += n * width / (shards if zero >= 3 else 1)
         mem.grads += n * grad / (shards if zero >= 2 else 1)
         mem.master += n * master / (shards if zero >= 1 else 1)
         mem.optimizer += n * moments / (shards if zero >= 1 else 1)
-    if zero >= 3:
-        mem.gathered = gathered_params * width
+        if zero >= 3 and shards > 1:
+            mem.gathered += whole * width
+            mem.unsharded_grads += n * grad
     return mem
 
 
+def gathered_params(run: Run, splits: list[tuple[int, int]], mine: list[int]) -> tuple[float, float]:
+    """(dense, expert) parameters a stage-3 rank holding layers `mine` (each held once) keeps
+    gathered at its peak: with `optimizer.reshard_after_forward` one layer at a time (FSDP frees
+    each after its forward and after its backward), the largest; without, every layer from
+    its first use to the step's end, so all of them."""
+    per_layer = [rank_params(run, [splits[i]]) for i in mine]
+    if not per_layer:
+        return 0.0, 0.0
+    if run.config.optimizer.reshard_after_forward:
+        return max(per_layer, key=sum)
+    return sum(d for d, _ in per_layer), sum(e for _, e in per_layer)
+
+
 # ---- activations -------------------------------------------------------------------
+class SavedStorages:
+    """While active (`with counter:`), the bytes autograd saves for backward: each storage
+    counted once, whole (views of one storage are one tensor's bytes), the storages of
+    `params` (so parameters and their views) left out. Works on the meta device, where
+    storages have sizes but no addresses: a storage is told apart by its identity, and
+    the saved tensors are kept alive until `close()` so that no identity is reused."""
+
+    def __init__(self, params=()):
+        self.skip = {self._key(p) for p in params}
+        self.seen: set[int] = set()
+        self.kept: list[torch.Tensor] = []
+        self.total = 0
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        storage = t.untyped_storage()
+        return storage._cdata if t.is_meta else storage.data_ptr()
+
+    def __enter__(self):
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = self._key(t)
+            if key not in self.skip and key not in self.seen:
+                self.seen.add(key)
+                self.kept.append(t)
+                self.total += t.untyped_storage().nbytes()
+            return t
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    def take(self) -> int:
+        """Bytes counted since the last take."""
+        n, self.total = self.total, 0
+        return n
+
+    def close(self) -> None:
+        self.kept.clear()
+
+
+@contextlib.contextmanager
+def _fused_attention_on_meta() -> Iterator[None]:
+    """`F.scaled_dot_product_attention` on meta tensors as the fused kernel a real run takes
+    (on meta torch picks its math path, which saves the (T, T) score matrix; the CPU flash
+    kernel, like CUDA's flash and memory-efficient ones, saves q, k, v, the output and a
+    per-row log-sum-exp). Other calls (a mask, real tensors) go to torch's own."""
+    real = F.scaled_dot_product_attention
+
+    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        if q.is_meta and attn_mask is None and not kwargs.get("enable_gqa", False):
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, dropout_p, is_causal, scale=scale)[0]
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs)
+
+    F.scaled_dot_product_attention = fused  # type: ignore[assignment]  # undone below
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+def meta_activations(run: Run, rows: int, sp: bool) -> list[tuple[int, int]]:
+    """Per layer, one tp rank's (saved bytes, output bytes) for one microbatch of `rows`
+    rows, counted by running the run's own layers on the meta device: built at the run's tp
+    (a `FakeGroup(tp, 0)` as their tp group, sequence parallel when `sp`), one forward in
+    train mode under `SavedStorages`, the loss's saved bytes folded into the last layer.
+    Nothing is allocated and nothing communicates (meta collectives only shape). Exact
+    for what these layers save, whatever they save (fused attention, SP's gathered inputs);
+    routed experts see every token of the microbatch (no expert parallelism on meta)."""
+    group = FakeGroup(run.tp, 0) if run.tp > 1 else None
+    module, batch = _model(run, "meta", tp_group=group, sequence_parallel=sp and run.tp > 1)
+    module.train()
+    x, labels = (t.to("meta") for t in batch(rows))
+    counter = SavedStorages([p for p in module.parameters() if p.requires_grad])  # buffers count (rotary tables)
+    out, found = x, []
+    try:
+        with counter, torch.enable_grad(), _fused_attention_on_meta():
+            for i in range(len(module.specs)):
+                out = module.run_layer(i, out)
+                found.append([counter.take(), _nbytes(out)])
+            module.loss_fn(out, labels)
+            found[-1][0] += counter.take()
+    finally:
+        counter.close()
+    return [(s, o) for s, o in found]
+
+
+def planned_activations(run: Run, layers: list[LayerCost], rows: int, sp: bool, ac: bool,
+                        cache: dict | None = None) -> tuple[list[float], list[float], str]:
+    """`layer_activations` from the meta count (`meta_activations`) at `rows` rows, and where
+    the bytes come from; when the layers cannot run on meta, from `layers` (the profile)
+    by Korthikanti et al.'s proportions, and the source says why."""
+    key = (rows, sp and run.tp > 1)
+    if cache is None or key not in cache:
+        try:
+            found: list[tuple[int, int]] | str = meta_activations(run, rows, key[1])
+        except Exception as e:  # noqa: BLE001 -- any layer that cannot run on meta: say so, use the fallback
+            found = f"{type(e).__name__}: {e}"
+        if cache is not None:
+            cache[key] = found
+    else:
+        found = cache[key]
+    if isinstance(found, str):
+        held, recompute = layer_activations(run, layers, sp, ac)
+        return held, recompute, (f"the tp=1 profile scaled by Korthikanti et al.'s proportions (the layers "
+                                 f"did not run on the meta device: {found})")
+    held, recompute = layer_activations(run, layers, sp, ac, measured=found)
+    return held, recompute, f"counted on the meta device at tp={run.tp}"
+
+
 def tp_fraction(run: Run, sp: bool) -> float:
-    """The share of a transformer block's activations one tp rank keeps (Korthikanti et al.)."""
+    """The share of a transformer block's activations one tp rank keeps (Korthikanti et al.):
+    the fallback when the layers cannot be counted on meta."""
     t = run.tp
     if t == 1:
         return 1.0
@@ -174,13 +343,21 @@ def tp_fraction(run: Run, sp: bool) -> float:
     return (10 + 24 / t + attn / t) / (34 + attn)
 
 
-def layer_activations(run: Run, layers: list[LayerCost], sp: bool, ac: bool) -> tuple[list[float], list[float]]:
+def layer_activations(run: Run, layers: list[LayerCost], sp: bool, ac: bool,
+                      measured: list[tuple[int, int]] | None = None) -> tuple[list[float], list[float]]:
     """Per layer, on one rank: (bytes held per microbatch in flight, bytes of the block
-    recomputed in backward: 0 unless `ac` and a block)."""
+    recomputed in backward: 0 unless `ac` and a block). `measured`: per layer (saved,
+    output) bytes of one tp rank (`meta_activations`), used as they are; without it,
+    `layers`' tp=1 bytes by Korthikanti et al.'s proportions (the fallback)."""
     t, frac = run.tp, tp_fraction(run, sp)
     held, recompute = [], []
-    for c in layers:
-        if c.name == BLOCK:
+    for i, c in enumerate(layers):
+        block = c.name == BLOCK
+        if measured is not None:
+            saved, out = measured[i]
+            held.append(float(out if ac and block else saved))
+            recompute.append(float(saved) if ac and block else 0.0)
+        elif block:
             full = c.saved_bytes * frac
             held.append(c.out_bytes / (t if sp else 1) if ac else full)
             recompute.append(full if ac else 0.0)
@@ -237,29 +414,29 @@ def runnable(run: Run, option: Option) -> bool:
 
 
 def memory_plan(run: Run, profile: Profile, comm: CommModel, candidates: list[Candidate],
-                budget: float, *, keep_gathered: bool = False) -> list[MemoryRow]:
+                budget: float) -> list[MemoryRow]:
     """For each (schedule, chunks) and option, the fastest of `candidates` (microbatches x
     partition) that fits `budget` bytes on every rank, or else the one needing least
     memory; rows that fit first, fastest first, then the rest by memory."""
-    splits = layer_params(run)
+    splits, keys = layer_params(run), tied_keys(run)
     runs = {o: runnable(run, o) for o in options(run)}
     by_schedule: dict[tuple[str, int, Option], list[MemoryRow]] = {}
     cache: dict[tuple, dict] = {}
+    activations: dict = {}  # (rows, sp) -> the meta count, or why there is none
     for cand in candidates:
         layers = [replace(c, **{k: getattr(c, k) / run.tp for k in KINDS}) for c in profile.at(cand.micro_batch)]
         schedule = build_schedule(cand.schedule, run.pp, cand.microbatches, cand.chunks_per_rank)
         for option in runs:
             stages = list(zip(cand.boundaries, cand.boundaries[1:]))
-            held, recompute = layer_activations(run, layers, option.sp, option.ac)
+            held, recompute, source = planned_activations(run, layers, cand.micro_batch, option.sp, option.ac,
+                                                          activations)
             peaks = activation_peaks(schedule, [round(sum(held[lo:hi])) for lo, hi in stages])
             mems = []
             for r in range(schedule.pp):
                 mine = [i for s in schedule.local_stages(r) for i in range(*stages[s])]
-                dense, expert = rank_params(run, [splits[i] for i in mine])
-                blocks = [i for i in mine if layers[i].name == BLOCK] or mine
-                gathered = (dense + expert if keep_gathered
-                            else max(sum(rank_params(run, [splits[i]])) for i in blocks))
-                mem = state_memory(dense, expert, run, option.zero, gathered)
+                once = held_once(mine, keys)
+                dense, expert = rank_params(run, [splits[i] for i in once])
+                mem = state_memory(dense, expert, run, option.zero, gathered_params(run, splits, once))
                 mem.activations = peaks[r] + max((recompute[i] for i in mine), default=0.0)
                 mems.append(mem)
             worst = max(mems, key=lambda m: m.total)
@@ -269,7 +446,7 @@ def memory_plan(run: Run, profile: Profile, comm: CommModel, candidates: list[Ca
                                      comm, profile.optimizer_seconds_per_param, run)
             p = cache[key]
             row = MemoryRow(cand, option, worst, [m.total for m in mems], p["step"], worst.total <= budget,
-                            runs[option], p["timeline"])
+                            runs[option], p["timeline"], source)
             by_schedule.setdefault((cand.schedule, cand.chunks_per_rank, option), []).append(row)
     best = [min(rows, key=lambda r: (not r.fits, r.step_seconds if r.fits else r.memory.total))
             for rows in by_schedule.values()]
@@ -285,7 +462,7 @@ def _gib(nbytes: float) -> str:
 
 def memory_table(rows: list[MemoryRow], top: int | None = None) -> str:
     table = [["schedule", "chunks", "mb x rows", "ZeRO", "SP", "AC", "params", "grads", "master", "optim",
-              "gathered", "activ.", "total GiB", "step ms", ""]]
+              "gathered", "unsh. grads", "activ.", "total GiB", "step ms", ""]]
     for r in rows[:top]:
         c, m, o = r.candidate, r.memory, r.option
         note = ("fits" if r.fits else "over budget") + ("" if r.runnable else " (not yet runnable)")

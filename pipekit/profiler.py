@@ -133,12 +133,16 @@ class CommModel:
 
 
 # ---- profiling ---------------------------------------------------------------
-def _model(run: Run, device: str = "cpu"):
-    """The run's whole model as one pp=1 PipelineModule on `device`, and an example batch maker."""
+def _model(run: Run, device: str = "cpu", *, tp_group=None, sequence_parallel: bool = False):
+    """The run's whole model as one pp=1 PipelineModule on `device`, and an example batch maker.
+    `tp_group`: the tp group its layers are built on (a `pipekit.testing.FakeGroup` builds one
+    tp rank's shards on meta, where collectives only shape); `sequence_parallel` with it."""
     cfg, mcfg = run.config, run.model
     dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
     alone = Topology.__new__(Topology)  # one process, no groups, also inside a job (Topology() would span it)
     alone._init_single(1, 1, 1, None)
+    if tp_group is not None:  # what PipelineModule._groups hands the layers; the grid itself stays one process
+        alone.tp_group, alone.sequence_parallel = tp_group, sequence_parallel
     with default_dtype(dtype):
         module = PipelineModule(model_specs(mcfg), loss_fn=model_loss(mcfg), topology=alone,
                                 partition="uniform", seed=cfg.train.seed, device=device,

@@ -1,7 +1,10 @@
 """The planner's memory model (`pipekit.memplan`, `pipekit plan --memory-budget-gb`): each
-component against the ZeRO formulas by hand, against the real optimizer's buffers, the
-activations against Korthikanti et al.'s tp / SP / checkpointing splits, and the command
-on Llama-3 8B (meta device: nothing allocated)."""
+component against the ZeRO formulas by hand (stage 3's gathered parameters and unsharded
+gradients, a tied weight once), against the real optimizer's buffers, the activations
+counted on the meta device against the same count on real tensors (tp=1 in this process,
+tp=2 over two gloo processes, sequence parallelism off and on), the fallback against
+Korthikanti et al.'s tp / SP / checkpointing splits, and the command on Llama-3 8B (meta
+device: nothing allocated)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MIXTRAL = str(ROOT / "configs" / "mixtral_tiny.yaml")
 GPT = str(ROOT / "configs" / "gpt2_tiny.yaml")
 LLAMA8B = str(ROOT / "configs" / "llama3_8b.yaml")
+LLAMA = str(ROOT / "configs" / "llama_tiny.yaml")
 QUIET = ["data.source=synthetic", "logging.out_dir=null"]
 GPT_SMALL = [*QUIET, "model.dim=32", "model.n_heads=2", "model.n_layers=4", "train.seq_len=16",
              "model.max_seq_len=16", "train.micro_batch=2", "schedule.microbatches=4"]
@@ -32,16 +36,20 @@ def _plan_rows(run, budget=GIB, microbatches=None):
     return prof, memplan.memory_plan(run, prof, profiler.CommModel(), cands, budget)
 
 
-def test_state_components_are_the_zero_formulas():
+@pytest.mark.parametrize("reshard", [False, True])
+def test_state_components_are_the_zero_formulas(reshard):
     """Mixtral tiny, bf16 AdamW, dp=4 x ep=2 at pp=1: dense parameters sharded over dp=4, the
     routed experts (half of them per rank) over edp=2; bf16 weights, fp32 gradients (the
-    engine's reduce dtype), fp32 master weights and two fp32 moments."""
-    run = load_run(MIXTRAL, [*QUIET, "parallel.dp=4", "parallel.ep=2", "train.precision=bf16"])
+    engine's reduce dtype), fp32 master weights and two fp32 moments. Stage 3 also holds the
+    step's gradients whole in fp32, and gathered bf16 parameters: the whole rank's without
+    `optimizer.reshard_after_forward`, its largest layer's with it."""
+    run = load_run(MIXTRAL, [*QUIET, "parallel.dp=4", "parallel.ep=2", "train.precision=bf16",
+                             f"optimizer.reshard_after_forward={reshard}"])
     m = run.model
     experts = m.n_layers * m.n_experts * 3 * m.dim * m.hidden  # w_gate, w_up, w_down per expert
     dense = count_params(m) - experts
     E = experts / 2  # this rank's half of the experts
-    block = max(d + e / 2 for d, e in memplan.layer_params(run)[1:1 + m.n_layers])
+    largest = max(d + e / 2 for d, e in memplan.layer_params(run))
     _, rows = _plan_rows(run)
     got = {r.option.zero: r.memory for r in rows if r.candidate.schedule == "1f1b" and not r.option.ac}
     assert set(got) == {0, 1, 2, 3}
@@ -53,7 +61,9 @@ def test_state_components_are_the_zero_formulas():
         n, ne = (4, 2) if z >= 1 else (1, 1)
         assert mem.master == pytest.approx(4 * dense / n + 4 * E / ne)
         assert mem.optimizer == pytest.approx(8 * dense / n + 8 * E / ne)
-        assert mem.gathered == pytest.approx(2 * block if z == 3 else 0)
+        whole = largest if reshard else dense + E
+        assert mem.gathered == pytest.approx(2 * whole if z == 3 else 0)
+        assert mem.unsharded_grads == pytest.approx(4 * (dense + E) if z == 3 else 0)
         assert mem.total == pytest.approx(sum(getattr(mem, k) for k in memplan.COMPONENTS))
     assert got[1].total < got[0].total and got[3].params < got[2].params
 
@@ -76,6 +86,29 @@ def test_stage_0_state_is_what_the_optimizer_allocates():
         real["params"], real["grads"], real["master"], real["optimizer_state"])
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_tied_weight_is_counted_once_per_rank_holding_it(pp):
+    """GPT-2's embedding and head share one weight: a rank holding both uses holds it once
+    (pp=1), each of two ranks holding one use holds it (pp=2). bf16 AdamW, ZeRO-3 over dp=2."""
+    run = load_run(GPT, [*GPT_SMALL, f"parallel.pp={pp}", "parallel.dp=2", "train.precision=bf16"])
+    splits, keys = memplan.layer_params(run), memplan.tied_keys(run)
+    assert keys[0] == keys[-1] == "embed" and splits[0] == splits[-1]
+    embed = splits[0][0]
+    _, rows = _plan_rows(run)
+    row = next(r for r in rows if r.candidate.schedule == "1f1b" and r.option == memplan.Option(3, False, False))
+    cuts = row.candidate.boundaries
+    per_rank = [sum(d for d, _ in splits[lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
+    if pp == 1:
+        per_rank = [per_rank[0] - embed]  # the head's use of the embedding's weight: not a second copy
+    psi = row.memory.params  # bf16 / 2 shards: the worst rank's psi; it must be one of the ranks' counts
+    assert psi in per_rank
+    # bf16 params / 2, fp32 grads / 2, fp32 master / 2, two fp32 moments / 2; gathered bf16, unsharded fp32
+    assert (row.memory.grads, row.memory.master, row.memory.optimizer) == pytest.approx(
+        (4 * psi / 2, 4 * psi / 2, 8 * psi / 2))
+    assert (row.memory.gathered, row.memory.unsharded_grads) == pytest.approx((2 * psi, 4 * psi))
+    assert memplan.held_once([0, 3, 6, 0], keys) == [0, 3]
+
+
 def test_sgd_and_fp32_state():
     run = load_run(GPT, [*GPT_SMALL, "optimizer.name=sgd", "optimizer.momentum=0.9", "parallel.dp=2"])
     mem = memplan.state_memory(1000, 0, run, 1)
@@ -83,15 +116,101 @@ def test_sgd_and_fp32_state():
     assert (mem.params, mem.grads, mem.master, mem.optimizer) == (4000, 4000, 0, 2000)
 
 
-def test_activations_follow_korthikanti_splits_and_the_schedule():
+def _real_saved(run, rows: int, tp_group=None, sp: bool = False) -> list[tuple[int, int]]:
+    """What `memplan.meta_activations` counts, counted on real CPU tensors: per layer (saved,
+    output) bytes of one forward of `rows` rows, the loss's folded into the last layer."""
+    module, batch = profiler._model(run, "cpu", tp_group=tp_group, sequence_parallel=sp)
+    module.train()
+    x, labels = (t.clone() for t in batch(rows))  # own storages, as meta's copies have
+    counter = memplan.SavedStorages([p for p in module.parameters() if p.requires_grad])
+    found = []
+    with counter:
+        out = x
+        for i in range(len(module.specs)):
+            out = module.run_layer(i, out)
+            found.append([counter.take(), profiler._nbytes(out)])
+        module.loss_fn(out, labels)
+        found[-1][0] += counter.take()
+    return [(saved, nbytes) for saved, nbytes in found]
+
+
+LLAMA_SMALL = [*QUIET, "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.hidden=48",
+               "model.n_layers=2", "train.seq_len=16", "model.max_seq_len=16", "train.micro_batch=2"]
+
+
+@pytest.mark.parametrize("config,small", [(GPT, GPT_SMALL), (LLAMA, LLAMA_SMALL)])
+def test_meta_activations_are_the_real_saved_bytes_at_tp1(config, small):
+    run = load_run(config, small)
+    meta = memplan.meta_activations(run, 2, sp=False)
+    assert meta == _real_saved(run, 2)
+    assert all(saved > 0 for saved, _ in meta[1:-1])  # every block saves something
+
+
+def _saved_at_tp2(models: list[tuple[str, list[str]]]) -> dict:
+    import torch.distributed as dist
+    group = dist.new_group([0, 1])
+    return {(config, sp): _real_saved(load_run(config, [*small, "parallel.tp=2"]), 2, group, sp)
+            for config, small in models for sp in (False, True)}
+
+
+def test_meta_activations_are_the_real_saved_bytes_at_tp2():
+    """GPT-2 and Llama at tp=2 over two gloo processes (one group for all), sequence
+    parallelism off and on: each rank's real count is the meta count with a FakeGroup(2, 0),
+    layer by layer; SP saves less than without, and tp=2 less than tp=1."""
+    from pipekit.testing import run_distributed
+
+    models = [(GPT, GPT_SMALL), (LLAMA, LLAMA_SMALL)]
+    ranks = run_distributed(_saved_at_tp2, 2, models, timeout=300)
+    for config, small in models:
+        run = load_run(config, [*small, "parallel.tp=2"])
+        for sp in (False, True):
+            meta = memplan.meta_activations(run, 2, sp)
+            for real in ranks:
+                assert real[config, sp] == meta, (config, sp, real[config, sp], meta)
+        one = memplan.meta_activations(load_run(config, small), 2, sp=False)
+        blocks = slice(1, 1 + run.model.n_layers)
+        off, on = (sum(s for s, _ in memplan.meta_activations(run, 2, sp)[blocks]) for sp in (False, True))
+        assert on < off < sum(s for s, _ in one[blocks])
+
+
+def test_plan_activations_follow_the_meta_count_and_the_schedule():
+    run = load_run(GPT, [*GPT_SMALL, "parallel.pp=1", "parallel.tp=2", "parallel.dp=2"])
+    prof = profiler.flop_layers(run, flops_per_second=1e9)
+    layers = prof.at(2)
+    for sp, ac in ((False, False), (True, False), (False, True), (True, True)):
+        meta = memplan.meta_activations(run, 2, sp)
+        held, recompute, source = memplan.planned_activations(run, layers, 2, sp, ac)
+        assert source == "counted on the meta device at tp=2"
+        for c, (saved, out), got, again in zip(layers, meta, held, recompute):
+            block = ac and c.name == "TransformerBlock"
+            assert (got, again) == ((out, saved) if block else (saved, 0))
+    # pp=1: 1F1B holds one microbatch at a time, GPipe all 4 of them
+    _, rows = _plan_rows(run, microbatches=[4])
+    by = {(r.candidate.schedule, r.option): r for r in rows}
+    for sp, ac in ((False, False), (True, True)):
+        held, recompute, _ = memplan.planned_activations(run, layers, 2, sp, ac)
+        one = round(sum(held))
+        extra = max(recompute)
+        assert by["1f1b", memplan.Option(0, sp, ac)].memory.activations == pytest.approx(one + extra)
+        assert by["gpipe", memplan.Option(0, sp, ac)].memory.activations == pytest.approx(4 * one + extra)
+        assert by["1f1b", memplan.Option(0, sp, ac)].activations_source == "counted on the meta device at tp=2"
+
+
+def test_fallback_follows_korthikanti_splits_and_says_so(monkeypatch):
     run = load_run(GPT, [*GPT_SMALL, "parallel.pp=1", "parallel.tp=2", "parallel.dp=2"])
     prof = profiler.flop_layers(run, flops_per_second=1e9)
     layers = prof.at(2)
     a, s, h, t = 2, 16, 32, 2
     frac = (10 + 24 / t + 5 * a * s / (h * t)) / (34 + 5 * a * s / h)
     assert memplan.tp_fraction(run, sp=False) == pytest.approx(frac)
+
+    def cannot(*args):
+        raise NotImplementedError("no meta kernel for this op")
+
+    monkeypatch.setattr(memplan, "meta_activations", cannot)
     for sp, ac in ((False, False), (True, False), (False, True), (True, True)):
-        held, recompute = memplan.layer_activations(run, layers, sp, ac)
+        held, recompute, source = memplan.planned_activations(run, layers, 2, sp, ac)
+        assert "Korthikanti" in source and "NotImplementedError: no meta kernel for this op" in source
         for c, got, again in zip(layers, held, recompute):
             if c.name == "TransformerBlock":
                 full = c.saved_bytes * (1 / t if sp else frac)
@@ -101,15 +220,6 @@ def test_activations_follow_korthikanti_splits_and_the_schedule():
                 assert got == pytest.approx(c.saved_bytes / t)
             else:
                 assert got == pytest.approx(c.saved_bytes / (t if sp else 1))
-    # pp=1: 1F1B holds one microbatch at a time, GPipe all 4 of them
-    _, rows = _plan_rows(run, microbatches=[4])
-    by = {(r.candidate.schedule, r.option): r for r in rows}
-    for sp, ac in ((False, False), (True, True)):
-        held, recompute = memplan.layer_activations(run, layers, sp, ac)
-        one = round(sum(held))
-        extra = max(recompute)
-        assert by["1f1b", memplan.Option(0, sp, ac)].memory.activations == pytest.approx(one + extra)
-        assert by["gpipe", memplan.Option(0, sp, ac)].memory.activations == pytest.approx(4 * one + extra)
 
 
 def test_checkpointing_and_zero3_cost_time_and_options_say_what_runs():

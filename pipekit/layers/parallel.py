@@ -157,10 +157,13 @@ def group_rank(group) -> int:
 
 # ---- communication helpers (no-ops on meta and on one rank) ------------------
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce a copy of `x` (never the caller's tensor: it may be shared)."""
-    if x.is_meta or group_size(group) == 1:
+    """All-reduce a copy of `x` (never the caller's tensor: it may be shared; on meta the copy
+    alone, so that what the result shares storage with is as in a real run)."""
+    if group_size(group) == 1:
         return x
     out = x.clone(memory_format=torch.contiguous_format)
+    if x.is_meta:
+        return out
     dist.all_reduce(out, op=op, group=lane(group))
     return out
 
@@ -186,8 +189,8 @@ def _reduce_scatter(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     if size == 1:
         return x
     n = divide(x.shape[dim], size, f"size of dim {dim}")
-    if x.is_meta:
-        return x.narrow(dim, 0, n)
+    if x.is_meta:  # a tensor of its own, as the real collective's (not a view of x's storage)
+        return x.narrow(dim, 0, n).clone(memory_format=torch.contiguous_format)
     g = lane(group)
     if dist.get_backend(g) == "gloo":
         return _own_slice(_all_reduce(x, group), group, dim)
