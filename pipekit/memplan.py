@@ -74,12 +74,12 @@ import torch
 import torch.nn.functional as F
 
 from .config import ConfigError, ParallelConfig, Run, load_config
+from .layers.parallel import FakeGroup
 from .models import model_specs
 from .planner import Candidate, activation_peaks, predict
 from .profiler import KINDS, CommModel, LayerCost, Profile, _layer_params, _model, _nbytes
 from .schedules import build_schedule
 from .spec import TiedLayerSpec
-from .testing import FakeGroup
 
 ZERO_STAGES = (0, 1, 2, 3)
 BLOCK = "TransformerBlock"

@@ -135,7 +135,7 @@ class CommModel:
 # ---- profiling ---------------------------------------------------------------
 def _model(run: Run, device: str = "cpu", *, tp_group=None, sequence_parallel: bool = False):
     """The run's whole model as one pp=1 PipelineModule on `device`, and an example batch maker.
-    `tp_group`: the tp group its layers are built on (a `pipekit.testing.FakeGroup` builds one
+    `tp_group`: the tp group its layers are built on (a `pipekit.layers.parallel.FakeGroup` builds one
     tp rank's shards on meta, where collectives only shape); `sequence_parallel` with it."""
     cfg, mcfg = run.config, run.model
     dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32

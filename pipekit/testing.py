@@ -21,6 +21,7 @@ import traceback
 import torch
 from torch import nn
 
+from .layers.parallel import FakeGroup  # tests have always found it here
 from .spawn import INITS, run_distributed
 from .spec import LayerSpec, TiedLayerSpec, tied_first_index
 
@@ -78,20 +79,6 @@ def reference_slice(full: torch.Tensor, p: torch.Tensor, topo) -> torch.Tensor:
         full = full.chunk(getattr(topo, "ep", 1), dim=ep_dim)[getattr(topo, "ep_rank", 0)]
     dim = getattr(p, "tp_shard_dim", None)
     return full if dim is None else full.chunk(topo.tp, dim=dim)[topo.tp_rank]
-
-
-class FakeGroup:
-    """A process group of `size` ranks seen from `rank`, with no way to communicate: enough to
-    build tensor- or expert-parallel layers (construction never communicates) in one process."""
-
-    def __init__(self, size: int, rank: int = 0):
-        self._size, self._rank = size, rank
-
-    def size(self) -> int:
-        return self._size
-
-    def rank(self) -> int:
-        return self._rank
 
 
 class HostReads:

@@ -141,6 +141,22 @@ def current_etp_group():
     return _ETP_GROUP.get()
 
 
+class FakeGroup:
+    """A process group of `size` ranks seen from `rank`, with no way to communicate: enough to
+    build tensor- or expert-parallel layers (construction never communicates) in one process,
+    and to run them on the meta device (the collectives only shape their results there): the
+    memory planner counts a tp rank's activations so, and tests build shards with it."""
+
+    def __init__(self, size: int, rank: int = 0):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
 def group_size(group) -> int:
     """Number of ranks in `group`; 1 for None.
 
