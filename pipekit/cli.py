@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import asdict
 
 from omegaconf import OmegaConf
@@ -67,9 +68,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         check_before_launch(run)  # the data, out_dir, checkpoint dir and the checkpoint to resume from
     except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # under a user's torchrun, said once
-            print(f"pipekit train: {e}", file=sys.stderr)
-        return 2
+        return _refuse(str(e))
     device = _device(cfg)
     if device is None:
         return 2
@@ -80,15 +79,11 @@ def _train(args: argparse.Namespace) -> int:
         print(f"pipekit train: {busy}", file=sys.stderr)
         return 2
     if not checked and (taken := rundirs.out_dir_taken(cfg)):
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pipekit train: {taken}", file=sys.stderr)
-        return 2
+        return _refuse(taken)
     made = [] if checked else rundirs.dirs_to_make(cfg)
     locks = rundirs.hold_run_dirs(cfg)  # held until this process exits
     if isinstance(locks, str):
-        if os.environ.get("RANK", "0") == "0":
-            print(f"pipekit train: {locks}", file=sys.stderr)
-        return 2
+        return _refuse(locks)
     try:
         if cfg.world_size > 1 and "RANK" not in os.environ:
             # The workers take this process's answer: after auto -> cpu with a GPU visible they must
@@ -105,6 +100,21 @@ def _train(args: argparse.Namespace) -> int:
         return launch.run_worker(run)
     finally:
         rundirs.leave_no_trace(made)
+
+
+# Under a user's torchrun every rank refuses, rank 0 says why: the others wait this long before
+# exiting, so that torchrun, which stops the group when the first worker fails, does not stop
+# rank 0 before it has printed its line.
+REFUSAL_GRACE_S = 5.0
+
+
+def _refuse(why: str) -> int:
+    """Refuse a run before it starts: the reason once (rank 0, or the only process), exit status 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pipekit train: {why}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(REFUSAL_GRACE_S)
+    return 2
 
 
 def _profiled_partition(run: Run, device: str) -> list[str]:
