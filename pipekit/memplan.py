@@ -65,19 +65,23 @@ ZeRO-2 buckets in flight, the allocator's fragmentation, CUDA context and worksp
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-
-import torch
-import torch.nn.functional as F
 
 from .config import ConfigError, ParallelConfig, Run, load_config
 from .layers.parallel import FakeGroup
 from .models import model_specs
 from .planner import Candidate, activation_peaks, predict
-from .profiler import KINDS, CommModel, LayerCost, Profile, _layer_params, _model, _nbytes
+from .profiler import (
+    KINDS,
+    CommModel,
+    LayerCost,
+    Profile,
+    SavedStorages,  # noqa: F401 - the memory plan's counter, where its tests find it
+    _layer_params,
+    _model,
+    meta_saved,
+)
 from .schedules import build_schedule
 from .spec import TiedLayerSpec
 
@@ -218,69 +222,6 @@ def gathered_params(run: Run, splits: list[tuple[int, int]], mine: list[int]) ->
 
 
 # ---- activations -------------------------------------------------------------------
-class SavedStorages:
-    """While active (`with counter:`), the bytes autograd saves for backward: each storage
-    counted once, whole (views of one storage are one tensor's bytes), the storages of
-    `params` (so parameters and their views) left out. Works on the meta device, where
-    storages have sizes but no addresses: a storage is told apart by its identity, and
-    the saved tensors are kept alive until `close()` so that no identity is reused."""
-
-    def __init__(self, params=()):
-        self.skip = {self._key(p) for p in params}
-        self.seen: set[int] = set()
-        self.kept: list[torch.Tensor] = []
-        self.total = 0
-
-    @staticmethod
-    def _key(t: torch.Tensor) -> int:
-        storage = t.untyped_storage()
-        return storage._cdata if t.is_meta else storage.data_ptr()
-
-    def __enter__(self):
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            key = self._key(t)
-            if key not in self.skip and key not in self.seen:
-                self.seen.add(key)
-                self.kept.append(t)
-                self.total += t.untyped_storage().nbytes()
-            return t
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-    def take(self) -> int:
-        """Bytes counted since the last take."""
-        n, self.total = self.total, 0
-        return n
-
-    def close(self) -> None:
-        self.kept.clear()
-
-
-@contextlib.contextmanager
-def _fused_attention_on_meta() -> Iterator[None]:
-    """`F.scaled_dot_product_attention` on meta tensors as the fused kernel a real run takes
-    (on meta torch picks its math path, which saves the (T, T) score matrix; the CPU flash
-    kernel, like CUDA's flash and memory-efficient ones, saves q, k, v, the output and a
-    per-row log-sum-exp). Other calls (a mask, real tensors) go to torch's own."""
-    real = F.scaled_dot_product_attention
-
-    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
-        if q.is_meta and attn_mask is None and not kwargs.get("enable_gqa", False):
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, dropout_p, is_causal, scale=scale)[0]
-        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs)
-
-    F.scaled_dot_product_attention = fused  # type: ignore[assignment]  # undone below
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = real
-
-
 def meta_activations(run: Run, rows: int, sp: bool) -> list[tuple[int, int]]:
     """Per layer, one tp rank's (saved bytes, output bytes) for one microbatch of `rows`
     rows, counted by running the run's own layers on the meta device: built at the run's tp
@@ -290,21 +231,7 @@ def meta_activations(run: Run, rows: int, sp: bool) -> list[tuple[int, int]]:
     for what these layers save, whatever they save (fused attention, SP's gathered inputs);
     routed experts see every token of the microbatch (no expert parallelism on meta)."""
     group = FakeGroup(run.tp, 0) if run.tp > 1 else None
-    module, batch = _model(run, "meta", tp_group=group, sequence_parallel=sp and run.tp > 1)
-    module.train()
-    x, labels = (t.to("meta") for t in batch(rows))
-    counter = SavedStorages([p for p in module.parameters() if p.requires_grad])  # buffers count (rotary tables)
-    out, found = x, []
-    try:
-        with counter, torch.enable_grad(), _fused_attention_on_meta():
-            for i in range(len(module.specs)):
-                out = module.run_layer(i, out)
-                found.append([counter.take(), _nbytes(out)])
-            module.loss_fn(out, labels)
-            found[-1][0] += counter.take()
-    finally:
-        counter.close()
-    return [(s, o) for s, o in found]
+    return meta_saved(run, rows, tp_group=group, sequence_parallel=sp and run.tp > 1)
 
 
 def planned_activations(run: Run, layers: list[LayerCost], rows: int, sp: bool, ac: bool,

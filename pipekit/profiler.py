@@ -33,15 +33,17 @@ measure (a GPU run is profiled in one process).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from .config import Run
@@ -460,10 +462,97 @@ def too_large_to_profile(run: Run, device: str) -> str | None:
     return None
 
 
+class SavedStorages:
+    """While active (`with counter:`), the bytes autograd saves for backward: each storage
+    counted once, whole (views of one storage are one tensor's bytes), the storages of
+    `params` (so parameters and their views) left out. Works on the meta device, where
+    storages have sizes but no addresses: a storage is told apart by its identity, and
+    the saved tensors are kept alive until `close()` so that no identity is reused."""
+
+    def __init__(self, params=()):
+        self.skip = {self._key(p) for p in params}
+        self.seen: set[int] = set()
+        self.kept: list[torch.Tensor] = []
+        self.total = 0
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        storage = t.untyped_storage()
+        return storage._cdata if t.is_meta else storage.data_ptr()
+
+    def __enter__(self):
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = self._key(t)
+            if key not in self.skip and key not in self.seen:
+                self.seen.add(key)
+                self.kept.append(t)
+                self.total += t.untyped_storage().nbytes()
+            return t
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+    def take(self) -> int:
+        """Bytes counted since the last take."""
+        n, self.total = self.total, 0
+        return n
+
+    def close(self) -> None:
+        self.kept.clear()
+
+
+@contextlib.contextmanager
+def _fused_attention_on_meta() -> Iterator[None]:
+    """`F.scaled_dot_product_attention` on meta tensors as the fused kernel a real run takes
+    (on meta torch picks its math path, which saves the (T, T) score matrix; the CPU flash
+    kernel, like CUDA's flash and memory-efficient ones, saves q, k, v, the output and a
+    per-row log-sum-exp). Other calls (a mask, real tensors) go to torch's own."""
+    real = F.scaled_dot_product_attention
+
+    def fused(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        if q.is_meta and attn_mask is None and not kwargs.get("enable_gqa", False):
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, dropout_p, is_causal, scale=scale)[0]
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **kwargs)
+
+    F.scaled_dot_product_attention = fused  # type: ignore[assignment]  # undone below
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+def meta_saved(run: Run, rows: int, *, tp_group=None, sequence_parallel: bool = False) -> list[tuple[int, int]]:
+    """Per layer, (bytes autograd saves, output bytes) of one microbatch of `rows` rows, by one
+    forward of the run's layers on the meta device (built on `tp_group`, a stand-in group, and
+    sequence parallel when asked) under `SavedStorages`, attention as the fused kernel a real
+    run takes; the loss's saved bytes folded into the last layer. Nothing is allocated."""
+    module, batch = _model(run, "meta", tp_group=tp_group, sequence_parallel=sequence_parallel)
+    module.train()
+    x, labels = (t.to("meta") for t in batch(rows))
+    counter = SavedStorages([p for p in module.parameters() if p.requires_grad])  # buffers count (rotary tables)
+    out, found = x, []
+    try:
+        with counter, torch.enable_grad(), _fused_attention_on_meta():
+            for i in range(len(module.specs)):
+                out = module.run_layer(i, out)
+                found.append([counter.take(), _nbytes(out)])
+            module.loss_fn(out, labels)
+            found[-1][0] += counter.take()
+    finally:
+        counter.close()
+    return [(saved, size) for saved, size in found]
+
+
 def flop_layers(run: Run, *, rows: int | None = None, flops_per_second: float | None = None) -> Profile:
     """The layer table from FLOP counts (torch's FlopCounterMode) on the meta device:
     seconds = FLOPs / `flops_per_second` (default: logging.peak_tflops, or 1 TFLOP/s).
-    A backward's halves are taken as equal (I = W = B / 2)."""
+    A backward's halves are taken as equal (I = W = B / 2). Saved bytes: `meta_saved` (the
+    count the memory plan makes; the FLOP pass keeps torch's unfused meta attention, whose
+    FLOPs torch counts)."""
     rows = rows or run.config.train.micro_batch
     rate = flops_per_second or ((run.config.logging.peak_tflops or 0) * 1e12) or NOMINAL_FLOPS
     module, batch = _model(run, "meta")
@@ -490,6 +579,10 @@ def flop_layers(run: Run, *, rows: int | None = None, flops_per_second: float | 
         loss.backward()
     loss_cost = LayerCost("loss", 0, fwd.get_total_flops() / rate, bwd.get_total_flops() / rate,
                           bwd.get_total_flops() / rate, 0.0, 0, 0)
+    try:  # what each layer saves, as the memory plan counts it (by storage, attention fused)
+        layers = [replace(c, saved_bytes=saved) for c, (saved, _) in zip(layers, meta_saved(run, rows))]
+    except Exception:  # noqa: BLE001, S110 -- a layer that cannot run on meta twice: keep the first count
+        pass
     # AdamW: about 12 FLOPs and 16 bytes moved per parameter; count it as memory-bound at 1/50 of the rate.
     return Profile(layers, loss_cost, rows, None, 50 * 12 / rate,
                    f"FLOP counts at {rate / 1e12:g} TFLOP/s (no profile)")
