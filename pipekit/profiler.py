@@ -176,27 +176,30 @@ def _nbytes(x) -> int:
     return sum(t.numel() * t.element_size() for t in xs if torch.is_tensor(t))
 
 
-class _SavedBytes:
-    """Bytes autograd saves for backward inside the block, parameters not counted."""
+class SavedStorages:
+    """While active (`with counter:`), the bytes autograd saves for backward: each storage
+    counted once, whole (views of one storage are one tensor's bytes), the storages of
+    `params` (so parameters and their views) left out. Works on the meta device, where
+    storages have sizes but no addresses: a storage is told apart by its identity, and
+    the saved tensors are kept alive until `close()` so that no identity is reused."""
 
-    def __init__(self, params):
-        self.params = list(params)
-        # by storage, as saved tensors are keyed below: a parameter may be a view into a flat buffer
-        # (the optimizer's buckets), whose other views are the other parameters, never activations
-        self.skip = {p.untyped_storage().data_ptr() for p in self.params if p.device.type != "meta"}
-        self.seen, self.total = set(), 0
+    def __init__(self, params=()):
+        self.skip = {self._key(p) for p in params}
+        self.seen: set[int] = set()
+        self.kept: list[torch.Tensor] = []
+        self.total = 0
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> int:
+        storage = t.untyped_storage()
+        return storage._cdata if t.is_meta else storage.data_ptr()
 
     def __enter__(self):
-        def pack(t):
-            if t.device.type == "meta":  # no storage to tell apart: count each tensor that is not a parameter
-                if not any(t is p or (t._base is not None and t._base is p) for p in self.params) \
-                        and id(t) not in self.seen:
-                    self.seen.add(id(t))
-                    self.total += t.numel() * t.element_size()
-                return t
-            key = t.untyped_storage().data_ptr()
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = self._key(t)
             if key not in self.skip and key not in self.seen:
                 self.seen.add(key)
+                self.kept.append(t)
                 self.total += t.untyped_storage().nbytes()
             return t
         self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
@@ -205,6 +208,14 @@ class _SavedBytes:
 
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
+
+    def take(self) -> int:
+        """Bytes counted since the last take."""
+        n, self.total = self.total, 0
+        return n
+
+    def close(self) -> None:
+        self.kept.clear()
 
 
 def _time(sync, fn: Callable[..., _T], *args) -> tuple[float, _T]:
@@ -241,9 +252,10 @@ def _profile_one(module, i: int, x, reps: int, sync):
     params = [p for p in _layer_params(module, i) if p.requires_grad]
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     out = None
-    with _SavedBytes(params) as counter:  # counted apart: the hooks would slow the timed passes
+    with SavedStorages(params) as counter:  # counted apart: the hooks would slow the timed passes
         out = module.run_layer(i, _leaf(x))
     saved, out_bytes = counter.total, _nbytes(out)
+    counter.close()
     for rep in range(reps + 1):
         for split in (False, True):
             xin = _leaf(x)
@@ -270,9 +282,10 @@ def _profile_one(module, i: int, x, reps: int, sync):
 
 def _profile_loss(module, out, labels, reps: int, sync) -> LayerCost:
     fwd, bwd = [], []
-    with _SavedBytes([]) as counter:
+    with SavedStorages() as counter:
         module.loss_fn(_leaf(out), labels)
     saved = counter.total
+    counter.close()
     for rep in range(reps + 1):
         x = _leaf(out)
         t_f, loss = _time(sync, module.loss_fn, x, labels)
@@ -462,48 +475,6 @@ def too_large_to_profile(run: Run, device: str) -> str | None:
     return None
 
 
-class SavedStorages:
-    """While active (`with counter:`), the bytes autograd saves for backward: each storage
-    counted once, whole (views of one storage are one tensor's bytes), the storages of
-    `params` (so parameters and their views) left out. Works on the meta device, where
-    storages have sizes but no addresses: a storage is told apart by its identity, and
-    the saved tensors are kept alive until `close()` so that no identity is reused."""
-
-    def __init__(self, params=()):
-        self.skip = {self._key(p) for p in params}
-        self.seen: set[int] = set()
-        self.kept: list[torch.Tensor] = []
-        self.total = 0
-
-    @staticmethod
-    def _key(t: torch.Tensor) -> int:
-        storage = t.untyped_storage()
-        return storage._cdata if t.is_meta else storage.data_ptr()
-
-    def __enter__(self):
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            key = self._key(t)
-            if key not in self.skip and key not in self.seen:
-                self.seen.add(key)
-                self.kept.append(t)
-                self.total += t.untyped_storage().nbytes()
-            return t
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
-
-    def take(self) -> int:
-        """Bytes counted since the last take."""
-        n, self.total = self.total, 0
-        return n
-
-    def close(self) -> None:
-        self.kept.clear()
-
-
 @contextlib.contextmanager
 def _fused_attention_on_meta() -> Iterator[None]:
     """`F.scaled_dot_product_attention` on meta tensors as the fused kernel a real run takes
@@ -557,12 +528,13 @@ def flop_layers(run: Run, *, rows: int | None = None, flops_per_second: float | 
     rate = flops_per_second or ((run.config.logging.peak_tflops or 0) * 1e12) or NOMINAL_FLOPS
     module, batch = _model(run, "meta")
     x, labels = (t.to("meta") for t in batch(rows))
+    saved = meta_saved(run, rows)  # what each layer saves, as the memory plan counts it (attention fused)
     layers = []
     out = x
     for i in range(len(module.specs)):
         params = [p for p in _layer_params(module, i) if p.requires_grad]
         xin = _leaf(out)
-        with FlopCounterMode(display=False) as fwd, _SavedBytes(params) as counter:
+        with FlopCounterMode(display=False) as fwd:
             out = module.run_layer(i, xin)
         outs = [o for o in _floats(out) if o.requires_grad]
         with FlopCounterMode(display=False) as bwd:
@@ -570,7 +542,7 @@ def flop_layers(run: Run, *, rows: int | None = None, flops_per_second: float | 
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         f, b = fwd.get_total_flops() / rate, bwd.get_total_flops() / rate
         layers.append(LayerCost(_label(module.specs, i), sum(p.numel() for p in params), f, b, b / 2, b / 2,
-                                counter.total, _nbytes(out)))
+                                saved[i][0], _nbytes(out)))
         out = out.detach() if torch.is_tensor(out) else out
     xin = _leaf(out)
     with FlopCounterMode(display=False) as fwd:
@@ -579,10 +551,6 @@ def flop_layers(run: Run, *, rows: int | None = None, flops_per_second: float | 
         loss.backward()
     loss_cost = LayerCost("loss", 0, fwd.get_total_flops() / rate, bwd.get_total_flops() / rate,
                           bwd.get_total_flops() / rate, 0.0, 0, 0)
-    try:  # what each layer saves, as the memory plan counts it (by storage, attention fused)
-        layers = [replace(c, saved_bytes=saved) for c, (saved, _) in zip(layers, meta_saved(run, rows))]
-    except Exception:  # noqa: BLE001, S110 -- a layer that cannot run on meta twice: keep the first count
-        pass
     # AdamW: about 12 FLOPs and 16 bytes moved per parameter; count it as memory-bound at 1/50 of the rate.
     return Profile(layers, loss_cost, rows, None, 50 * 12 / rate,
                    f"FLOP counts at {rate / 1e12:g} TFLOP/s (no profile)")
