@@ -65,8 +65,7 @@ def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: t
     topo = module.topology
     if topo.dp_group is None:
         return []
-    mesh = topo.fsdp_mesh() if hasattr(topo, "fsdp_mesh") else DeviceMesh.from_group(topo.dp_group,
-                                                                                      topo.device.type)
+    mesh = topo.fsdp_mesh()
     split_experts = getattr(topo, "ep", 1) > 1  # experts split over ep: their replicas are the edp group's
     edp = topo.edp_group if split_experts else None
     expert_mesh = DeviceMesh.from_group(edp, topo.device.type) if edp is not None else None

@@ -905,13 +905,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     start, n = b.offsets[id(p)]
                     per_param[p]["master"] = full[start:start + n].view_as(p).clone()
             for key, (scalar, dtype) in kinds.items():
-                flat = torch.zeros(b.master.numel(), dtype=dtype, device=b.master.device)
-                has = torch.zeros(b.master.numel(), dtype=torch.uint8, device=b.master.device)
-                for piece, (a, e, _) in zip(pieces, b.pieces):
-                    value = state.get(piece, {}).get(key)
-                    if value is not None:
-                        flat[a:e] = value if scalar else value.reshape(-1)
-                        has[a:e] = 1
+                flat, has = _entry_of(b, key, scalar, dtype, pieces, state)
                 full, present = self._gathered(b, flat), self._gathered(b, has)
                 for p in b.params:
                     start, n = b.offsets[id(p)]
@@ -927,13 +921,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not _is_view_of(b.master, b.param_buf):
             out["master"] = gather_rows(b.master, p.shape, b.shard_group).clone()
         for key, (scalar, dtype) in kinds.items():
-            flat = torch.zeros(b.master.numel(), dtype=dtype, device=b.master.device)
-            has = torch.zeros(b.master.numel(), dtype=torch.uint8, device=b.master.device)
-            for piece, (a, e, _) in zip(pieces, b.pieces):
-                value = state.get(piece, {}).get(key)
-                if value is not None:
-                    flat[a:e] = value if scalar else value.reshape(-1)
-                    has[a:e] = 1
+            flat, has = _entry_of(b, key, scalar, dtype, pieces, state)
             full, present = gather_rows(flat, p.shape, b.shard_group), gather_rows(has, p.shape, b.shard_group)
             if present.numel() and present.all():
                 out[key] = full.reshape(-1)[0].clone() if scalar else full.clone()
@@ -1041,6 +1029,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
 
 # ---- helpers -----------------------------------------------------------------
+def _entry_of(b: Bucket, key: str, scalar: bool, dtype: torch.dtype, pieces: list,
+              state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of bucket `b` of the wrapped optimizer's entry `key`, flat as its master
+    (a scalar entry, a step count, spread over its piece), and where it holds one (1) or none."""
+    flat = torch.zeros(b.master.numel(), dtype=dtype, device=b.master.device)
+    has = torch.zeros(b.master.numel(), dtype=torch.uint8, device=b.master.device)
+    for piece, (a, e, _) in zip(pieces, b.pieces):
+        value = state.get(piece, {}).get(key)
+        if value is not None:
+            flat[a:e] = value if scalar else value.reshape(-1)
+            has[a:e] = 1
+    return flat, has
+
+
 def _sharded(p: torch.Tensor) -> bool:
     from .fsdp import sharded
 
