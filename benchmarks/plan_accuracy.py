@@ -9,11 +9,11 @@ For a GPT config at pp=2 (the shapes of benchmarks/vs_torch_pipelining.py:
 sequences; "overhead" = the same with d=64, 16 microbatches of 1 x 32 tokens;
 "tiny" = configs/gpt2_tiny.yaml; "uneven" = 6 layers, d=128, vocab 16384, so
 the tied embedding and head weigh alike in parameters but the head costs far
-more time), the planner (`pipekit.planner`, what
+more time), the planner (`pipekit.plan.planner`, what
 `pipekit plan CONFIG` prints) predicts the step time of each schedule from a
 profile of the layers in this process (one thread) and a measured gloo
 ping-pong. Then two spawned gloo workers (one thread each) build the same model
-with `pipekit.train.build` (AdamW under ZeroOptimizer, the config's partition)
+with `pipekit.run.loop.build` (AdamW under ZeroOptimizer, the config's partition)
 and time `train_batch(reduce_loss=True)` plus a one-element all-reduce (what
 `pipekit train` does per step: the loss on every rank, the stop-request check)
 on synthetic batches: a barrier before each step, a
@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipekit import planner, profiler
 from pipekit.config import load_run
+from pipekit.plan import planner, profiler
 from pipekit.schedules import Action
 from pipekit.testing import run_distributed
 
@@ -73,8 +73,8 @@ def _overrides(shape: str, schedule: str) -> list[str]:
 
 def _measure(overrides: list[str], steps: int, warmup: int = 2) -> dict:
     """On each worker: build the config's engine and time train_batch."""
+    from pipekit.run.loop import batches, build
     from pipekit.topology import Topology
-    from pipekit.train import batches, build
 
     run = load_run(str(CONFIG), overrides)
     topo = Topology(pp=run.pp, dp=run.dp, tp=run.tp, device="cpu")

@@ -1,4 +1,4 @@
-"""Activation bytes per rank with and without sequence parallelism, against `pipekit.memplan`.
+"""Activation bytes per rank with and without sequence parallelism, against `pipekit.plan.memory`.
 
 Run:  python benchmarks/sequence_parallel_memory.py    # ~2 min; --quick: a smoke run (writes nothing)
 
@@ -21,7 +21,7 @@ transformer block's output bytes, the message a pipeline stage ending after
 that block would send (at SP on, the (B, T/tp, D) slice the p2p carries).
 Per rank figures are the largest over the tp ranks (they are equal here).
 
-Prediction. `pipekit.memplan.planned_activations(run, layers, rows, sp,
+Prediction. `pipekit.plan.memory.planned_activations(run, layers, rows, sp,
 ac=False)` for the same config (`load_run(None, [model, tp, seq_len,
 micro_batch overrides])`), i.e. what `pipekit plan --memory-budget-gb` uses:
 the run's own layers built at its tp (a `FakeGroup(tp, 0)` as their tp group,
@@ -76,9 +76,9 @@ import torch.distributed as dist
 import pipekit
 from pipekit.config import load_run
 from pipekit.layers import TransformerBlock
-from pipekit.memplan import BLOCK, planned_activations, tp_fraction
 from pipekit.models import get_model, model_loss, model_specs
-from pipekit.profiler import profile_layers
+from pipekit.plan.memory import BLOCK, planned_activations, tp_fraction
+from pipekit.plan.profiler import profile_layers
 from pipekit.testing import run_distributed
 from pipeline_overhead import load_average, machine, table
 

@@ -80,7 +80,7 @@ parameters, counted from the built module).
        reshard_after_forward (every layer stays gathered to the step's end),
        g Psi of gradients (0 at dp=1, where FSDP shards nothing and stage 3
        is stage 0).
-   Against the planner: `pipekit.memplan.memory_plan` for the same model at
+   Against the planner: `pipekit.plan.memory.memory_plan` for the same model at
    pp=1 x dp, train.precision=bf16 (the engine's fp32 reduce dtype, so only
    the fp32-gradient rows), ZeRO-3, optimizer.reshard_after_forward=r (at
    dp=1 its stage-0 row, what stage 3 runs there): params, grads, master,
@@ -130,10 +130,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import pipekit
-from pipekit import memplan, planner, profiler
 from pipekit.config import load_run
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.optim import ZeroOptimizer
+from pipekit.plan import memory as memplan
+from pipekit.plan import planner, profiler
 from pipekit.testing import reference_model, run_distributed
 from pipeline_overhead import load_average, machine, table
 
@@ -145,7 +146,7 @@ GLOBAL_BATCH, SEQ = 8, 64  # timed runs, split over dp
 GRAD_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 COLUMNS = ("params", "grads", "master", "optimizer_state")
 TARGET = 0.05  # measured within 5% of the formula
-PLAN_TARGET = 0.10  # stage 3: each component within 10% of pipekit.memplan's prediction
+PLAN_TARGET = 0.10  # stage 3: each component within 10% of pipekit.plan.memory's prediction
 STAGE3 = (("bf16", False), ("fp32", False), ("fp32", True))  # (grad dtype, reshard_after_forward) of the rows
 RESULTS = Path(__file__).parent / "results"
 
@@ -437,7 +438,7 @@ def versus_rows(dp: int, psi: int, per_rank: list[dict], runs=VERSUS) -> list[di
 
 
 def planner_prediction(dp: int, reshard: bool) -> dict:
-    """pipekit.memplan's bytes per rank for this model at pp=1 x dp, bf16 (fp32 gradients, the
+    """pipekit.plan.memory's bytes per rank for this model at pp=1 x dp, bf16 (fp32 gradients, the
     engine's reduce dtype), one microbatch of MEMORY_BATCH, ZeRO-3 (at dp=1 the plan has only
     stage 0: what stage 3 runs there), no checkpointing; `optimizer.reshard_after_forward` as the run's."""
     run = load_run(None, ["model.family=gpt2", "model.flavour=tiny", *(f"model.{k}={v}" for k, v in MODEL.items()),
@@ -635,7 +636,7 @@ def report(memory: list[dict], versus: list[dict], collectives: dict, cfg: dict,
         "the largest layer) + gΨ + the between-steps formula. "
         "At dp=1 FSDP shards nothing (stage 3 is stage 0 there: 16Ψ or 18Ψ).",
         stage3_memory_table(stage3),
-        "Against the planner (`pipekit.memplan.memory_plan`, the same model at pp=1 x dp, train.precision=bf16: "
+        "Against the planner (`pipekit.plan.memory.memory_plan`, the same model at pp=1 x dp, train.precision=bf16: "
         "fp32 gradients, so the fp32 rows only; ZeRO-3 with optimizer.reshard_after_forward as the run's; "
         f"at dp=1 its stage-0 row): measured / predicted MB per component, target within {PLAN_TARGET:.0%}:",
         plan_table(stage3),

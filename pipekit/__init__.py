@@ -1,10 +1,19 @@
-"""pipekit: pipeline, tensor and data parallelism for PyTorch, small and tested.
+"""pipekit: pipeline, tensor and data parallelism and Mixture-of-Experts for PyTorch, small and tested.
 
-The spine: a model is a list of `LayerSpec`s; `partition` cuts it into
-stages; `PipelineModule` builds this rank's stage(s); `PipelineEngine` runs a
-schedule (GPipe, 1F1B, interleaved 1F1B) from `pipekit.schedules` over
-`torch.distributed`.
+The library: a model is a list of `LayerSpec`s; `partition` cuts it into stages;
+`PipelineModule` builds this rank's stage chunk(s); `PipelineEngine` runs a schedule
+from `pipekit.schedules` (GPipe, 1F1B, interleaved, ZB-H1, ZBV, DualPipe-V) over
+`torch.distributed`, with `ZeroOptimizer` (`pipekit.optim`, stages 0-3) stepping it.
+Layers, MoE and kernels live in `layers/`, `moe/`, `kernels/`; the zoo in `models/`.
+
+The application sits on top, in rooms of its own: `pipekit.run` (the `train` command)
+and `pipekit.plan` (the `plan` command); `pipekit.cli` only parses arguments.
 """
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 from .engine import PipelineEngine, PipelineError
 from .partition import partition
@@ -24,3 +33,31 @@ __all__ = [
     "PipelineEngine",
     "PipelineError",
 ]
+
+# Modules that moved into the application's rooms: their old names still import (the same module object).
+MOVED = {
+    "pipekit.train": "pipekit.run.loop", "pipekit.launch": "pipekit.run.launch",
+    "pipekit.preflight": "pipekit.run.preflight", "pipekit.rundirs": "pipekit.run.rundirs",
+    "pipekit.resume": "pipekit.run.resume", "pipekit.metrics": "pipekit.run.metrics",
+    "pipekit.generate": "pipekit.run.generate", "pipekit.env": "pipekit.run.env",
+    "pipekit.planner": "pipekit.plan.planner", "pipekit.profiler": "pipekit.plan.profiler",
+    "pipekit.memplan": "pipekit.plan.memory", "pipekit.lanes": "pipekit.comm",
+    "pipekit.schedules.plan": "pipekit.schedules.build",
+}
+
+
+class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`import pipekit.train` gives `pipekit.run.loop` itself (one module under two names)."""
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name in MOVED else None
+
+    def create_module(self, spec):
+        return importlib.import_module(MOVED[spec.name])
+
+    def exec_module(self, module):
+        pass
+
+
+if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
+    sys.meta_path.append(_MovedFinder())

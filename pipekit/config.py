@@ -373,7 +373,7 @@ def _check_precision(cfg: Config) -> None:
 
 
 def _check_runtime(cfg: Config) -> None:
-    """Data, logging, checkpoint and resume keys (their paths are checked by `pipekit.preflight`)."""
+    """Data, logging, checkpoint and resume keys (their paths are checked by `pipekit.run.preflight`)."""
     d, t, log, ck = cfg.data, cfg.train, cfg.logging, cfg.checkpoint
     _check_rules([
         ("data.val_every", d.val_every, d.val_every >= 0, ">= 0 (0: no validation)"),
@@ -727,3 +727,21 @@ def _import_file(path: str) -> None:
     except BaseException:
         del sys.modules[key]
         raise
+
+
+def config_and_overrides(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """The config file and the key=value overrides of a command line, in whatever order the
+    user gave them (the file first, last or between overrides). ConfigError, in one line,
+    for a word that is neither (`train.steps 3`: said as `train.steps=3`) or two files."""
+    words = [w for w in (config, *overrides) if w is not None]
+    files = [w for w in words if "=" not in w and (w.endswith((".yaml", ".yml")) or os.path.exists(w))]
+    if len(files) > 1:
+        raise ConfigError(f"one config file, got {len(files)}: {' and '.join(files)}; a second file's settings "
+                          "go in as key=value overrides")
+    rest = [w for w in words if w not in files]
+    for i, word in enumerate(rest):
+        if "=" not in word:
+            after = rest[i + 1] if i + 1 < len(rest) and "=" not in rest[i + 1] else None
+            hint = f" (did you mean {word}={after}?)" if after is not None else ""
+            raise ConfigError(f"{word!r} is neither a config file (not found) nor a key=value override{hint}")
+    return (files[0] if files else None), rest

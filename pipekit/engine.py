@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import auxloss, comm, lanes, split_backward
+from . import auxloss, comm, split_backward
 from .optim import ZeroOptimizer
 from .pipeline import PipelineModule
 from .schedules import Action, Kind, Schedule, TimelineEvent
@@ -395,7 +395,7 @@ class PipelineEngine:
             self._open_lanes()
 
     def _open_lanes(self) -> None:
-        """Before the first OVERLAP: backward collectives get their own groups (`pipekit.lanes`)."""
+        """Before the first OVERLAP: backward collectives get their own groups (`pipekit.comm.lane`)."""
         if self.topo.device.type == "cuda":
             raise ValueError(
                 f"schedule {self.schedule.name!r} runs forwards beside backwards (OVERLAP actions, "
@@ -407,7 +407,7 @@ class PipelineEngine:
                 "stage 3 cannot do yet: FSDP's gathers and its per-layer state are not made for two threads at "
                 "once; use ZeRO stage 0-2 with the overlap, or a schedule without it (schedule.overlap=false)")
         if dist.is_initialized():
-            lanes.use_backward_twins(self.topo.backward_twins())
+            comm.use_backward_twins(self.topo.backward_twins())
 
     # ---- what the optimizer reports ---------------------------------------
     @property
@@ -650,7 +650,7 @@ class PipelineEngine:
         """OVERLAP: the forward on a second thread while this one runs the backward, so the
         collectives inside either wait while the other computes (torch and gloo let go of the
         GIL in both). Each lane keeps its collectives in program order on its own groups
-        (`pipekit.lanes`); the two touch different (stage, microbatch) entries of the step."""
+        (`pipekit.comm.lane`); the two touch different (stage, microbatch) entries of the step."""
         assert a.pair is not None  # an OVERLAP is made with its pair (Action.overlap)
         forward, backward = a.pair
         failed: list[BaseException] = []

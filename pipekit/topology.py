@@ -281,7 +281,7 @@ class Topology:
     def backward_twins(self) -> dict:
         """{group: a second group of the same ranks} for the groups the model's layers talk
         over (tp, the tp of the experts, ep), made once (every rank of the world must call
-        this at the same point, as it must any `new_group`): the lanes of `pipekit.lanes`."""
+        this at the same point, as it must any `new_group`): the lanes of `pipekit.comm.lane`."""
         if getattr(self, "_twins", None) is None:
             self._twins = {}
             meshes = [(self.mesh, "tp", self.tp_group), (self.moe_mesh, "ep", self.ep_group)]

@@ -22,8 +22,8 @@ import torch
 
 from pipekit.checkpoint import CheckpointError, list_checkpoints, load_full_weights, read_meta
 from pipekit.config import load_run
+from pipekit.run.loop import train
 from pipekit.testing import run_distributed
-from pipekit.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 6
@@ -122,7 +122,7 @@ ONE = [*MODEL, *LAYOUTS["one_process"]]
 
 def _signal_after(monkeypatch, step: int, sig=signal.SIGTERM) -> None:
     """Send this process `sig` (a real signal) right after training step `step`."""
-    from pipekit.metrics import Logger
+    from pipekit.run.metrics import Logger
 
     real = Logger.step
 

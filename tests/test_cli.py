@@ -171,9 +171,9 @@ def test_home_paths_expand_and_a_run_without_out_dir_says_so(tmp_path, capsys, m
 def test_a_run_that_writes_nothing_leaves_no_out_dir(tmp_path, monkeypatch, capsys):
     """A run that fails before its first file (here: its worker returns 1 at once) removes the
     lock file and the directories it made for it, not one that holds anything else."""
-    import pipekit.launch
+    import pipekit.run.launch
 
-    monkeypatch.setattr(pipekit.launch, "run_worker", lambda run: 1)
+    monkeypatch.setattr(pipekit.run.launch, "run_worker", lambda run: 1)
     toy = [str(ROOT / "configs/toy.yaml"), "parallel.pp=1", "logging.progress=false"]
     assert main(["train", *toy, f"logging.out_dir={tmp_path / 'new' / 'run'}"]) == 1
     assert list(tmp_path.iterdir()) == []
@@ -188,12 +188,12 @@ def test_a_worker_killed_without_a_word_is_named_with_its_signal(tmp_path, capsy
     launcher names the rank and the signal, and says how to continue."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    import pipekit.launch
+    import pipekit.run.launch
 
     failures = {1: ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file=str(tmp_path / "none.json")),
                 0: ProcessFailure(local_rank=0, pid=10, exitcode=3, error_file=str(tmp_path / "none.json"))}
     failures[1].timestamp += 1  # rank 0, which only lost its peer (PEER_STOPPED), was seen to fail first
-    assert pipekit.launch.report_failures(ChildFailedError("pipekit.cli", failures), str(tmp_path)) == 1
+    assert pipekit.run.launch.report_failures(ChildFailedError("pipekit.cli", failures), str(tmp_path)) == 1
     err = capsys.readouterr().err.strip()
     assert err == ("pipekit train: worker rank 1 was killed by SIGKILL (sent from outside, or by the kernel's "
                    "out-of-memory killer) and left no error of its own; rank 0 stopped with it; continue from "

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from pipekit.cli import main
 from pipekit.config import ConfigError, load_config
-from pipekit.env import auto_device_text
-from pipekit.metrics import _gpu_peak, _measured_cpu_peak, _peak_text
+from pipekit.run.env import auto_device_text
+from pipekit.run.metrics import _gpu_peak, _measured_cpu_peak, _peak_text
 from pipekit.topology import Topology, init_distributed, resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ def test_config_counts_the_workers_of_this_node_under_torchrun(fake_gpus, monkey
 
 # ---- the command ------------------------------------------------------------------
 def test_train_with_cuda_and_no_gpu_exits_2_with_one_line(fake_gpus, monkeypatch, capsys):
-    monkeypatch.setattr("pipekit.launch.launch", lambda *a: pytest.fail("launched workers"))
+    monkeypatch.setattr("pipekit.run.launch.launch", lambda *a: pytest.fail("launched workers"))
     assert main(["train", GPT2_TINY, "train.device=cuda"]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1
@@ -126,7 +126,7 @@ def test_launched_workers_get_the_launchers_device(fake_gpus, monkeypatch, capsy
     """Under auto -> cpu with a GPU visible, workers must not resolve again (set_device would fail)."""
     fake_gpus(gpus)
     launched = []
-    monkeypatch.setattr("pipekit.launch.launch", lambda nproc, argv, **kw: launched.append((nproc, argv)) or 0)
+    monkeypatch.setattr("pipekit.run.launch.launch", lambda nproc, argv, **kw: launched.append((nproc, argv)) or 0)
     assert main(["train", GPT2_TINY, "train.device=auto", f"logging.out_dir={tmp_path}"]) == 0
     (nproc, argv), = launched
     assert nproc == 2 and argv[-1] == f"train.device={device}"

@@ -3,7 +3,7 @@
 root for its newest complete one, and `convert --overwrite` replaces only the files
 it writes.
 
-Each run is `pipekit.train.train` in this process: a tiny GPT-2 and a tiny Llama
+Each run is `pipekit.run.loop.train` in this process: a tiny GPT-2 and a tiny Llama
 (1 layer, dim 32, vocab 64 padded to 128) for 2 steps on synthetic data, saving a
 checkpoint after each step and model.pt at the end, so step_00000002 and model.pt
 hold the same weights; and a toy run for the family that has no Hugging Face form.
@@ -28,9 +28,9 @@ from pipekit.checkpoint import load_full_state_dict, load_full_weights  # noqa: 
 from pipekit.cli import main  # noqa: E402
 from pipekit.config import load_config  # noqa: E402
 from pipekit.data import prepare_data  # noqa: E402
-from pipekit.generate import tokenizer_name  # noqa: E402
 from pipekit.models import config_from_dict, model_specs  # noqa: E402
-from pipekit.train import train  # noqa: E402
+from pipekit.run.generate import tokenizer_name  # noqa: E402
+from pipekit.run.loop import train  # noqa: E402
 
 VOCAB = 64
 COMMON = ["model.n_layers=1", "model.dim=32", f"model.vocab_size={VOCAB}", "train.seq_len=16",

@@ -20,8 +20,8 @@ import pytest
 
 from pipekit.cli import main
 from pipekit.config import load_config
-from pipekit.launch import PEER_STOPPED
-from pipekit.train import train
+from pipekit.run.launch import PEER_STOPPED
+from pipekit.run.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 # Warmup longer than any run here: the LR at a step does not depend on train.steps, so runs of
@@ -294,10 +294,10 @@ def test_sighup_in_a_long_validation_then_sigusr1_each_save_and_the_run_stays_on
 
 def test_the_launcher_passes_every_stop_signal_on_and_waits_the_configured_grace(tmp_path, monkeypatch):
     import pipekit.cli
-    import pipekit.launch
+    import pipekit.run.launch
 
     seen = []
-    monkeypatch.setattr(pipekit.launch, "torchrun", seen.append)  # no workers: what torchrun would be told
+    monkeypatch.setattr(pipekit.run.launch, "torchrun", seen.append)  # no workers: what torchrun would be told
     assert pipekit.cli.main(["train", *RUN, f"logging.out_dir={tmp_path}", "checkpoint.stop_grace_s=45"]) == 0
     assert seen[0].signals_to_handle.split(",") == ["SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGQUIT"]
     assert seen[0].shutdown_timeout == 45  # torchrun's own 30 s would kill a step and a save that take longer

@@ -27,10 +27,10 @@ import torch
 
 import pipekit
 from pipekit.config import ConfigError, load_run
-from pipekit.generate import sample
 from pipekit.kernels import kernels
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.precision import default_dtype
+from pipekit.run.generate import sample
 from pipekit.testing import reference_model, reference_name, reference_slice, run_distributed
 
 SEED = 7

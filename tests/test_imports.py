@@ -89,5 +89,6 @@ def test_the_reader_sees_a_circle_and_a_relative_import():
     graph = _graph()
     assert PACKAGE / "schedules" / "validate.py" in graph[PACKAGE / "schedules" / "program.py"]
     assert PACKAGE / "spawn.py" in graph[PACKAGE / "testing.py"]
-    assert PACKAGE / "auxloss.py" in graph[PACKAGE / "train.py"]  # `from . import auxloss`
+    assert PACKAGE / "auxloss.py" in graph[PACKAGE / "run" / "loop.py"]  # `from .. import auxloss`
+    assert PACKAGE / "run" / "launch.py" in graph[PACKAGE / "run" / "start.py"]  # `from . import launch`
     assert _cycle({Path("a"): {Path("b")}, Path("b"): {Path("a")}}) == [Path("a"), Path("b"), Path("a")]

@@ -98,8 +98,8 @@ def test_model_kernels_in_a_config_is_checked_before_launch(monkeypatch):
 
 
 def test_an_in_process_run_sets_the_kernels_for_its_steps_and_restores_them(tmp_path, monkeypatch):
-    from pipekit import train as train_module
     from pipekit.config import load_run
+    from pipekit.run import loop as train_module
 
     seen = []
     real = train_module._train

@@ -1,4 +1,4 @@
-"""The planner's memory model (`pipekit.memplan`, `pipekit plan --memory-budget-gb`): each
+"""The planner's memory model (`pipekit.plan.memory`, `pipekit plan --memory-budget-gb`): each
 component against the ZeRO formulas by hand (stage 3's gathered parameters and unsharded
 gradients, a tied weight once), against the real optimizer's buffers, the activations
 counted on the meta device against the same count on real tensors (tp=1 in this process,
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from pipekit import memplan, planner, profiler
 from pipekit.cli import main
 from pipekit.config import load_run
 from pipekit.models import count_params
+from pipekit.plan import memory as memplan
+from pipekit.plan import planner, profiler
 
 ROOT = Path(__file__).resolve().parents[1]
 MIXTRAL = str(ROOT / "configs" / "mixtral_tiny.yaml")

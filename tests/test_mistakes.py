@@ -7,7 +7,7 @@ toy model.pt and prepared datasets), `{root}` the repository. Every file and
 directory under both is compared, bytes and names, before and after the command.
 
 Train rows run in this process: a config mistake is found before any worker
-starts (`load_config`, then `pipekit.preflight.check_before_launch`). Each
+starts (`load_config`, then `pipekit.run.preflight.check_before_launch`). Each
 train row also sets parallel.pp=1 and train.steps=2, so a check gone missing
 fails quickly in this process instead of launching workers.
 """
@@ -98,7 +98,7 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
      "writes its timeline to logging.out_dir"),
     ("seed-negative", train("train.seed=-1"), "train.seed=-1 must be >= 0"),
     ("peak-tflops-zero", train("logging.peak_tflops=0"), "logging.peak_tflops=0.0 must be a finite number > 0"),
-    # ---- train: what the paths hold (pipekit.preflight)
+    # ---- train: what the paths hold (pipekit.run.preflight)
     ("data-missing", train("data.source={tmp}/nothing-here"), "does not exist; give stdlib or synthetic"),
     ("data-is-a-file", train("data.source={tmp}/afile"), "is a file, not a dataset directory"),
     ("data-not-prepared", train("data.source={tmp}/empty"), "holds no complete prepared dataset"),
@@ -341,8 +341,8 @@ def test_train_resume_takes_a_checkpoints_root(shared):
     """train.resume=<run>/checkpoints (as generate and convert take it) resumes from its newest complete
     checkpoint, which is this run's own when out_dir is that run's."""
     from pipekit.config import load_config
-    from pipekit.resume import resume_path
-    from pipekit.rundirs import out_dir_taken
+    from pipekit.run.resume import resume_path
+    from pipekit.run.rundirs import out_dir_taken
 
     run = shared / "run"
     cfg = load_config(str(ROOT / "configs/toy.yaml"), [f"train.resume={run / 'checkpoints'}", f"logging.out_dir={run}",

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from pipekit import auxloss
 from pipekit.config import ConfigError, load_config
 from pipekit.moe import MoEMLP, Router, plan_dispatch
+from pipekit.run.loop import train
 from pipekit.testing import run_distributed
-from pipekit.train import train
 
 BASE = ["model.family=mixtral", "model.n_layers=2", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2",
         "model.hidden=16", "model.n_experts=8", "model.top_k=2", "model.vocab_size=64", "model.aux_loss_coef=0.5",

@@ -17,8 +17,8 @@ import os
 import pytest
 
 from pipekit.config import load_config
+from pipekit.run.loop import train
 from pipekit.testing import run_distributed
-from pipekit.train import train
 
 BASE = ["model.family=mixtral", "model.n_layers=2", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2",
         "model.hidden=16", "model.n_experts=16", "model.top_k=1", "model.vocab_size=64", "train.seq_len=8",

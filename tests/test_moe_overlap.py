@@ -2,7 +2,7 @@
 
 `schedule.overlap` (`build_schedule(..., overlap=True)`) merges neighbouring forward
 and backward actions into OVERLAP actions, which the engine runs on two threads with
-the backward's collectives on twin groups (`pipekit.lanes`). On 8 gloo ranks, float64,
+the backward's collectives on twin groups (`pipekit.comm.lane`). On 8 gloo ranks, float64,
 a Mixtral-style model (16 experts, top-1, 1 sequence of 4 tokens per microbatch and
 rank, so experts go without tokens) trains 3 AdamW steps with global-norm clipping:
 

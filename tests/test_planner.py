@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pipekit import planner, profiler
 from pipekit.cli import main
 from pipekit.config import ConfigError, load_config, load_run
 from pipekit.partition import partition_weights
+from pipekit.plan import planner, profiler
 from pipekit.schedules import build_schedule, simulate
 from pipekit.testing import run_distributed
 
@@ -185,7 +185,7 @@ def test_config_partition_forms():
 
 
 def test_partition_profile_in_one_process():
-    from pipekit.train import partition_of
+    from pipekit.run.loop import partition_of
 
     run = load_run(GPT, [*UNEVEN, "parallel.pp=2", "schedule.partition=profile"])
     assert run.schedule == build_schedule("1f1b", 2, 4)
@@ -198,8 +198,8 @@ def test_partition_profile_in_one_process():
 def _run_planned(overrides: list[str]) -> list[str]:
     import torch.distributed as dist
 
+    from pipekit.run.loop import batches, build
     from pipekit.topology import Topology
-    from pipekit.train import batches, build
 
     run = load_run(GPT, overrides)
     topo = Topology(pp=2, device="cpu")

@@ -8,7 +8,7 @@ gradient sum on this rank's shard only), Llama with every layer recomputed in ba
 (activation checkpointing: the all-gathers run again there); Llama with the fused loss
 (untied head) at tp=4; at pp=2 x tp=2, GPT-2 with the zero-bubble split backward
 (zb_h1) and Llama under DualPipe-V with overlapped forwards and backwards (the layers'
-collectives on `pipekit.lanes`); MoE, each tp rank routing its own slice: Mixtral with
+collectives on `pipekit.comm.lane`); MoE, each tp rank routing its own slice: Mixtral with
 the global-batch balancing loss, the z-loss and the aux-free bias at tp=4 and
 tp=2 x dp=2 x ep=2, GPT-2-MoE (with a shared expert) at pp=2 x tp=2.
 

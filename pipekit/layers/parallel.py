@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..lanes import lane
+from ..comm import lane
 
 _TP_GROUP: contextvars.ContextVar[Any] = contextvars.ContextVar("pipekit_tp_group", default=None)
 

@@ -88,9 +88,9 @@ import einops
 import torch
 import torch.distributed as dist
 
+from ..comm import lane
 from ..kernels.grouped_gemm import Sizes
 from ..kernels.moe_permute import moe_permute, moe_unpermute
-from ..lanes import lane
 from ..layers.parallel import _SharedRef, group_size
 from .router import Routing, count_per_expert, route_dtype
 

@@ -9,6 +9,7 @@ places on this rank, the engine executes `Schedule.ranks`, the simulator and
 the renderers draw it.
 """
 
+from .build import build_schedule, load_schedule, parse_table, plan_report, schedule_from_table
 from .generators import (
     SCHEDULES,
     Generator,
@@ -24,7 +25,6 @@ from .generators import (
 from .ir import Action, Kind, ScheduleError
 from .lowering import lower
 from .placement import PLACEMENTS, looping_placement, resolve_placement, v_placement
-from .plan import build_schedule, load_schedule, parse_table, plan_report, schedule_from_table
 from .program import Schedule
 from .render import render_png, render_text, to_chrome_trace
 from .simulate import SimResult, TimelineEvent, mean_costs, simulate

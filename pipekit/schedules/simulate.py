@@ -7,7 +7,7 @@ has happened plus `comm_latency` (a number, or a function of the RECV action);
 a SEND is posted at once (buffered, never blocks). Communication actions cost
 nothing, unless a `duration` function (of any action) replaces the costs: then
 the time a rank spends posting a send or taking a message in can be modelled
-(`pipekit.planner` does).
+(`pipekit.plan.planner` does).
 
 Communication inside a layer (an expert-parallel all-to-all, a tensor-parallel
 all-reduce) is part of a compute action's cost; `comm` says how much of each
@@ -17,7 +17,7 @@ of their compute together, their communication together, and either alone.
 
 Not modelled here: contention, overlap of compute with the copy of a message,
 what happens after the last action (waiting for posted sends, the loss and
-gradient reductions, the optimizer step: `pipekit.planner` adds those), memory
+gradient reductions, the optimizer step: `pipekit.plan.planner` adds those), memory
 limits, and variation between microbatches.
 """
 

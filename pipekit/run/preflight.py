@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import os
 
-from .checkpoint import CheckpointError, read_meta
-from .config import ConfigError, Run
-from .data import ByteTokenizer
-from .data import read_meta as read_data_meta
-from .models import model_vocab
+from ..checkpoint import CheckpointError, read_meta
+from ..config import ConfigError, Run
+from ..data import ByteTokenizer
+from ..data import read_meta as read_data_meta
+from ..models import model_vocab
 from .resume import compare_settings, resume_path
 
 BUILT_IN_SOURCES = ("stdlib", "synthetic")

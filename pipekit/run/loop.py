@@ -5,8 +5,8 @@ builds the topology, its own stage(s) of the model for the run's schedule, the
 optimizer (`pipekit.optim.factory`) and the engine; then runs `train.steps`
 optimizer steps on its data-parallel share of each global batch (the same
 global batches whatever the layout). Rank 0 reports through
-`pipekit.metrics.Logger` (progress bar, metrics.jsonl, TensorBoard, summary
-table), checkpoints are saved and resumed through `pipekit.resume`, and the
+`pipekit.run.metrics.Logger` (progress bar, metrics.jsonl, TensorBoard, summary
+table), checkpoints are saved and resumed through `pipekit.run.resume`, and the
 trained weights are written as a layout-free `model.pt` that `pipekit generate` and
 `pipekit convert` read.
 """
@@ -26,24 +26,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import auxloss
-from .atomic import torch_save_atomic, write_atomic
-from .checkpoint import full_state_dict, latest_checkpoint
-from .config import Config, Run, resolve
-from .data import BatchSampler, TokenDataset, default_corpus_dir
-from .data import read_meta as read_data_meta
-from .engine import PipelineEngine
-from .kernels import kernels
+from .. import auxloss
+from ..atomic import torch_save_atomic, write_atomic
+from ..checkpoint import full_state_dict, latest_checkpoint
+from ..config import Config, Run, resolve
+from ..data import BatchSampler, TokenDataset, default_corpus_dir
+from ..data import read_meta as read_data_meta
+from ..engine import PipelineEngine
+from ..kernels import kernels
+from ..models import model_loss, model_specs, model_vocab, synthetic_batches
+from ..optim.factory import lr_lambda, make_optimizer
+from ..pipeline import PipelineModule
+from ..plan.planner import profile_boundaries
+from ..plan.profiler import profile_layers
+from ..precision import default_dtype
+from ..schedules import Schedule, TimelineEvent, mean_costs, render_png, simulate, to_chrome_trace
+from ..topology import Topology, fell_back, init_distributed, local_workers, resolve_device
 from .metrics import Logger, moe_summary
-from .models import model_loss, model_specs, model_vocab, synthetic_batches
-from .optim.factory import lr_lambda, make_optimizer
-from .pipeline import PipelineModule
-from .planner import profile_boundaries
-from .precision import default_dtype
-from .profiler import profile_layers
 from .resume import checkpoint_root, clear_old_checkpoints, is_own, resume, save
-from .schedules import Schedule, TimelineEvent, mean_costs, render_png, simulate, to_chrome_trace
-from .topology import Topology, fell_back, init_distributed, local_workers, resolve_device
 
 
 # ---- building --------------------------------------------------------------

@@ -68,9 +68,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, replace
 
-from .config import ConfigError, ParallelConfig, Run, load_config
-from .layers.parallel import FakeGroup
-from .models import model_specs
+from ..config import ConfigError, ParallelConfig, Run, load_config
+from ..layers.parallel import FakeGroup
+from ..models import model_specs
+from ..schedules import build_schedule
+from ..spec import TiedLayerSpec
 from .planner import Candidate, activation_peaks, predict
 from .profiler import (
     KINDS,
@@ -82,8 +84,6 @@ from .profiler import (
     _model,
     meta_saved,
 )
-from .schedules import build_schedule
-from .spec import TiedLayerSpec
 
 ZERO_STAGES = (0, 1, 2, 3)
 BLOCK = "TransformerBlock"

@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .atomic import write_atomic
-from .config import Run
-from .engine import PipelineEngine
-from .models import flops_per_token as zoo_flops_per_token
-from .spec import TiedLayerSpec, count_parameters
-from .topology import Topology
+from ..atomic import write_atomic
+from ..config import Run
+from ..engine import PipelineEngine
+from ..models import flops_per_token as zoo_flops_per_token
+from ..spec import TiedLayerSpec, count_parameters
+from ..topology import Topology
 
 # ---- throughput figures ----------------------------------------------------
 # Dense (not 2:4-sparse) tensor-core peaks of one GPU in TFLOP/s, from NVIDIA's data sheets:
@@ -77,7 +77,7 @@ def _gpu_peak(name: str, precision: str) -> tuple[float | None, str]:
     return None, f"unknown GPU {name!r}: set logging.peak_tflops for MFU"
 
 
-_PEAK_PROBE = ("import sys, torch; torch.set_num_threads(1); from pipekit.metrics import _fastest_matmul; "
+_PEAK_PROBE = ("import sys, torch; torch.set_num_threads(1); from pipekit.run.metrics import _fastest_matmul; "
                "print(_fastest_matmul(float(sys.argv[2]), int(sys.argv[1])))")
 
 

@@ -30,8 +30,8 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from .atomic import fsync_dir
-from .checkpoint import (
+from ..atomic import fsync_dir
+from ..checkpoint import (
     CheckpointError,
     latest_checkpoint,
     list_checkpoints,
@@ -40,10 +40,10 @@ from .checkpoint import (
     save_checkpoint,
     step_dir,
 )
-from .config import RUN_DEFINING, Config, Run
-from .engine import PipelineEngine
-from .interchange import checkpoint_dir
-from .topology import Topology
+from ..config import RUN_DEFINING, Config, Run
+from ..engine import PipelineEngine
+from ..interchange import checkpoint_dir
+from ..topology import Topology
 
 
 def checkpoint_root(cfg: Config) -> str | None:

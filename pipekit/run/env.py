@@ -10,8 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from . import __version__
-from .topology import count_visible_gpus, resolve_device
+from .. import __version__
+from ..topology import count_visible_gpus, resolve_device
 
 
 def _version(name: str) -> str | None:

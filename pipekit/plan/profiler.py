@@ -46,15 +46,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from .config import Run
-from .models import model_loss, model_specs, model_vocab, synthetic_batches
-from .optim.factory import make_optimizer
-from .pipeline import PipelineModule
-from .precision import default_dtype
-from .spawn import run_distributed
-from .spec import TiedLayerSpec, spec_name, tied_first_index
-from .split_backward import backward_input, backward_weight
-from .topology import Topology
+from ..config import Run
+from ..models import model_loss, model_specs, model_vocab, synthetic_batches
+from ..optim.factory import make_optimizer
+from ..pipeline import PipelineModule
+from ..precision import default_dtype
+from ..spawn import run_distributed
+from ..spec import TiedLayerSpec, spec_name, tied_first_index
+from ..split_backward import backward_input, backward_weight
+from ..topology import Topology
 
 _T = TypeVar("_T")
 
@@ -456,7 +456,7 @@ def too_large_to_profile(run: Run, device: str) -> str | None:
     model's weights, gradients and a timed fp32 optimizer (about 6 copies of the weights)
     over half this machine's memory, or on the CPU, one microbatch's forward and backward
     (6 FLOPs per parameter and token) over `PROFILE_CPU_FLOP_LIMIT`."""
-    from .models import count_params
+    from ..models import count_params
 
     params = count_params(run.model)
     width = 8 if run.config.train.dtype == "float64" else 4

@@ -3,14 +3,14 @@ every schedule, partition and microbatch count, and recommend one.
 
 How a prediction is made
 ------------------------
-1. **Layer costs** come from `pipekit.profiler`: each layer timed in this
+1. **Layer costs** come from `pipekit.plan.profiler`: each layer timed in this
    process (or on two CPU ranks side by side), or counted in FLOPs, with the
    bytes it saves for backward and sends on.
 2. **Stages.** A partition sums layer costs into virtual-stage costs.
 3. **Timeline.** `pipekit.schedules.simulate` walks the schedule's program (its
    SEND/RECV actions too) with those stage costs, a fixed engine overhead per
    action, and a message latency `latency + bytes / bandwidth`
-   (`pipekit.profiler.measure_comm`: a gloo ping-pong between two processes).
+   (`pipekit.plan.profiler.measure_comm`: a gloo ping-pong between two processes).
 4. **The step.** After its last action each rank waits at the step's collectives
    (gradient norm, loss), so the step ends at the slowest rank's last action plus
    those collectives plus the slowest rank's optimizer step (timed on the real
@@ -31,14 +31,14 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from .config import Run, partition_boundaries
-from .models import model_specs
-from .partition import check_boundaries, partition, partition_weights
+from ..config import Run, partition_boundaries
+from ..models import model_specs
+from ..partition import check_boundaries, partition, partition_weights
+from ..schedules import SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule, simulate
+from ..schedules.generators import get_generator
+from ..schedules.ir import WEIGHT_GRAD_KINDS
+from ..schedules.simulate import overlap_duration
 from .profiler import KINDS, CommModel, LayerCost, Profile
-from .schedules import SCHEDULES, Action, Kind, Schedule, ScheduleError, build_schedule, simulate
-from .schedules.generators import get_generator
-from .schedules.ir import WEIGHT_GRAD_KINDS
-from .schedules.simulate import overlap_duration
 
 
 @dataclass

@@ -23,10 +23,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args
 from torch.distributed.run import run as torchrun
 
-from .atomic import write_atomic
-from .comm import PeerClosed
-from .config import Run
-from .train import StopRequests, train
+from ..atomic import write_atomic
+from ..comm import PeerClosed
+from ..config import Run
+from .loop import StopRequests, train
 
 
 def run_worker(run: Run) -> int:

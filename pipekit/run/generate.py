@@ -14,12 +14,12 @@ import sys
 
 import torch
 
-from .checkpoint import load_full_state_dict
-from .data import default_cache_dir, load_tokenizer, read_meta, separator
-from .interchange import read_saved_model
-from .models import config_from_dict, model_specs, model_vocab
-from .pipeline import PipelineModule
-from .precision import default_dtype
+from ..checkpoint import load_full_state_dict
+from ..data import default_cache_dir, load_tokenizer, read_meta, separator
+from ..interchange import read_saved_model
+from ..models import config_from_dict, model_specs, model_vocab
+from ..pipeline import PipelineModule
+from ..precision import default_dtype
 
 
 def load_model(path: str) -> tuple[PipelineModule, object, dict]:
