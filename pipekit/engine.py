@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -73,6 +72,8 @@ import torch
 import torch.distributed as dist
 
 from . import auxloss, comm, split_backward
+from .handshake import InputShapes
+from .microbatch import all_tensors, cast_floats, leaf, next_batch, rebuild, split_microbatches, to_device
 from .optim import ZeroOptimizer
 from .pipeline import PipelineModule
 from .schedules import Action, Kind, Schedule, TimelineEvent
@@ -83,190 +84,6 @@ from .topology import DEFAULT_TIMEOUT
 
 class PipelineError(RuntimeError):
     """An action failed; the message names the rank, the action and shows the rank's action list."""
-
-
-def split_microbatches(batch, num_microbatches: int, what: str) -> list:
-    """Split a tensor or tuple of tensors along dim 0 into equal microbatches."""
-    items = batch if isinstance(batch, tuple) else (batch,)
-    for t in items:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what} must be a Tensor or a tuple of Tensors, got {type(t).__name__}")
-        if t.dim() == 0 or t.shape[0] % num_microbatches:
-            size = t.shape[0] if t.dim() else "a scalar"
-            raise ValueError(
-                f"{what} batch size {size} does not split into {num_microbatches} microbatches; "
-                f"use a batch size that is a multiple of {num_microbatches}"
-            )
-    parts = [t.chunk(num_microbatches) for t in items]
-    return [tuple(p[m] for p in parts) if isinstance(batch, tuple) else parts[0][m] for m in range(num_microbatches)]
-
-
-def _leaf(x):
-    """Detach an activation handed to the next stage; float tensors get their own grad."""
-    if isinstance(x, tuple):
-        return tuple(_leaf(t) for t in x)
-    return x.detach().requires_grad_(x.is_floating_point())
-
-
-def _rebuild(template, tensors: list[torch.Tensor]):
-    """Give received tensors the structure (tensor or tuple) of `template`."""
-    return tuple(tensors) if isinstance(template, tuple) else tensors[0]
-
-
-def _to_device(x, device: torch.device):
-    """Move a tensor or tuple of tensors (as a data loader gives them, on the CPU) to `device`."""
-    if isinstance(x, tuple):
-        return tuple(_to_device(t, device) for t in x)
-    return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
-
-
-def _next_batch(data):
-    """The batch itself (a pair or list of two, or None), or the next item of an iterator."""
-    if data is None or isinstance(data, (tuple, list)):
-        return data
-    if not hasattr(data, "__next__"):
-        raise TypeError(f"expected a batch (inputs, labels) or an iterator of batches, got {type(data).__name__}; "
-                        "pass iter(loader) for a DataLoader")
-    return next(data)
-
-
-def _shapes(x) -> tuple:
-    """(is a tuple, ((shape, dtype), ...)) of a microbatch's inputs: what sizes every buffer."""
-    return isinstance(x, tuple), tuple((tuple(t.shape), t.dtype) for t in _all_tensors(x))
-
-
-def _shapes_to_json(shapes: tuple) -> list:
-    return [shapes[0], [[list(shape), str(dtype).removeprefix("torch.")] for shape, dtype in shapes[1]]]
-
-
-def _shapes_from_json(obj: list) -> tuple:
-    return bool(obj[0]), tuple((tuple(shape), getattr(torch, dtype)) for shape, dtype in obj[1])
-
-
-def _meta_of(shapes: tuple):
-    """Meta tensors of the shapes recorded by `_shapes`."""
-    is_tuple, items = shapes
-    metas = tuple(torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in items)
-    return metas if is_tuple else metas[0]
-
-
-def _shape_text(shapes: tuple) -> str:
-    items = ", ".join(f"{list(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in shapes[1])
-    return f"({items})" if shapes[0] else items
-
-
-def _cast_floats(x, dtype: torch.dtype | None):
-    """Cast the floating-point tensors of a tensor or tuple to `dtype` (None: unchanged)."""
-    if dtype is None:
-        return x
-    if isinstance(x, tuple):
-        return tuple(_cast_floats(t, dtype) for t in x)
-    return x.to(dtype) if x.is_floating_point() else x
-
-
-def _all_tensors(x) -> list[torch.Tensor]:
-    return list(x) if isinstance(x, tuple) else [x]
-
-
-class _InputShapes:
-    """The microbatch input shapes that size every receive buffer, agreed at the first step.
-
-    At its first step the rank holding stage 0 (the owner) posts its shapes to every
-    other pipeline rank (a length and a JSON text, before any action), and each of
-    them posts the owner one flag: whether it was given inputs. The others wait for
-    the shapes before their first action; the owner reads the flags after its last
-    (so a silent peer still fails at a named action). No later step communicates: a
-    rank given inputs sizes from them (so shapes may change between steps while every
-    rank passes inputs); a rank given none at the first step takes that step's shapes
-    for good, so the owner then refuses inputs of other shapes, and a rank that was
-    given inputs then cannot do without them later (it could not know the shapes).
-    """
-
-    def __init__(self, engine: PipelineEngine):
-        self.topo, self.timeout = engine.topo, engine.timeout
-        self.stages = engine.module.local_stages
-        self.owner = engine.module.stage_rank(0)
-        self.first: tuple | None = None  # the owner's shapes at the first step
-        self.had_inputs: bool | None = None  # this rank's inputs at the first step (None: no step yet)
-        self.without: list[int] = []  # known on the owner after the first step: pp ranks given no inputs
-        self._flags: dict = {}  # on the owner during the first step: pp rank -> (posted receive, flag)
-
-    def _where(self) -> str:
-        t = self.topo
-        return f"rank {t.rank} (pp_rank {t.pp_rank}, dp_rank {t.dp_rank}, stages {self.stages})"
-
-    def example(self, example, posted: list):
-        """The microbatch inputs `example` (None: none given), or meta tensors shaped as the
-        first step's, to size this step's buffers; the first step's sends go to `posted`."""
-        mine = None if example is None else _shapes(example)
-        if self.had_inputs is None:
-            self._first_step(mine, posted)
-        if mine is None:
-            if self.had_inputs:
-                raise ValueError(
-                    f"{self._where()} got no inputs, but it was given them at the first step, so the rank of "
-                    f"stage 0 does not hold the shapes fixed and this rank cannot know them; pass None for the "
-                    "inputs from the first step on (the shapes then stay the first step's), or pass them every step"
-                )
-            assert self.first is not None  # a rank given no inputs got them from stage 0's at the first step
-            return _meta_of(self.first)
-        if self.topo.pp_rank == self.owner:
-            fixed = self.without
-        else:
-            fixed = [] if self.had_inputs else [self.topo.pp_rank]
-        if fixed and mine != self.first:
-            assert self.first is not None  # fixed: the first step's shapes are stage 0's, held since
-            raise ValueError(
-                f"{self._where()}: the inputs' microbatch shapes changed from {_shape_text(self.first)} at the "
-                f"first step to {_shape_text(mine)}, but pipeline rank(s) {fixed} passed no inputs then and size "
-                "their buffers from the first step's shapes; keep the shapes fixed, or pass the inputs on every "
-                "pipeline rank from the first step on"
-            )
-        return example
-
-    def _first_step(self, mine: tuple | None, posted: list) -> None:
-        t, device = self.topo, self.topo.device
-        self.had_inputs = mine is not None
-        if t.pp == 1:
-            self.first = mine
-            return
-        if t.pp_rank == self.owner:
-            assert mine is not None  # the rank of stage 0 is always given inputs (`_check_needs`)
-            self.first = mine
-            text = torch.tensor(list(json.dumps(_shapes_to_json(mine)).encode()), dtype=torch.uint8, device=device)
-            length = torch.tensor([text.numel()], dtype=torch.int64, device=device)
-            for r in range(t.pp):
-                if r != self.owner:
-                    posted += comm.send([length, text], t.global_rank(r))
-                    flag = torch.zeros(1, dtype=torch.int64, device=device)
-                    self._flags[r] = (dist.irecv(flag, src=t.global_rank(r)), flag)
-            return
-        owner = t.global_rank(self.owner)
-        posted += comm.send([torch.tensor([int(self.had_inputs)], dtype=torch.int64, device=device)], owner)
-        try:
-            (length,) = comm.recv([torch.empty(1, dtype=torch.int64, device="meta")], owner, device, self.timeout)
-            (text,) = comm.recv([torch.empty(int(length), dtype=torch.uint8, device="meta")], owner, device,
-                                self.timeout)
-        except (comm.PeerTimeout, comm.PeerClosed) as e:
-            raise type(e)(f"{self._where()} waiting for the inputs' shapes from rank {owner} (stage 0) at the "
-                          f"first step: {e}") from e
-        self.first = _shapes_from_json(json.loads(bytes(text.cpu().tolist()).decode()))
-        if mine is not None and mine != self.first:
-            raise ValueError(f"{self._where()}: its inputs' microbatch shapes {_shape_text(mine)} differ from those "
-                             f"of rank {owner} (stage 0), {_shape_text(self.first)}; pass the same batch on every "
-                             "pipeline rank of a data-parallel replica, or None where it is not needed")
-
-    def finish_first_step(self) -> None:
-        """On the owner after its first step: read which ranks were given no inputs."""
-        flags, self._flags = self._flags, {}
-        for r, (work, flag) in flags.items():
-            try:
-                work.wait(timeout=self.timeout)
-            except RuntimeError as e:
-                raise comm.PeerTimeout(f"{self._where()}: no word from pp_rank {r} on its inputs at the first "
-                                       f"step ({e})") from e
-            if not flag.item():
-                self.without.append(r)
 
 
 @dataclass(eq=False)
@@ -389,7 +206,7 @@ class PipelineEngine:
         self._stage_params = {s: self._params_of_stage(s) for s in module.local_stages}
         self._final_params = self._params_final_after()
         self._io: dict[bool, tuple] = {}  # module.training -> (input shapes, `stage_io_meta` for them)
-        self._shapes = _InputShapes(self)
+        self._shapes = InputShapes(self.topo, self.timeout, module.local_stages, module.stage_rank(0))
         self._step_layers = auxloss.step_layers(module)  # layers with work around a step (auxloss.StepStatistic)
         if self.schedule.overlaps:
             self._open_lanes()
@@ -467,7 +284,7 @@ class PipelineEngine:
     def _stage_io(self, example_input) -> list:
         """Every stage's (input, output) meta tensors, kept per mode (training, eval) for the
         input shapes last seen in it: a layer may give other shapes in eval (a fused loss's head)."""
-        key = tuple((t.shape, t.dtype) for t in _all_tensors(example_input))
+        key = tuple((t.shape, t.dtype) for t in all_tensors(example_input))
         mode = self.module.training
         if self._io.get(mode, (None,))[0] != key:
             self._io[mode] = (key, self.module.stage_io_meta(example_input))
@@ -498,7 +315,7 @@ class PipelineEngine:
             raise RuntimeError("train_batch needs an optimizer; pass optimizer=... to PipelineEngine")
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        batch = _next_batch(data)
+        batch = next_batch(data)
         if any(layer.needs_prepass for layer in self._step_layers):
             with torch.no_grad(), auxloss.prepass(self._step_layers, self.topo.dp_group):
                 self._run(self.eval_actions, batch, training=False)
@@ -515,7 +332,7 @@ class PipelineEngine:
         Returns the loss as `train_batch` does (None without a loss_fn), or `(loss, outputs)`
         with the last stage's outputs concatenated over microbatches (None off the last stage)."""
         self.module.eval()
-        step = self._run(self.eval_actions, _next_batch(data), training=False)
+        step = self._run(self.eval_actions, next_batch(data), training=False)
         loss = self._step_loss(step, reduce_loss) if self.module.has_loss else None
         if not return_outputs:
             return loss
@@ -540,10 +357,10 @@ class PipelineEngine:
         self._check_needs(inputs, labels)
         micro_in = micro_labels = None
         if inputs is not None:
-            inputs = _cast_floats(_to_device(inputs, self.topo.device), self.module.param_dtype)
+            inputs = cast_floats(to_device(inputs, self.topo.device), self.module.param_dtype)
             micro_in = split_microbatches(inputs, self.num_microbatches, "inputs")
         if labels is not None:
-            labels = _to_device(labels, self.topo.device)
+            labels = to_device(labels, self.topo.device)
             micro_labels = split_microbatches(labels, self.num_microbatches, "labels")
         return micro_in, micro_labels
 
@@ -621,9 +438,9 @@ class PipelineEngine:
         if st.training:
             st.stash[(s, m)] = (x, out)
         if self.module.stage_rank(s + 1) == self.topo.pp_rank:
-            st.inbox[(s + 1, m)] = _leaf(out) if st.training else out
+            st.inbox[(s + 1, m)] = leaf(out) if st.training else out
         else:
-            st.outbox[(s, Kind.SEND_F, m)] = _all_tensors(out)
+            st.outbox[(s, Kind.SEND_F, m)] = all_tensors(out)
 
     def _finish_forward(self, st: Step, x, out, m: int) -> None:
         """The loss of the last stage's output (half-precision layers: taken to float32 first,
@@ -637,7 +454,7 @@ class PipelineEngine:
         loss_fn, labels = self.module.loss_fn, st.micro_labels
         assert loss_fn is not None and labels is not None  # built on the last stage's rank; labels checked
         upcast = self.module.param_dtype and not getattr(loss_fn, "keeps_output_dtype", False)
-        loss = loss_fn(_cast_floats(out, torch.float32 if upcast else None), labels[m])
+        loss = loss_fn(cast_floats(out, torch.float32 if upcast else None), labels[m])
         st.losses.append(loss.detach() * st.weights[m].to(loss.dtype))
         st.raw_losses.append(loss.detach())
         if st.training:
@@ -739,8 +556,8 @@ class PipelineEngine:
         st.posted += comm.send(st.outbox.pop((a.stage, Kind.SEND_B, a.microbatch)), self._peer(a.stage - 1))
 
     def _recv_forward(self, st: Step, a: Action) -> None:
-        x = _rebuild(st.io[a.stage][0], self._received(st, a))
-        st.inbox[(a.stage, a.microbatch)] = _leaf(x) if st.training else x
+        x = rebuild(st.io[a.stage][0], self._received(st, a))
+        st.inbox[(a.stage, a.microbatch)] = leaf(x) if st.training else x
 
     def _recv_backward(self, st: Step, a: Action) -> None:
         st.grads[(a.stage, a.microbatch)] = self._received(st, a)
@@ -751,7 +568,7 @@ class PipelineEngine:
         while st.recv_due and len(st.recv_posted) < max(self.recv_ahead, at_least):
             a = st.recv_due.popleft()
             if a.kind is Kind.RECV_F:
-                like, src = _all_tensors(st.io[a.stage][0]), self._peer(a.stage - 1)
+                like, src = all_tensors(st.io[a.stage][0]), self._peer(a.stage - 1)
             else:
                 like, src = comm.float_entries(st.io[a.stage][1]), self._peer(a.stage + 1)
             st.recv_posted.append((a, comm.post_recv(like, src, self.topo.device)))
@@ -766,8 +583,8 @@ class PipelineEngine:
 
     @staticmethod
     def _check_shapes(value, meta, where: str) -> None:
-        got = [(tuple(t.shape), t.dtype) for t in _all_tensors(value)]
-        want = [(tuple(t.shape), t.dtype) for t in _all_tensors(meta)]
+        got = [(tuple(t.shape), t.dtype) for t in all_tensors(value)]
+        want = [(tuple(t.shape), t.dtype) for t in all_tensors(meta)]
         if got != want:
             raise RuntimeError(f"{where} is {got} but the meta-device run predicted {want}; layers must be "
                                "shape-deterministic")
