@@ -54,7 +54,7 @@ def _axis(module: PipelineModule, axis: str) -> tuple[int, int, object]:
     """(size, this rank's index, group) of the "tp" or "ep" axis."""
     topo = module.topology
     if axis == "ep":
-        return getattr(topo, "ep", 1), getattr(topo, "ep_rank", 0), getattr(topo, "ep_group", None)
+        return topo.ep, topo.ep_rank, topo.ep_group
     return topo.tp, topo.tp_rank, topo.tp_group
 
 
@@ -256,7 +256,7 @@ def _entry_dim(p: torch.Tensor, value: torch.Tensor) -> Sharding:
 
 def _layout(module: PipelineModule) -> dict:
     topo = module.topology
-    return {"pp": topo.pp, "dp": topo.dp, "tp": topo.tp, "ep": getattr(topo, "ep", 1),
+    return {"pp": topo.pp, "dp": topo.dp, "tp": topo.tp, "ep": topo.ep,
             "chunks_per_rank": module.chunks_per_rank, "boundaries": list(module.boundaries),
             "world_size": topo.world_size}
 

@@ -34,6 +34,7 @@ from typing import Any, Optional, cast
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from . import rules
 from .kernels import dispatch as kernel_dispatch
 from .models import FAMILIES, get_model, model_keys, model_specs, model_vocab
 from .optim.factory import FUSED
@@ -283,9 +284,17 @@ def _check_choice(key: str, value, choices) -> None:
         raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
 
 
-def _check_rules(rules) -> None:
-    """Raise for the first `(key, value, holds, what is valid)` rule that does not hold."""
-    for key, value, holds, valid in rules:
+def _rule(check, *values) -> None:
+    """One rule of `pipekit.rules` applied to config values, its words the config's keys."""
+    try:
+        check(*values, names=rules.CONFIG)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_rules(checks) -> None:
+    """Raise for the first `(key, value, holds, what is valid)` check that does not hold."""
+    for key, value, holds, valid in checks:
         if not holds:
             raise ConfigError(f"{key}={value} must be {valid}")
 
@@ -309,10 +318,7 @@ def check_config(cfg: Config) -> None:
     (What needs the model or the schedule is checked by `resolve`.)"""
     p, s, t = cfg.parallel, cfg.schedule, cfg.train
     _check_positive(cfg)
-    if p.dp % p.ep:
-        divisors = [d for d in range(1, p.dp + 1) if p.dp % d == 0]
-        raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (experts are sharded over "
-                          f"groups of ep data-parallel ranks); use an ep among {divisors}")
+    _rule(rules.check_ep, p.ep, p.dp)
     _check_model_family(cfg.model)
     _check_choice("train.dtype", t.dtype, ("float32", "float64"))
     _check_choice("optimizer.decay", cfg.optimizer.decay, ("cosine", "constant"))
@@ -340,6 +346,7 @@ def _check_optimizer(cfg: Config) -> None:
     if o.name != "adamw" and str(o.fused).lower() == "true":
         raise ConfigError(f"optimizer.fused=true is fused AdamW, but optimizer.name={o.name}; "
                           "use optimizer.name=adamw, or optimizer.fused=auto or false")
+    _rule(rules.check_clip, o.clip_grad_norm)
     _check_rules([
         ("optimizer.lr", o.lr, _finite(o.lr) and o.lr > 0, "a finite number > 0"),
         ("optimizer.min_lr", o.min_lr, _finite(o.min_lr) and 0 <= o.min_lr <= o.lr,
@@ -350,8 +357,6 @@ def _check_optimizer(cfg: Config) -> None:
         ("optimizer.beta1", o.beta1, 0 <= o.beta1 < 1, "in [0, 1), e.g. 0.9"),
         ("optimizer.beta2", o.beta2, 0 <= o.beta2 < 1, "in [0, 1), e.g. 0.95"),
         ("optimizer.eps", o.eps, _finite(o.eps) and o.eps > 0, "a finite number > 0, e.g. 1e-8"),
-        ("optimizer.clip_grad_norm", o.clip_grad_norm, o.clip_grad_norm is None or (
-            _finite(o.clip_grad_norm) and o.clip_grad_norm > 0), "a finite number > 0, or null (no clipping)"),
         ("optimizer.momentum", o.momentum, 0 <= o.momentum < 1, "in [0, 1) (0: plain SGD)"),
         ("optimizer.bucket_mb", o.bucket_mb, _finite(o.bucket_mb) and o.bucket_mb > 0, "a finite number > 0"),
     ])
@@ -456,22 +461,10 @@ def _check_layer_choices(cfg: Config, specs: list, num_stages: int) -> None:
 
 
 def _check_dp_shard(cfg: Config) -> None:
-    """parallel.dp_shard divides parallel.dp, and shards only ZeRO-3's parameters (which cannot
-    overlap a forward with a backward yet)."""
-    if cfg.optimizer.zero_stage == 3 and cfg.schedule.overlap:
-        raise ConfigError("optimizer.zero_stage=3 cannot run with schedule.overlap=true yet (FSDP's gathers and "
-                          "per-layer state are not made for a forward and a backward on two threads at once); "
-                          "use optimizer.zero_stage=0, 1 or 2 with the overlap, or set schedule.overlap=false")
-    p, shard = cfg.parallel, cfg.parallel.dp_shard
-    if shard is None:
-        return
-    if cfg.optimizer.zero_stage != 3:
-        raise ConfigError(f"parallel.dp_shard={shard} is ZeRO-3's hybrid sharding, but optimizer.zero_stage="
-                          f"{cfg.optimizer.zero_stage}; set optimizer.zero_stage=3 or leave parallel.dp_shard out")
-    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or p.dp % shard:
-        divisors = [d for d in range(1, p.dp + 1) if p.dp % d == 0]
-        raise ConfigError(f"parallel.dp_shard={shard!r} must divide parallel.dp={p.dp} (the ranks that shard "
-                          f"the parameters; the rest replicate them); use one of {divisors}")
+    """parallel.dp_shard divides parallel.dp and shards only ZeRO-3's parameters; ZeRO-3 and
+    overlapped schedules do not combine yet (`pipekit.rules`)."""
+    _rule(rules.check_overlap, cfg.schedule.overlap, "auto", cfg.optimizer.zero_stage)
+    _rule(rules.check_dp_shard, cfg.parallel.dp_shard, cfg.parallel.dp, cfg.optimizer.zero_stage)
 
 
 def _check_device(cfg: Config) -> None:
@@ -483,10 +476,7 @@ def _check_device(cfg: Config) -> None:
     """
     if cfg.train.device != "cuda":
         return
-    if cfg.schedule.overlap:
-        raise ConfigError("schedule.overlap=true runs forwards beside backwards on two threads, on the CPU (gloo) "
-                          "only for now: on a GPU they need a CUDA stream each, not built yet; with "
-                          "train.device=cuda set schedule.overlap=false")
+    _rule(rules.check_overlap, cfg.schedule.overlap, "cuda", cfg.optimizer.zero_stage)
     try:
         resolve_device("cuda", local_workers(cfg.world_size))
     except ValueError as e:
@@ -525,10 +515,8 @@ def _check_model_fits(cfg: Config, model, specs: list, chunks: int) -> None:
             f"{vocab}, padded to {padded} (a multiple of its vocab_pad_multiple={model.vocab_pad_multiple}),")
         raise ConfigError(f"model.vocab_size={shown} is not divisible by parallel.tp={p.tp}")
     experts = getattr(model, "n_experts", None)
-    if experts is not None and experts % p.ep:
-        divisors = [d for d in range(1, p.dp + 1) if p.dp % d == 0 and experts % d == 0]
-        raise ConfigError(f"model.n_experts={experts} is not divisible by parallel.ep={p.ep}; "
-                          f"use an ep among {divisors}")
+    if experts is not None:
+        _rule(rules.check_experts, experts, p.ep, p.dp)
     if experts is None and p.ep > 1:
         raise ConfigError(f"parallel.ep={p.ep} shards experts, but model.family={cfg.model.family} has none; "
                           f"use parallel.ep=1 or an MoE family (mixtral)")

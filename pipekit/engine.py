@@ -76,6 +76,7 @@ from .handshake import InputShapes
 from .microbatch import all_tensors, cast_floats, leaf, next_batch, rebuild, split_microbatches, to_device
 from .optim import ZeroOptimizer
 from .pipeline import PipelineModule
+from .rules import check_clip, check_overlap
 from .schedules import Action, Kind, Schedule, TimelineEvent
 from .schedules.ir import WEIGHT_GRAD_KINDS
 from .spec import TiedLayerSpec
@@ -187,6 +188,7 @@ class PipelineEngine:
         self.module = module
         self.topo = module.topology
         self.optimizer = as_zero_optimizer(optimizer, module)
+        check_clip(clip_grad_norm)
         if self.optimizer is not None and clip_grad_norm is not None:
             self.optimizer.clip_grad_norm = clip_grad_norm
         self.clip_grad_norm = clip_grad_norm
@@ -213,16 +215,12 @@ class PipelineEngine:
 
     def _open_lanes(self) -> None:
         """Before the first OVERLAP: backward collectives get their own groups (`pipekit.comm.lane`)."""
-        if self.topo.device.type == "cuda":
-            raise ValueError(
-                f"schedule {self.schedule.name!r} runs forwards beside backwards (OVERLAP actions, "
-                "schedule.overlap=true), which pipekit runs on the CPU (gloo) only for now: on a GPU the two "
-                "need a CUDA stream each, not built yet; set schedule.overlap=false")
-        if self.optimizer is not None and self.optimizer.sharded_layers:
-            raise ValueError(
-                f"schedule {self.schedule.name!r} runs forwards beside backwards (OVERLAP actions), which ZeRO "
-                "stage 3 cannot do yet: FSDP's gathers and its per-layer state are not made for two threads at "
-                "once; use ZeRO stage 0-2 with the overlap, or a schedule without it (schedule.overlap=false)")
+        device = self.topo.device.type  # on a GPU refused before the optimizer is asked
+        sharded = device != "cuda" and self.optimizer is not None and self.optimizer.sharded_layers
+        try:
+            check_overlap(True, device, 3 if sharded else 0)
+        except ValueError as e:
+            raise ValueError(f"schedule {self.schedule.name!r} (OVERLAP actions): {e}") from None
         if dist.is_initialized():
             comm.use_backward_twins(self.topo.backward_twins())
 

@@ -90,7 +90,7 @@ def _check_same_seed(seed: int, topology: Topology) -> None:
     """ValueError on every rank when the ranks of a group were given different seeds (a
     per-rank seed gives dp replicas that differ and stages that are not one model's).
     Collective over the world: one all-reduce of two ints at construction."""
-    if getattr(topology, "world_size", 1) == 1 or not dist.is_initialized():
+    if topology.world_size == 1 or not dist.is_initialized():
         return
     seen = torch.tensor([seed, -seed], dtype=torch.int64, device=topology.device)
     dist.all_reduce(seen, op=dist.ReduceOp.MAX)
@@ -201,9 +201,8 @@ class PipelineModule(nn.Module):
         """The topology's tp, ep and expert-tp groups as the current ones, and its sequence
         parallelism, for building layers."""
         topo = self.topology
-        with tensor_parallel(topo.tp_group), expert_parallel(getattr(topo, "ep_group", None)), \
-                expert_tensor_parallel(getattr(topo, "etp_group", None)), \
-                sequence_parallel(getattr(topo, "sequence_parallel", False)):
+        with tensor_parallel(topo.tp_group), expert_parallel(topo.ep_group), \
+                expert_tensor_parallel(topo.etp_group), sequence_parallel(topo.sequence_parallel):
             yield
 
     def _build(self, i: int) -> None:

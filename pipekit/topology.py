@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .rules import check_dp_shard, check_ep
+
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("PIPEKIT_TIMEOUT", 300)))
 
 
@@ -203,8 +205,10 @@ class Topology:
     when none is up but a launcher's RANK and WORLD_SIZE > 1 are in the
     environment (torchrun, or torch.multiprocessing workers that set them), it
     first calls `init_distributed(device=...)`. One plain process (pp=dp=tp=1)
-    needs no group. Every rank must construct it (group creation is
-    collective). Groups of size 1 are None.
+    needs no group; `alone=True` makes that one-process grid even inside a job (the
+    planner profiles layers so, beside the job's other ranks). Every rank must construct
+    it (group creation is collective). Groups of size 1 are None. Every attribute exists
+    on every Topology (a one-process grid too): callers never need a default.
 
     `device` is "auto", "cpu" or "cuda" (`device_type` is an older alias). With a
     process group, "auto" (or None) follows the backend: CUDA for NCCL, else the
@@ -219,20 +223,17 @@ class Topology:
 
     def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1, device_type: str | None = None,
                  device: str | None = None, ep: int = 1, expert_tp: bool = False,
-                 sequence_parallel: bool = False, dp_shard: int | None = None):
+                 sequence_parallel: bool = False, dp_shard: int | None = None, alone: bool = False):
         device = _one_device_arg(device, device_type)
         self.dp_shard = dp_shard
         if not isinstance(sequence_parallel, bool):
             raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
-        if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # a launcher's workers
+        if not alone and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # a launcher's
             init_distributed(device=device or "auto")
-        if not dist.is_initialized():
+        if alone or not dist.is_initialized():
             self._init_single(pp, dp, tp, device)
-            if ep != 1:
-                raise ValueError(f"ep={ep} must divide dp=1 (experts are sharded over ranks carved out of dp)")
-            self.etp, self.etp_group = 1, None
-            self.sequence_parallel = False  # one process: tp=1
-            self.hsdp_mesh, self.dp_shard = None, 1
+            check_ep(ep, 1)
+            check_dp_shard(dp_shard, 1)
             return
         self.world_size = dist.get_world_size()
         self.pp, self.dp, self.tp = grid_sizes(self.world_size, pp, dp, tp)
@@ -260,10 +261,7 @@ class Topology:
         if dp_shard is None:
             self.dp_shard = self.dp
             return
-        if isinstance(dp_shard, bool) or not isinstance(dp_shard, int) or dp_shard < 1 or self.dp % dp_shard:
-            divisors = [d for d in range(1, self.dp + 1) if self.dp % d == 0]
-            raise ValueError(f"dp_shard={dp_shard!r} must divide dp={self.dp} (the ranks a parameter is sharded "
-                             f"over; the rest replicate them); use one of {divisors}")
+        check_dp_shard(dp_shard, self.dp)
         if dp_shard < self.dp:
             self.hsdp_mesh = init_device_mesh(device_type, (self.pp, self.dp // dp_shard, dp_shard, self.tp),
                                               mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
@@ -301,8 +299,7 @@ class Topology:
         """Expert parallelism: each run of `ep` consecutive dp ranks shares out the experts
         (`ep_group`); the dp ranks holding the same experts form `edp_group` (dp // ep ranks),
         over which expert gradients are reduced."""
-        if ep < 1 or self.dp % ep:
-            raise ValueError(f"ep={ep} must divide dp={self.dp} (experts are sharded over ranks carved out of dp)")
+        check_ep(ep, self.dp)
         self.ep, self.edp = ep, self.dp // ep
         self.edp_rank, self.ep_rank = divmod(self.dp_rank, ep)
         self.moe_mesh = self.ep_group = None
@@ -329,6 +326,9 @@ class Topology:
         self.ep = self.edp = 1
         self.ep_rank = self.edp_rank = 0
         self.moe_mesh = self.ep_group = self.edp_group = None
+        self.etp, self.etp_group = 1, None
+        self.sequence_parallel = False  # one process: tp=1
+        self.hsdp_mesh, self.dp_shard = None, 1
         kind = "cpu" if device is None else resolve_device(device, local_workers())[0]
         self.device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
 

@@ -12,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = sorted([*(ROOT / "pipekit" / "models").rglob("*.py"), *(ROOT / "pipekit" / "layers").rglob("*.py")])
-RUNTIME = {"engine", "pipeline", "checkpoint", "run", "plan", "cli", "interchange", "data", "testing"}  # modules of the pipekit package that model math must not import
+# modules of the pipekit package that model math must not import
+RUNTIME = {"engine", "pipeline", "checkpoint", "run", "plan", "cli", "interchange", "data", "testing"}
 
 
 def pipekit_modules(source: str, path: Path) -> list[str]:

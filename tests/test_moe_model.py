@@ -80,7 +80,8 @@ def test_without_the_aux_loss_any_layout_is_one_process(runs, tmp_path):
 def test_ep_that_does_not_divide_the_experts_is_refused_before_launch():
     from pipekit.config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"model.n_experts=6 is not divisible by parallel.ep=4"):
+    with pytest.raises(ConfigError, match=r"model.n_experts=6 is not divisible by the "
+                                          r"expert-parallel size parallel.ep=4"):
         load_config(None, [*BASE, "model.n_experts=6", "parallel.dp=4", "parallel.ep=4", "train.micro_batch=1"])
     with pytest.raises(ConfigError, match=r"parallel.ep=2 shards experts, but model.family=gpt2 has none"):
         load_config(None, ["parallel.dp=2", "parallel.ep=2"])

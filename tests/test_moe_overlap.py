@@ -129,5 +129,6 @@ def test_overlap_is_refused_where_it_cannot_run_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"on a GPU they need a CUDA stream each.*set schedule.overlap=false"):
         load_config(None, ["schedule.overlap=true", "train.device=cuda"])
     gpu = SimpleNamespace(topo=SimpleNamespace(device=torch.device("cuda", 0)), schedule=SimpleNamespace(name="1f1b"))
-    with pytest.raises(ValueError, match=r"schedule '1f1b' runs forwards beside backwards .* on the CPU \(gloo\) only"):
+    with pytest.raises(ValueError, match=r"schedule '1f1b' \(OVERLAP actions\): overlap=True runs forwards beside "
+                                         r"backwards .* on the CPU \(gloo\) only"):
         PipelineEngine._open_lanes(gpu)  # a GPU worker of train.device=auto: refused before any step

@@ -281,4 +281,4 @@ def test_hybrid_sharding_and_overlap_are_checked_before_launch():
 
 def test_the_engine_refuses_zero3_with_an_overlapped_schedule(results):
     for rank, (*_, refused) in enumerate(results):
-        assert "runs forwards beside backwards (OVERLAP actions), which ZeRO stage 3 cannot do yet" in refused, rank
+        assert "(OVERLAP actions): stage=3 cannot run with overlap=True yet" in refused, rank

@@ -57,6 +57,7 @@ from ..layers.parallel import (
     reduce_from_tp,
     shard_dim,
 )
+from ..rules import check_experts
 from ..spec import layer_seed
 from .grouped import GEMMS, Sizes, group_of_rows
 
@@ -136,9 +137,7 @@ class Experts(nn.Module):
             raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
         if bias and activation != "gelu":
             raise ValueError(f"bias=True is supported with activation='gelu' only, got activation={activation!r}")
-        if n_experts % ep_size:
-            raise ValueError(f"n_experts={n_experts} is not divisible by the expert-parallel size ep={ep_size}; "
-                             f"choose n_experts a multiple of {ep_size} or an ep that divides {n_experts}")
+        check_experts(n_experts, ep_size)
         if tp_group is not None:
             divide(hidden, group_size(tp_group), "the experts' hidden")
         self.dim, self.hidden, self.n_experts, self.activation = dim, hidden, n_experts, activation

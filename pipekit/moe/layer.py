@@ -17,6 +17,7 @@ from ..layers.parallel import (
     mark_sequence_parallel,
     sequence_parallel_active,
 )
+from ..rules import check_experts
 from .dispatch import DROP_POLICIES, DispatchState, all_reduce_counts, check_dispatcher, make_dispatcher
 from .experts import ACTIVATIONS, Experts, SharedExpert
 from .grouped import check_gemm
@@ -274,9 +275,8 @@ def _check_layer(n_experts, ep_group, activation, capacity_factor, drop_policy, 
                  gemm, bias_update) -> None:
     """ValueError naming the first bad layer argument (routing ones are checked by the Router)."""
     ep = group_size(ep_group)
-    if isinstance(n_experts, int) and n_experts >= 1 and n_experts % ep:
-        raise ValueError(f"n_experts={n_experts} is not divisible by the expert-parallel size ep={ep}; "
-                         f"choose n_experts a multiple of {ep} or an ep that divides {n_experts}")
+    if isinstance(n_experts, int) and n_experts >= 1:
+        check_experts(n_experts, ep)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
     if capacity_factor is not None and not capacity_factor > 0:

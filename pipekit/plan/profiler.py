@@ -141,8 +141,7 @@ def _model(run: Run, device: str = "cpu", *, tp_group=None, sequence_parallel: b
     tp rank's shards on meta, where collectives only shape); `sequence_parallel` with it."""
     cfg, mcfg = run.config, run.model
     dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
-    alone = Topology.__new__(Topology)  # one process, no groups, also inside a job (Topology() would span it)
-    alone._init_single(1, 1, 1, None)
+    alone = Topology(alone=True)  # one process, no groups, also inside a job (Topology() would span it)
     if tp_group is not None:  # what PipelineModule._groups hands the layers; the grid itself stays one process
         alone.tp_group, alone.sequence_parallel = tp_group, sequence_parallel
     with default_dtype(dtype):
