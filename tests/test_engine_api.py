@@ -31,7 +31,7 @@ from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
 from pipekit.optim import ZeroOptimizer
 from pipekit.schedules import Kind, ScheduleError, build_schedule
 from pipekit.spec import LayerSpec
-from pipekit.testing import reference_model, reference_name, run_distributed
+from pipekit.testing import Reference, in_float64, run_distributed
 
 CFG = ToyConfig(vocab=16, dim=8, wide_dim=8, blocks=1)
 SEED, BATCH, SEQ, LR = 7, 8, 3, 0.1
@@ -48,13 +48,7 @@ def _batch(step: int, rows: int = BATCH):
     return x, y
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    """This file's in-process tests run in float64 (and leave the default as they found it)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # this file's in-process tests run in float64 (conftest.py)
 
 
 def _engine(topo=None, *, microbatches=2, engine_kwargs=None, **module_kwargs) -> pipekit.PipelineEngine:
@@ -80,23 +74,9 @@ def _error(fn) -> str:
     return "no error"
 
 
-class _Reference:
+def _reference() -> Reference:
     """The whole model in one process, trained with the same SGD on the whole batches."""
-
-    def __init__(self):
-        self.model = reference_model(toy_lm(CFG), SEED)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=LR)
-
-    def loss(self, x, y) -> float:
-        with torch.no_grad():
-            return lm_loss(self.model(x), y).item()
-
-    def step(self, x, y) -> float:
-        self.opt.zero_grad()
-        loss = lm_loss(self.model(x), y)
-        loss.backward()
-        self.opt.step()
-        return loss.item()
+    return Reference(toy_lm(CFG), lm_loss, functools.partial(torch.optim.SGD, lr=LR), seed=SEED)
 
 
 # ---- the batch: the thing itself or an iterator ----------------------------------------------
@@ -127,7 +107,7 @@ def test_anything_else_is_refused_with_a_clear_error():
 # ---- the loss: no communication unless asked -----------------------------------------------------
 def test_the_loss_is_a_tensor_by_default_and_a_float_when_asked():
     x, y = _batch(0)
-    want = _Reference().loss(x, y)
+    want = _reference().loss((x, y))
     engine = _engine()
     local = engine.eval_batch((x, y))
     assert isinstance(local, torch.Tensor) and local.dim() == 0 and local.dtype == torch.float64
@@ -224,9 +204,9 @@ def test_an_action_kind_s_handler_can_be_registered_and_an_unknown_one_is_named(
 
 
 # ---- two ranks, started the torch.multiprocessing way ---------------------------------------------
+@in_float64
 def _two_ranks(store_file: str) -> dict:
     """Every two-rank check, in one group; its result is checked by the tests below."""
-    torch.set_default_dtype(torch.float64)
     rank = int(os.environ["RANK"])
     if rank == 0:  # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE set: init_distributed() joins them ...
         pipekit.init_distributed()
@@ -257,23 +237,23 @@ def _two_ranks(store_file: str) -> dict:
 def _only_what_each_rank_uses(topo) -> dict:
     """pp=2, 1F1B: rank 0 gets (inputs, None), rank 1 (None, labels), against every rank getting both."""
     first = topo.pp_rank == 0
-    full, lean, ref = _engine(topo), _engine(topo), _Reference()
+    full, lean, ref = _engine(topo), _engine(topo), _reference()
     out = {"losses_full": [], "losses_lean": [], "losses_ref": []}
     for step in range(2):
         x, y = _batch(step)
         out["losses_full"].append(full.train_batch((x, y), reduce_loss=True))
         got = lean.train_batch((x, None) if first else (None, y))
         out["losses_lean"].append(None if got is None else (got.dtype, got.dim(), got.item()))
-        out["losses_ref"].append(ref.step(x, y))
+        out["losses_ref"].append(ref.step((x, y)))
     out["lean_same_weights"] = _same(_weights(full), _weights(lean))
     x, y = _batch(5)
     out["eval_lean"] = lean.eval_batch((x, None) if first else (None, y))
     out["eval_lean"] = None if out["eval_lean"] is None else out["eval_lean"].item()
     out["eval_full"] = full.eval_batch((x, y), reduce_loss=True)
-    out["eval_ref"] = ref.loss(x, y)
+    out["eval_ref"] = ref.loss((x, y))
     # shapes may change between steps while every rank passes its inputs (4 rows, not 8)
     x, y = _batch(6, rows=4)
-    out["changed_shape"] = (full.train_batch((x, y), reduce_loss=True), ref.step(x, y))
+    out["changed_shape"] = (full.train_batch((x, y), reduce_loss=True), ref.step((x, y)))
     # ... but not where a rank passed none at the first step: the rank of stage 0 refuses
     # before communicating (rank 1 sits this one out); nor may a rank given inputs then go without
     if first:
@@ -312,19 +292,19 @@ def _shapes_are_agreed_once(topo) -> dict:
     x, y = _batch(3)
     losses = [engine.eval_batch((x, None) if first else (None, y), reduce_loss=True),
               engine.train_batch((x, None) if first else (None, y), reduce_loss=True)]
-    return {"eval_first": losses, "eval_first_ref": _Reference().loss(x, y)}
+    return {"eval_first": losses, "eval_first_ref": _reference().loss((x, y))}
 
 
 def _loss_per_replica(topo) -> dict:
     """pp=1 x dp=2: each replica's own loss by default; the global batch's when asked."""
     x, y = _batch(4)
     rows = slice(topo.dp_rank * BATCH // 2, (topo.dp_rank + 1) * BATCH // 2)
-    ref = _Reference()
+    ref = _reference()
     engine = _engine(topo)
     mine = engine.eval_batch((x[rows], y[rows]))
     both = engine.eval_batch((x[rows], y[rows]), reduce_loss=True)
-    return {"replica": (mine.item(), ref.loss(x[rows], y[rows])), "global": (both, ref.loss(x, y)),
-            "trained_replica": (engine.train_batch((x[rows], y[rows])).item(), ref.loss(x[rows], y[rows]))}
+    return {"replica": (mine.item(), ref.loss((x[rows], y[rows]))), "global": (both, ref.loss((x, y))),
+            "trained_replica": (engine.train_batch((x[rows], y[rows])).item(), ref.loss((x[rows], y[rows])))}
 
 
 def _declared_once_at_pp2(topo) -> dict:
@@ -373,28 +353,18 @@ def _double(x):
 def _against_one_process(specs, engines: dict, topo, steps: int = 2, **module_kwargs) -> dict:
     """Train each engine (name -> optimizer maker) on this replica's rows and the whole specs in
     one process with torch's AdamW on the whole batch; the worst weight difference per engine."""
-    rows = BATCH // topo.dp
-    mine = slice(topo.dp_rank * rows, (topo.dp_rank + 1) * rows)
-    ref = reference_model(specs, SEED)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    ref = Reference(specs, lm_loss, functools.partial(torch.optim.AdamW, lr=LR, weight_decay=0.1), seed=SEED)
     trained = {}
     for name, make in engines.items():
         module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo, seed=SEED, microbatches=2,
                                         **module_kwargs)
         engine = pipekit.PipelineEngine(module, optimizer=make(module))
         for step in range(steps):
-            x, y = _batch(step)
-            engine.train_batch((x[mine], y[mine]))
+            engine.train_batch(ref.rows(_batch(step), topo))
         trained[name] = module
     for step in range(steps):
-        x, y = _batch(step)
-        ref_opt.zero_grad()
-        lm_loss(ref(x), y).backward()
-        ref_opt.step()
-    ref_params = dict(ref.named_parameters())
-    return {name: max([(p - ref_params[reference_name(n, specs)]).abs().max().item()
-                       for n, p in module.named_parameters()], default=0.0)
-            for name, module in trained.items()}
+        ref.step(_batch(step))
+    return {name: ref.compare(module, topo, grads=False, what=name) for name, module in trained.items()}
 
 
 def _plain_optimizer_unused_parameter(topo) -> dict:
@@ -582,8 +552,8 @@ def test_recv_ahead_must_be_a_count():
 
 
 # ---- one rank: a plain process, and RANK=0 WORLD_SIZE=1 ------------------------------------------
+@in_float64
 def _world_of_one() -> dict:
-    torch.set_default_dtype(torch.float64)
     out = {}
     pipekit.init_distributed()  # plain `python script.py`: no variables, no group needed
     out["plain"] = (dist.is_initialized(), repr(pipekit.Topology()))

@@ -15,7 +15,7 @@ import torch
 
 import pipekit
 from pipekit.models.toy import ToyConfig, lm_loss, synthetic_batches, toy_lm
-from pipekit.testing import reference_model, reference_name, run_distributed
+from pipekit.testing import Reference, in_float64, run_distributed
 
 TOL = 1e-10
 STEPS = 3
@@ -47,52 +47,27 @@ LAYOUTS = [
 ]
 
 
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+@in_float64
 def run_layout(pp, dp, schedule, chunks, microbatches, kwargs) -> dict:
-    torch.set_default_dtype(torch.float64)
     specs = toy_lm(CFG)
     topo = pipekit.Topology(pp=pp, dp=dp)
     module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo, seed=SEED, schedule=schedule,
                                     microbatches=microbatches, chunks_per_rank=chunks, **kwargs)
-    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
-    engine = pipekit.PipelineEngine(module, optimizer=opt)
-
-    ref = reference_model(specs, SEED)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    ref_params = dict(ref.named_parameters())
-    local = dict(module.named_parameters())
-    assert local, "every rank must own parameters in these layouts"
-    for name, p in local.items():
-        assert max_diff(p.detach(), ref_params[reference_name(name, specs)].detach()) == 0.0, f"{name} starts different"
+    engine = pipekit.PipelineEngine(module, optimizer=sgd(module.parameters()))
+    ref = Reference(specs, lm_loss, sgd, seed=SEED)
+    assert list(module.parameters()), "every rank must own parameters in these layouts"
+    assert ref.compare(module, topo, grads=False, what="start") == 0.0, f"{ref.where['start']} starts different"
 
     data = synthetic_batches(CFG.vocab, GLOBAL_BATCH, SEQ, seed=7)
-    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
-    shard = GLOBAL_BATCH // dp
     for _ in range(STEPS):
-        tokens, labels = next(data)
-        mine = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
-        loss = engine.train_batch(iter([(tokens[mine], labels[mine])]), reduce_loss=True)
-
-        ref_opt.zero_grad()
-        ref_loss = lm_loss(ref(tokens), labels)
-        ref_loss.backward()
-        ref_opt.step()
-
-        worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
-        for name, p in local.items():
-            r = ref_params[reference_name(name, specs)]
-            worst["grad"] = max(worst["grad"], max_diff(p.grad, r.grad))
-            worst["weight"] = max(worst["weight"], max_diff(p.detach(), r.detach()))
-
-    tokens, labels = next(data)
-    mine = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
-    eval_loss = engine.eval_batch(iter([(tokens[mine], labels[mine])]), reduce_loss=True)
-    with torch.no_grad():
-        worst["eval_loss"] = abs(eval_loss - lm_loss(ref(tokens), labels).item())
-    return worst
+        ref.train_beside(engine, next(data))
+        ref.compare(module, topo)
+    ref.eval_beside(engine, next(data))
+    return ref.worst
 
 
 def check_layouts(layouts: list) -> list[dict]:

@@ -13,12 +13,14 @@ every weight after two AdamW steps, within 1e-10 in float64.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import pipekit
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.optim import ZeroOptimizer
-from pipekit.testing import reference_model, reference_name, run_distributed
+from pipekit.testing import Reference, in_float64, reference_model, run_distributed
 
 TOL = 1e-10
 SEED, BATCH, SEQ = 4, 8, 6
@@ -39,37 +41,23 @@ def masked_batch(step: int):
     return x, y
 
 
+@in_float64
 def run_layout(pp: int, dp: int, microbatches: int, zero: bool) -> dict:
-    torch.set_default_dtype(torch.float64)
     cfg = get_model("gpt2", "tiny", **GPT)
     specs = model_specs(cfg)
     topo = pipekit.Topology(pp=pp, dp=dp)
     module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED,
                                     microbatches=microbatches)
-    ref = reference_model(specs, SEED)
-    ref_loss_fn = model_loss(cfg).build()
     if zero:
-        opt, ref_opt = ZeroOptimizer(module, "adamw", stage=1, lr=0.05), torch.optim.AdamW(ref.parameters(), lr=0.05)
+        opt, ref_opt = ZeroOptimizer(module, "adamw", stage=1, lr=0.05), functools.partial(torch.optim.AdamW, lr=0.05)
     else:
-        opt, ref_opt = torch.optim.SGD(module.parameters(), lr=0.0), torch.optim.SGD(ref.parameters(), lr=0.0)
+        opt, ref_opt = torch.optim.SGD(module.parameters(), lr=0.0), functools.partial(torch.optim.SGD, lr=0.0)
     engine = pipekit.PipelineEngine(module, optimizer=opt)
-    ref_params = dict(ref.named_parameters())
-    pairs = [(p, ref_params[reference_name(n, specs)]) for n, p in module.named_parameters()]
-    rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
-    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+    ref = Reference(specs, model_loss(cfg).build(), ref_opt, seed=SEED)
     for step in range(2):
-        x, y = masked_batch(step)
-        loss = engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
-        ref_opt.zero_grad()
-        want = ref_loss_fn(ref(x), y)
-        want.backward()
-        ref_opt.step()
-        worst["loss"] = max(worst["loss"], abs(loss - want.item()))
-        for p, r in pairs:
-            if not zero:
-                worst["grad"] = max(worst["grad"], (p.grad - r.grad).abs().max().item())
-            worst["weight"] = max(worst["weight"], (p.detach() - r.detach()).abs().max().item())
-    return worst
+        ref.train_beside(engine, masked_batch(step))
+        ref.compare(module, topo, grads=not zero)
+    return ref.worst
 
 
 def run_all(world: int) -> list:
@@ -85,19 +73,15 @@ def test_masked_labels_give_the_one_process_loss_at_any_m_and_dp():
                     assert diff <= TOL, f"rank {rank}, (pp, dp, m, zero)={layout}: {what} differs by {diff:.3g}"
 
 
-def test_the_old_mean_of_means_would_differ():
+def test_the_old_mean_of_means_would_differ(float64):
     """The negative control: the microbatch-mean average differs here, so the test above can fail."""
-    torch.set_default_dtype(torch.float64)
-    try:
-        cfg = get_model("gpt2", "tiny", **GPT)
-        ref = reference_model(model_specs(cfg), SEED)
-        loss_fn = model_loss(cfg).build()
-        x, y = masked_batch(0)
-        whole = loss_fn(ref(x), y).item()
-        halves = sum(loss_fn(ref(x[i:i + 4]), y[i:i + 4]).item() for i in (0, 4)) / 2
-        assert abs(whole - halves) > 1e-5  # (4.7e-4 here), far above TOL
-    finally:
-        torch.set_default_dtype(torch.float32)
+    cfg = get_model("gpt2", "tiny", **GPT)
+    ref = reference_model(model_specs(cfg), SEED)
+    loss_fn = model_loss(cfg).build()
+    x, y = masked_batch(0)
+    whole = loss_fn(ref(x), y).item()
+    halves = sum(loss_fn(ref(x[i:i + 4]), y[i:i + 4]).item() for i in (0, 4)) / 2
+    assert abs(whole - halves) > 1e-5  # (4.7e-4 here), far above TOL
 
 
 class TemperedLoss(torch.nn.Module):
@@ -111,29 +95,26 @@ class TemperedLoss(torch.nn.Module):
         return torch.nn.functional.cross_entropy((logits * self.temperature).flatten(0, 1), labels.flatten())
 
 
+@in_float64
 def run_tempered(pp: int) -> dict:
     """A loss with a parameter, at pp: trained where the last stage runs, saved from there."""
     from pipekit.checkpoint import full_state_dict
     from pipekit.models.toy import ToyConfig, toy_lm
     from pipekit.spec import LayerSpec
 
-    torch.set_default_dtype(torch.float64)
     specs = toy_lm(ToyConfig(vocab=24, dim=8, wide_dim=12, blocks=2))
     module = pipekit.PipelineModule(specs, loss_fn=LayerSpec(TemperedLoss), topology=pipekit.Topology(pp=pp), seed=2,
                                     microbatches=2)
     engine = pipekit.PipelineEngine(module, optimizer=ZeroOptimizer(module, "sgd", stage=1, lr=0.5))
-    ref, ref_loss = reference_model(specs, 2), TemperedLoss()
-    ref_opt = torch.optim.SGD([*ref.parameters(), *ref_loss.parameters()], lr=0.5)
+    ref = Reference(specs, TemperedLoss(), functools.partial(torch.optim.SGD, lr=0.5), seed=2)  # the loss's too
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
         x = torch.randint(0, 24, (4, 5), generator=gen)
         y = (5 * x + 3) % 24
         engine.train_batch(iter([(x, y)]))
-        ref_opt.zero_grad()
-        ref_loss(ref(x), y).backward()
-        ref_opt.step()
+        ref.step((x, y))
     saved = full_state_dict(module)["loss_fn.temperature"].item()
-    return {"saved": saved, "reference": ref_loss.temperature.item()}
+    return {"saved": saved, "reference": ref.loss_fn.temperature.item()}
 
 
 def test_a_loss_with_parameters_is_trained_and_saved_at_every_pp():

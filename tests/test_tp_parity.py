@@ -18,7 +18,7 @@ import torch
 
 import pipekit
 from pipekit.models import get_model, model_loss, model_specs
-from pipekit.testing import reference_model, reference_name, reference_slice, run_distributed
+from pipekit.testing import Reference, in_float64, run_distributed
 
 TOL = 1e-10
 SEED = 99
@@ -36,44 +36,27 @@ LAYOUTS = {
 }
 
 
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+@in_float64
 def run_layout(family: str, pp: int, dp: int, tp: int, schedule: str, microbatches: int) -> dict:
-    torch.set_default_dtype(torch.float64)
     cfg = get_model(family.split("-")[0], "tiny", **MODELS[family])
     specs = model_specs(cfg)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp)
     module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule=schedule,
                                     microbatches=microbatches)
-    opt = torch.optim.SGD(module.parameters(), lr=0.5, momentum=0.9)
-    engine = pipekit.PipelineEngine(module, optimizer=opt, clip_grad_norm=CLIP)
-    ref = reference_model(specs, SEED)
-    ref_loss_fn = model_loss(cfg).build()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
-    ref_params = dict(ref.named_parameters())
-    local = dict(module.named_parameters())
-    pairs = {n: (p, ref_params[reference_name(n, specs)]) for n, p in local.items()}
-    for name, (p, r) in pairs.items():
-        assert torch.equal(p.detach(), reference_slice(r.detach(), p, topo)), f"{name} starts different"
+    engine = pipekit.PipelineEngine(module, optimizer=sgd(module.parameters()), clip_grad_norm=CLIP)
+    ref = Reference(specs, model_loss(cfg).build(), sgd, seed=SEED, clip=CLIP)
+    assert ref.compare(module, topo, grads=False, what="start") == 0.0, f"{ref.where['start']} starts different"
 
     gen = torch.Generator().manual_seed(5)
-    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0, "grad_norm": 0.0}
-    rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
     for _ in range(STEPS):
         ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=gen)
-        x, y = ids[:, :-1], ids[:, 1:]
-        loss = engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
-        ref_opt.zero_grad()
-        ref_loss = ref_loss_fn(ref(x), y)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
-        ref_opt.step()
-        worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
-        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - ref_norm))
-        for p, r in pairs.values():
-            grad_diff = (p.grad - reference_slice(r.grad, p, topo)).abs().max().item()
-            weight_diff = (p.detach() - reference_slice(r.detach(), p, topo)).abs().max().item()
-            worst["grad"] = max(worst["grad"], grad_diff)
-            worst["weight"] = max(worst["weight"], weight_diff)
-    return worst
+        ref.train_beside(engine, (ids[:, :-1], ids[:, 1:]))
+        ref.compare(module, topo)
+    return ref.worst
 
 
 def cases(layouts: list) -> list:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_parity import CFG, GLOBAL_BATCH, SEED, SEQ, TOL, max_diff
+from test_engine_parity import CFG, GLOBAL_BATCH, SEED, SEQ, TOL
 
 import pipekit
 from pipekit.models.toy import TokenEmbedding, lm_loss, synthetic_batches, toy_lm
@@ -40,7 +40,7 @@ from pipekit.schedules import (
     v_placement,
 )
 from pipekit.spec import TiedLayerSpec
-from pipekit.testing import reference_model, reference_name, run_distributed
+from pipekit.testing import Reference, in_float64, run_distributed
 
 PAPER = {"F": 1, "I": 1, "W": 1, "B": 2}  # Qi et al.'s cost model: F = B(input) = W
 
@@ -307,9 +307,13 @@ def _schedule(how, pp: int, microbatches: int):
     return build_schedule(how, pp, microbatches)
 
 
+def adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+@in_float64
 def run_case(pp, dp, how, microbatches, model="toy", zero_stage=None, by_name=False, **kwargs) -> dict:
     """Train at a layout with AdamW (or ZeroOptimizer) and compare with one process."""
-    torch.set_default_dtype(torch.float64)
     specs = _specs(model)
     topo = pipekit.Topology(pp=pp, dp=dp)
     schedule = _schedule(how, pp, microbatches)
@@ -320,44 +324,23 @@ def run_case(pp, dp, how, microbatches, model="toy", zero_stage=None, by_name=Fa
     else:
         module = pipekit.PipelineModule(specs, loss_fn=lm_loss, topology=topo, seed=SEED, schedule=schedule, **kwargs)
     if zero_stage is None:
-        opt = torch.optim.AdamW(module.parameters(), lr=0.01, weight_decay=0.1)
+        opt = adamw(module.parameters())
     else:
         opt = ZeroOptimizer(module, "adamw", stage=zero_stage, bucket_mb=0.002, lr=0.01, weight_decay=0.1)
     engine = pipekit.PipelineEngine(module, optimizer=opt)
-
-    ref = reference_model(specs, SEED)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01, weight_decay=0.1)
-    ref_params = dict(ref.named_parameters())
-    local = dict(module.named_parameters())
+    ref = Reference(specs, lm_loss, adamw, seed=SEED)
     data = synthetic_batches(CFG.vocab, GLOBAL_BATCH, SEQ, seed=3)
-    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
-    shard = GLOBAL_BATCH // dp
-    mine = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
     for _ in range(STEPS):
-        tokens, labels = next(data)
-        loss = engine.train_batch(iter([(tokens[mine], labels[mine])]), reduce_loss=True)
-        ref_opt.zero_grad()
-        ref_loss = lm_loss(ref(tokens), labels)
-        ref_loss.backward()
-        ref_opt.step()
-        worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
-        for name, p in local.items():
-            r = ref_params[reference_name(name, specs)]
-            if zero_stage is None:  # ZeRO moves gradients into its buckets
-                worst["grad"] = max(worst["grad"], max_diff(p.grad, r.grad))
-            worst["weight"] = max(worst["weight"], max_diff(p.detach(), r.detach()))
-    tokens, labels = next(data)
-    with torch.no_grad():
-        worst["eval_loss"] = abs(engine.eval_batch(iter([(tokens[mine], labels[mine])]), reduce_loss=True)
-                                 - lm_loss(ref(tokens), labels).item())
-    worst["tied_groups"] = len(module.tie_groups)
-    return worst
+        ref.train_beside(engine, next(data))
+        ref.compare(module, topo, grads=zero_stage is None)  # ZeRO moves gradients into its buckets
+    ref.eval_beside(engine, next(data))
+    return {**ref.worst, "tied_groups": len(module.tie_groups)}
 
 
+@in_float64
 def wrong_placement_message() -> str:
     """A looping module handed a V schedule by the engine: refused before running anything (the
     engine takes no schedule of its own, so a second, differently placed one cannot arise)."""
-    torch.set_default_dtype(torch.float64)
     module = pipekit.PipelineModule(toy_lm(CFG), loss_fn=lm_loss, topology=pipekit.Topology(pp=2),
                                     schedule="interleaved_1f1b", microbatches=4)
     try:
@@ -396,10 +379,11 @@ def distributed_results():
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c[0] for c in CASES])
 def test_engine_matches_one_process(distributed_results, index):
-    label = CASES[index][0]
+    label, *_, kwargs = CASES[index]
+    compared = ("loss", "weight", "eval_loss") + (() if "zero_stage" in kwargs else ("grad",))
     for rank, (results, _) in enumerate(distributed_results):
         worst = results[index]
-        for what in ("loss", "grad", "weight", "eval_loss"):
+        for what in compared:
             assert worst[what] <= TOL, f"rank {rank}, {label}: {what} differs by {worst[what]:.3g}"
     if "three places" in label:
         assert all(results[index]["tied_groups"] == 1 for results, _ in distributed_results)  # both ranks hold it
