@@ -50,18 +50,13 @@ from pipekit.layers import (
 )
 from pipekit.models.gpt2 import gpt2_block_parts
 from pipekit.models.llama import llama_block_parts
-from pipekit.testing import FakeGroup, run_distributed
+from pipekit.testing import FakeGroup, in_float64, run_distributed
 
 SEED = 1234
 TOL = dict(atol=1e-10, rtol=1e-10)
 
 
-@pytest.fixture(autouse=True)
-def float64_default():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")  # conftest.py
 
 
 # ---- the cases: one per layer configuration ------------------------------------
@@ -210,12 +205,12 @@ def meta_case(case: Case, group, expected_shape) -> None:
     assert out.is_meta and tuple(out.shape) == tuple(expected_shape), (case.name, out.shape, expected_shape)
 
 
+@in_float64
 def _tp_worker(with_meta: bool) -> list[str]:
     """Every case on the world group; with `with_meta`, each also built and run on
     meta inside the real group (the first meta op costs seconds of imports per
     worker, so only the tp=2 group does it; test_fake_group_shards_and_meta
     covers meta at every case in-process)."""
-    torch.set_default_dtype(torch.float64)
     group = dist.group.WORLD
     done = []
     for case in CASES:

@@ -34,19 +34,16 @@ from pipekit.moe import (
     register_dispatcher,
 )
 from pipekit.moe.grouped import grouped_mm_runs, megablocks_available
-from pipekit.testing import FakeGroup, run_distributed
+from pipekit.testing import FakeGroup, in_float64, run_distributed
 
 SEED = 1234
 TOL = dict(atol=1e-10, rtol=1e-10)
 
 
 @pytest.fixture(autouse=True)
-def float64_default():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
+def float64_and_no_metrics(float64):
+    """Every test here in float64 (conftest.py), without an earlier test's MoE metrics."""
     metrics.pop()
-    yield
-    torch.set_default_dtype(old)
 
 
 # ---- the oracle ------------------------------------------------------------------
@@ -576,8 +573,8 @@ def _ep_run(layer, x, g):
             "bias": None if bias is None else bias.clone()}
 
 
+@in_float64
 def _ep_worker():
-    torch.set_default_dtype(torch.float64)
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in order
     groups = {2: pairs[rank // 2], 4: dist.group.WORLD}
