@@ -73,7 +73,7 @@ def test_stage_0_state_is_what_the_optimizer_allocates():
     from pipekit.optim.factory import make_optimizer
 
     run = load_run(MIXTRAL, [*QUIET, "parallel.dp=1", "parallel.ep=1", "train.precision=bf16"])
-    module, batch = profiler._model(run)
+    module, batch = profiler.whole_model(run)
     opt = make_optimizer(module, run.config.optimizer, run.precision)
     x, labels = batch(2)
     out = x
@@ -120,7 +120,7 @@ def test_sgd_and_fp32_state():
 def _real_saved(run, rows: int, tp_group=None, sp: bool = False) -> list[tuple[int, int]]:
     """What `memplan.meta_activations` counts, counted on real CPU tensors: per layer (saved,
     output) bytes of one forward of `rows` rows, the loss's folded into the last layer."""
-    module, batch = profiler._model(run, "cpu", tp_group=tp_group, sequence_parallel=sp)
+    module, batch = profiler.whole_model(run, "cpu", tp_group=tp_group, sequence_parallel=sp)
     module.train()
     x, labels = (t.clone() for t in batch(rows))  # own storages, as meta's copies have
     counter = memplan.SavedStorages([p for p in module.parameters() if p.requires_grad])

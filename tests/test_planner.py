@@ -123,7 +123,7 @@ def test_layer_costs_are_scaled_to_the_model_run_layer_after_layer():
 
 
 def test_chained_pass_times_every_kind():
-    module, batch = profiler._model(load_run(GPT, SMALL))
+    module, batch = profiler.whole_model(load_run(GPT, SMALL))
     x, labels = batch(2)
     got = profiler._chained(module, x, labels, 1, lambda: None)
     assert set(got) == {"F", "B", "I", "W"} and all(v > 0 for v in got.values())

@@ -80,9 +80,9 @@ from .profiler import (
     LayerCost,
     Profile,
     SavedStorages,  # noqa: F401 - the memory plan's counter, where its tests find it
-    _layer_params,
-    _model,
     meta_saved,
+    params_of_layer,
+    whole_model,
 )
 
 ZERO_STAGES = (0, 1, 2, 3)
@@ -148,10 +148,10 @@ class MemoryRow:
 def layer_params(run: Run) -> list[tuple[int, int]]:
     """Per layer of the whole model (tp=1, ep=1, on the meta device): (dense, routed-expert)
     parameter counts; a tied layer counts at each use (`tied_keys` tells a rank's uses apart)."""
-    module, _ = _model(run, "meta")
+    module, _ = whole_model(run, "meta")
     out = []
     for i in range(len(module.specs)):
-        params = [p for p in _layer_params(module, i) if p.requires_grad]
+        params = [p for p in params_of_layer(module, i) if p.requires_grad]
         expert = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
         out.append((sum(p.numel() for p in params) - expert, expert))
     return out

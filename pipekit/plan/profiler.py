@@ -135,7 +135,7 @@ class CommModel:
 
 
 # ---- profiling ---------------------------------------------------------------
-def _model(run: Run, device: str = "cpu", *, tp_group=None, sequence_parallel: bool = False):
+def whole_model(run: Run, device: str = "cpu", *, tp_group=None, sequence_parallel: bool = False):
     """The run's whole model as one pp=1 PipelineModule on `device`, and an example batch maker.
     `tp_group`: the tp group its layers are built on (a `pipekit.layers.parallel.FakeGroup` builds one
     tp rank's shards on meta, where collectives only shape); `sequence_parallel` with it."""
@@ -231,7 +231,7 @@ def _backward(outs: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         torch.autograd.backward(outs, grads)
 
 
-def _layer_params(module, i: int) -> list[torch.Tensor]:
+def params_of_layer(module, i: int) -> list[torch.Tensor]:
     spec = module.specs[i]
     if isinstance(spec, TiedLayerSpec):
         return list(module.tied[spec.key].parameters())
@@ -248,7 +248,7 @@ def _label(specs: list, i: int) -> str:
 
 def _profile_one(module, i: int, x, reps: int, sync):
     """(LayerCost, output) of layer i on input x: medians over `reps` after one warm-up."""
-    params = [p for p in _layer_params(module, i) if p.requires_grad]
+    params = [p for p in params_of_layer(module, i) if p.requires_grad]
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     out = None
     with SavedStorages(params) as counter:  # counted apart: the hooks would slow the timed passes
@@ -308,7 +308,7 @@ def profile_layers(run: Run, *, rows: int | None = None, reps: int = 5, threads:
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        module, batch = _model(run, device)
+        module, batch = whole_model(run, device)
         # the run's optimizer: its gradient hooks run in every backward timed below, as in a run
         _ = make_optimizer(module, run.config.optimizer, run.precision)
         sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -500,7 +500,7 @@ def meta_saved(run: Run, rows: int, *, tp_group=None, sequence_parallel: bool = 
     forward of the run's layers on the meta device (built on `tp_group`, a stand-in group, and
     sequence parallel when asked) under `SavedStorages`, attention as the fused kernel a real
     run takes; the loss's saved bytes folded into the last layer. Nothing is allocated."""
-    module, batch = _model(run, "meta", tp_group=tp_group, sequence_parallel=sequence_parallel)
+    module, batch = whole_model(run, "meta", tp_group=tp_group, sequence_parallel=sequence_parallel)
     module.train()
     x, labels = (t.to("meta") for t in batch(rows))
     counter = SavedStorages([p for p in module.parameters() if p.requires_grad])  # buffers count (rotary tables)
@@ -525,13 +525,13 @@ def flop_layers(run: Run, *, rows: int | None = None, flops_per_second: float | 
     FLOPs torch counts)."""
     rows = rows or run.config.train.micro_batch
     rate = flops_per_second or ((run.config.logging.peak_tflops or 0) * 1e12) or NOMINAL_FLOPS
-    module, batch = _model(run, "meta")
+    module, batch = whole_model(run, "meta")
     x, labels = (t.to("meta") for t in batch(rows))
     saved = meta_saved(run, rows)  # what each layer saves, as the memory plan counts it (attention fused)
     layers = []
     out = x
     for i in range(len(module.specs)):
-        params = [p for p in _layer_params(module, i) if p.requires_grad]
+        params = [p for p in params_of_layer(module, i) if p.requires_grad]
         xin = _leaf(out)
         with FlopCounterMode(display=False) as fwd:
             out = module.run_layer(i, xin)
