@@ -29,7 +29,7 @@ from pipekit.checkpoint import full_state_dict, load_checkpoint, load_full_weigh
 from pipekit.layers.parallel import expert_tensor_parallel
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.moe import MoEMLP, Router
-from pipekit.testing import FakeGroup, reference_model, reference_name, reference_slice, run_distributed
+from pipekit.testing import FakeGroup, Reference, in_float64, run_distributed
 
 TOL = 1e-10
 SEED = 7
@@ -66,60 +66,41 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _step(engine, x, y):
-    topo = engine.module.topology
-    rows = slice(topo.dp_rank * BATCH // topo.dp, (topo.dp_rank + 1) * BATCH // topo.dp)
-    return engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
+    return engine.train_batch(iter([Reference.rows((x, y), engine.module.topology)]), reduce_loss=True)
 
 
+@in_float64
 def run_layout(family: str, layout: tuple, ckpt: str | None) -> dict:
-    torch.set_default_dtype(torch.float64)
     cfg = get_model(family, "tiny", **MODELS[family])
     specs = model_specs(cfg)
     engine = _engine(cfg, *layout)
     module, topo = engine.module, engine.module.topology
-    ref = reference_model(specs, SEED)
-    ref_loss_fn, ref_opt = model_loss(cfg).build(), _adamw(ref.parameters())
-    ref_params = dict(ref.named_parameters())
-    pairs = {n: (p, ref_params[reference_name(n, specs)]) for n, p in module.named_parameters()}
-    split = [n for n, (p, _) in pairs.items() if getattr(p, "expert_parallel", False)
+    ref = Reference(specs, model_loss(cfg).build(), _adamw, seed=SEED, clip=CLIP)
+    split = [n for n, p in module.named_parameters() if getattr(p, "expert_parallel", False)
              and getattr(p, "tp_shard_dim", None) is not None]
-    worst = {"start": 0.0, "loss": 0.0, "grad": 0.0, "weight": 0.0, "grad_norm": 0.0}
-    for p, r in pairs.values():
-        worst["start"] = max(worst["start"], _diff(p.detach(), reference_slice(r.detach(), p, topo)))
+    ref.compare(module, topo, grads=False, what="start")
     counts: list[torch.Tensor] = []  # tokens per expert of each reference MoE call
-    for m in ref.modules():
+    for m in ref.model.modules():
         if isinstance(m, Router):
             m.register_forward_hook(lambda mod, args, out: counts.append(out.counts_E))
     data = _batches()
     dead_in_a_step = 0
     for _ in range(STEPS):
-        x, y = next(data)
-        loss = _step(engine, x, y)
         counts.clear()
-        ref_opt.zero_grad()
-        ref_loss = ref_loss_fn(ref(x), y)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
-        ref_opt.step()
+        ref.train_beside(engine, next(data))
         dead_in_a_step += sum(int((c == 0).sum()) for c in counts)  # experts of a layer no token reached
-        if loss is not None:
-            worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
-        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - ref_norm))
-        for p, r in pairs.values():
-            worst["grad"] = max(worst["grad"], _diff(p.grad, reference_slice(r.grad, p, topo)))
-            worst["weight"] = max(worst["weight"], _diff(p.detach(), reference_slice(r.detach(), p, topo)))
-    out = {"worst": worst, "split": sorted(split), "dead": dead_in_a_step, "norm_clipped": ref_norm > CLIP}
+        ref.compare(module, topo)
+    out = {"worst": ref.worst, "split": sorted(split), "dead": dead_in_a_step, "norm_clipped": ref.grad_norm > CLIP}
     if ckpt is not None:
-        out.update(_checkpoint_checks(cfg, engine, ref, specs, layout, ckpt, data))
+        out.update(_checkpoint_checks(cfg, engine, ref, layout, ckpt, data))
     return out
 
 
-def _checkpoint_checks(cfg, engine, ref, specs, layout, ckpt, data) -> dict:
+def _checkpoint_checks(cfg, engine, ref, layout, ckpt, data) -> dict:
     """Gathered weights against one process; save, resume at the same tp without expert-TP,
     one more step each: the same weights."""
-    ref_state = ref.state_dict()
     full = full_state_dict(engine.module)
-    gathered = max(_diff(t, ref_state[reference_name(n, specs)]) for n, t in full.items())
+    gathered = ref.compare(full, what="gathered")
     save_checkpoint(ckpt, engine.module, engine.optimizer)
     other = _engine(cfg, 1, layout[1] * layout[0], layout[2], 1, expert_tp=False)
     load_checkpoint(ckpt, other.module, other.optimizer)

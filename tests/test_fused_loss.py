@@ -31,7 +31,7 @@ from pipekit.kernels import kernels
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.precision import default_dtype
 from pipekit.run.generate import sample
-from pipekit.testing import reference_model, reference_name, reference_slice, run_distributed
+from pipekit.testing import Reference, in_float64, run_distributed
 
 SEED = 7
 IGNORE = -100
@@ -92,39 +92,28 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
+@in_float64
 def fused_layout_worker(cases: list) -> dict:
     """On each of the 4 ranks: per (model, schedule), a fused model at pp=2 x tp=2 and the
     one-process unfused reference, trained side by side; the worst differences seen."""
-    torch.set_default_dtype(torch.float64)
     topo = pipekit.Topology(pp=2, dp=1, tp=2)
     out = {}
     for name, schedule in cases:
         cfg, ref_cfg = config(name, True), config(name, False)
-        specs = model_specs(cfg)
-        module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule=schedule,
-                                        microbatches=2)
+        module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo, seed=SEED,
+                                        schedule=schedule, microbatches=2)
         engine = pipekit.PipelineEngine(module, optimizer=adamw(module.parameters()))
-        ref = reference_model(model_specs(ref_cfg), SEED)
-        ref_loss_fn = model_loss(ref_cfg).build()
-        ref_opt = adamw(ref.parameters())
-        ref_params = dict(ref.named_parameters())
-        pairs = {n: (p, ref_params[reference_name(n, specs)]) for n, p in module.named_parameters()}
-        worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0}
+        ref = Reference(model_specs(ref_cfg), model_loss(ref_cfg).build(), adamw, seed=SEED)
         for step in range(STEPS):
-            x, y = batch(seed=step)
-            loss = engine.train_batch((x, y), reduce_loss=True)
-            ref_opt.zero_grad()
-            ref_loss = ref_loss_fn(ref(x), y)
-            ref_loss.backward()
-            ref_opt.step()
-            worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
-            for n, (p, r) in pairs.items():
-                if r.grad is None:
+            ref.train_beside(engine, batch(seed=step))
+            touched = []
+            for n, p in module.named_parameters():
+                if ref.tensor(n).grad is None:  # (an expert no token reached): none here either
                     assert p.grad is None or not p.grad.any(), n
-                    continue
-                worst["grad"] = max(worst["grad"], (p.grad - reference_slice(r.grad, p, topo)).abs().max().item())
-                worst["weight"] = max(worst["weight"], (p - reference_slice(r, p, topo)).abs().max().item())
-        out[name] = worst
+                else:
+                    touched.append((n, p))
+            ref.compare(touched, topo)
+        out[name] = ref.worst
     return out
 
 

@@ -35,7 +35,7 @@ from pipekit.kernels import kernels, set_kernels
 from pipekit.kernels import norm as norm_kernels
 from pipekit.kernels import rotary as rotary_kernels
 from pipekit.models import get_model, model_loss, model_specs
-from pipekit.testing import reference_model, reference_name, run_distributed
+from pipekit.testing import Reference, reference_name, run_distributed
 
 pytest.importorskip("triton")
 # the modules by path: pipekit.kernels exports functions of the same names
@@ -144,20 +144,10 @@ def pp_worker(steps: int) -> dict:
 
 
 def reference_run(opt_name: str, steps: int) -> tuple[list[float], dict]:
-    specs = model_specs(PP_CFG)
-    model = reference_model(specs, SEED)
-    loss_fn = model_loss(PP_CFG).build()
-    opt = OPTIMIZERS[opt_name](model.parameters())
-    losses = []
+    ref = Reference(model_specs(PP_CFG), model_loss(PP_CFG).build(), OPTIMIZERS[opt_name], seed=SEED)
     with kernels("torch"):
-        for s in range(steps):
-            x, y = batch(PP_CFG, rows=4, seed=s)
-            opt.zero_grad()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+        losses = [ref.step(batch(PP_CFG, rows=4, seed=s)) for s in range(steps)]
+    return losses, {n: p.detach() for n, p in ref.model.named_parameters()}
 
 
 def test_pp2_engine_with_triton_kernels_matches_one_process_torch():

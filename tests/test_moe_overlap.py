@@ -25,7 +25,7 @@ import pipekit
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.moe import Router
 from pipekit.schedules import Kind, build_schedule
-from pipekit.testing import reference_model, reference_name, reference_slice, run_distributed
+from pipekit.testing import Reference, in_float64, run_distributed
 
 TOL = 1e-10
 SEED = 7
@@ -42,12 +42,8 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
-
-
+@in_float64
 def run_case(pp, dp, tp, ep, expert_tp, name, microbatches) -> dict:
-    torch.set_default_dtype(torch.float64)
     cfg = get_model("mixtral", "tiny", **MIXTRAL)
     specs = model_specs(cfg)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, ep=ep, expert_tp=expert_tp)
@@ -55,37 +51,22 @@ def run_case(pp, dp, tp, ep, expert_tp, name, microbatches) -> dict:
     module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED, schedule=schedule)
     engine = pipekit.PipelineEngine(module, optimizer=_adamw(module.parameters()), clip_grad_norm=CLIP,
                                     record_timeline=True)
-    ref = reference_model(specs, SEED)
-    ref_loss_fn, ref_opt = model_loss(cfg).build(), _adamw(ref.parameters())
-    ref_params = dict(ref.named_parameters())
-    pairs = {n: (p, ref_params[reference_name(n, specs)]) for n, p in module.named_parameters()}
+    ref = Reference(specs, model_loss(cfg).build(), _adamw, seed=SEED, clip=CLIP)
     counts: list[torch.Tensor] = []
-    for m in ref.modules():
+    for m in ref.model.modules():
         if isinstance(m, Router):
             m.register_forward_hook(lambda mod, args, out: counts.append(out.counts_E))
-    worst = {"loss": 0.0, "grad": 0.0, "weight": 0.0, "grad_norm": 0.0}
     gen = torch.Generator().manual_seed(5)
     dead = overlapped = 0
     for _ in range(STEPS):
         ids = torch.randint(0, 32, (BATCH, SEQ + 1), generator=gen)
-        x, y = ids[:, :-1], ids[:, 1:]
-        rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
-        loss = engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
-        overlapped += sum("+" in e.action for e in engine.timeline)
         counts.clear()
-        ref_opt.zero_grad()
-        ref_loss = ref_loss_fn(ref(x), y)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
-        ref_opt.step()
+        ref.train_beside(engine, (ids[:, :-1], ids[:, 1:]))
+        overlapped += sum("+" in e.action for e in engine.timeline)
         dead += sum(int((c == 0).sum()) for c in counts)
-        worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
-        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - ref_norm))
-        for p, r in pairs.values():
-            worst["grad"] = max(worst["grad"], _diff(p.grad, reference_slice(r.grad, p, topo)))
-            worst["weight"] = max(worst["weight"], _diff(p.detach(), reference_slice(r.detach(), p, topo)))
+        ref.compare(module, topo)
     planned = sum(a.kind is Kind.OVERLAP for a in schedule.ranks[topo.pp_rank]) * STEPS
-    return {"worst": worst, "dead": dead, "clipped": ref_norm > CLIP, "overlapped": overlapped,
+    return {"worst": ref.worst, "dead": dead, "clipped": ref.grad_norm > CLIP, "overlapped": overlapped,
             "planned": planned, "pp_rank": topo.pp_rank}
 
 

@@ -41,7 +41,7 @@ from pipekit.models import get_model, model_loss, model_specs
 from pipekit.moe import apply_bias_updates
 from pipekit.optim import ZeroOptimizer
 from pipekit.schedules import build_schedule
-from pipekit.testing import FakeGroup, reference_model, reference_name, reference_slice, run_distributed
+from pipekit.testing import FakeGroup, Reference, in_float64, run_distributed
 
 TOL = 1e-10
 SEED = 11
@@ -72,12 +72,12 @@ CASES = [
 ]
 
 
-def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
+@in_float64
 def run_case(family: str, layout: tuple, stage: int, schedule: str) -> dict:
-    torch.set_default_dtype(torch.float64)
     auxloss.metrics.pop()  # the MoE metrics of an earlier case (other expert counts)
     pp, dp, tp, ep = layout
     cfg = get_model(family.split("-")[0], "tiny", **MODELS[family])
@@ -92,46 +92,29 @@ def run_case(family: str, layout: tuple, stage: int, schedule: str) -> dict:
     opt = ZeroOptimizer(module, "adamw", stage=stage, lr=1e-2, weight_decay=0.1)
     engine = pipekit.PipelineEngine(module, optimizer=opt, clip_grad_norm=CLIP, record_timeline=overlap)
     plain = get_model(family.split("-")[0], "tiny", **{**MODELS[family], "fused_loss": False})
-    ref = reference_model(model_specs(plain), SEED)  # the fused model's weights, unfused head and loss
-    ref_loss_fn = model_loss(plain).build()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_params = dict(ref.named_parameters())
-    pairs = {n: (p, ref_params[reference_name(n, specs)]) for n, p in module.named_parameters()}
-    marked = sorted(n for n, (p, _) in pairs.items() if is_sequence_parallel(p))
+    # the fused model's weights, unfused head and loss
+    ref = Reference(model_specs(plain), model_loss(plain).build(), adamw, seed=SEED, clip=CLIP)
+    marked = sorted(n for n, p in module.named_parameters() if is_sequence_parallel(p))
     boundary = tuple(module.stage_io_meta(torch.zeros(BATCH // dp // microbatches, SEQ, dtype=torch.long))[0][1].shape)
     block_out: list[tuple] = []  # what the local blocks give in training (a rank may hold none)
     for block in (m for m in module.modules() if isinstance(m, TransformerBlock)):
         block.register_forward_hook(lambda mod, args, out: block_out.append(tuple(out.shape)))
 
-    worst = {"start": 0.0, "loss": 0.0, "grad": 0.0, "weight": 0.0, "grad_norm": 0.0}
-    for p, r in pairs.values():
-        worst["start"] = max(worst["start"], _diff(p.detach(), reference_slice(r.detach(), p, topo)))
+    ref.compare(module, topo, grads=False, what="start")
     gen = torch.Generator().manual_seed(5)
-    rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
     clipped, overlapped = True, 0
     for _ in range(STEPS):
         ids = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=gen)
-        x, y = ids[:, :-1], ids[:, 1:]
-        loss = engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
+        ref.train_beside(engine, (ids[:, :-1], ids[:, 1:]))
         overlapped += sum("+" in e.action for e in engine.timeline)
-        ref_opt.zero_grad()
-        ref_loss = ref_loss_fn(ref(x), y)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
-        clipped = clipped and ref_norm > CLIP
-        ref_opt.step()
-        apply_bias_updates(ref)  # the engine moves the aux-free bias after its step
-        worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
-        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - ref_norm))
-        for p, r in pairs.values():
-            if stage == 0:  # ZeRO-1/2: a rank's gradients are final on its own shard only
-                worst["grad"] = max(worst["grad"], _diff(p.grad, reference_slice(r.grad, p, topo)))
-            worst["weight"] = max(worst["weight"], _diff(p.detach(), reference_slice(r.detach(), p, topo)))
-    return {"worst": worst, "marked": marked, "boundary": boundary, "blocks": set(block_out), "clipped": clipped,
-            "microbatches": microbatches, "overlapped": overlapped,
-            "topology": repr(topo)}
+        clipped = clipped and ref.grad_norm > CLIP
+        apply_bias_updates(ref.model)  # the engine moves the aux-free bias after its step
+        ref.compare(module, topo, grads=stage == 0)  # ZeRO-1/2: a rank's gradients are final on its own shard only
+    return {"worst": ref.worst, "marked": marked, "boundary": boundary, "blocks": set(block_out),
+            "clipped": clipped, "microbatches": microbatches, "overlapped": overlapped, "topology": repr(topo)}
 
 
+@in_float64
 def reduce_scatter_paths() -> float:
     """`_reduce_scatter` along T: the gloo path (all-reduce, slice) against the one other backends
     take (`reduce_scatter_single`, forced here by naming the backend otherwise) and the plain sum."""
@@ -139,7 +122,6 @@ def reduce_scatter_paths() -> float:
 
     from pipekit.layers.parallel import _reduce_scatter
 
-    torch.set_default_dtype(torch.float64)
     topo = pipekit.Topology(tp=4)
     x = torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(topo.rank))
     whole = sum(torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(r)) for r in range(4))
@@ -147,7 +129,7 @@ def reduce_scatter_paths() -> float:
     gloo = _reduce_scatter(x, topo.tp_group, 1)
     with mock.patch("torch.distributed.get_backend", return_value="other"):
         other = _reduce_scatter(x, topo.tp_group, 1)
-    return max(_diff(gloo, mine), _diff(other, mine))
+    return max((gloo - mine).abs().max().item(), (other - mine).abs().max().item())
 
 
 def check() -> list:
