@@ -36,7 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from . import rules
 from .kernels import dispatch as kernel_dispatch
-from .models import FAMILIES, get_model, model_keys, model_specs, model_vocab
+from .models import FAMILIES, config_from_dict, get_model, model_keys, model_specs, model_vocab
 from .optim.factory import FUSED
 from .partition import check_boundaries, layer_weights
 from .precision import PRECISION_NAMES, Precision, precision_policy
@@ -50,10 +50,26 @@ _MODEL_SIZES = ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, DoRA) on the layers `targets` names; the adapted weights freeze."""
+
+    rank: int = 0  # the adapters' rank r (0: no adapters)
+    alpha: float = 16.0  # the update is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
+    targets: str = r"attn\.(q|k|v|o)$"  # a regex over the stable layer names (layers.3.attn.q, layers.3.mlp.fc)
+    dora: bool = False  # weight-decomposed adapters (DoRA): a learned magnitude per output row
+
+
+@dataclass
 class ModelConfig:
-    family: str = "gpt2"  # gpt2 | llama | mixtral | toy
+    family: str = "gpt2"  # gpt2 | llama | mixtral | toy (with model.init: the weights' own)
     flavour: str = "tiny"  # a named size of the family (pipekit.models FLAVOURS)
     kernels: str = "auto"  # auto | triton | torch: the fused kernels' side (pipekit.kernels; float64: torch)
+    # Start from weights: a Hugging Face model dir, a pipekit model.pt or a pipekit checkpoint. The family
+    # and every size come from it; each rank reads only the tensors of the stages and shards it holds.
+    init: Optional[str] = None
+    freeze: Optional[str] = None  # a regex over parameter names (layers.3.attn.q.weight): those are not trained
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # Any of these, when set, overrides the flavour's value.
     vocab_size: Optional[int] = None
     max_seq_len: Optional[int] = None
@@ -269,6 +285,9 @@ def _merged(path: str | None, overrides: list[str] | None) -> Config:
             where = str(e).strip().splitlines()[-1].strip()
             raise ConfigError(f"{path} is not valid YAML ({str(e).splitlines()[0].strip()}, {where})") from e
         raise
+    if cfg.model.init is not None:
+        _family_from_weights(cfg.model, [_given(part, "model.family") for part in parts[1:]],
+                             [_given(part, "model.flavour") for part in parts[1:]])
     if cfg.train.global_batch is None:
         cfg.train.global_batch = cfg.train.micro_batch * cfg.schedule.microbatches * cfg.parallel.dp
     for section, key in (("logging", "out_dir"), ("checkpoint", "dir"), ("train", "resume"), ("data", "source")):
@@ -277,6 +296,32 @@ def _merged(path: str | None, overrides: list[str] | None) -> Config:
             setattr(getattr(cfg, section), key, os.path.expanduser(value))
     check_config(cfg)
     return cfg
+
+
+def _given(part, key: str):
+    """The value `key` has in one merged part (a YAML file, the overrides), or None."""
+    try:
+        return OmegaConf.select(part, key)
+    except OmegaConfBaseException:
+        return None
+
+
+def _family_from_weights(model: ModelConfig, families: list, flavours: list) -> None:
+    """With model.init the family is the weights' own: a different model.family given is
+    refused in one line, and so is a model.flavour (the sizes are the weights')."""
+    assert model.init is not None
+    if isinstance(model.init, str) and model.init.startswith("~"):
+        model.init = os.path.expanduser(model.init)
+    family, _ = pretrained(model.init)
+    given = next((f for f in families if f is not None), None)
+    if given is not None and given != family:
+        raise ConfigError(f"model.family={given} contradicts model.init={model.init}, which holds a {family} model; "
+                          "leave model.family out (the weights decide it)")
+    flavour = next((f for f in flavours if f is not None), None)
+    if flavour is not None:
+        raise ConfigError(f"model.flavour={flavour} does not apply with model.init={model.init}: the sizes are the "
+                          "weights'; leave model.flavour out")
+    model.family = family
 
 
 def _check_choice(key: str, value, choices) -> None:
@@ -566,7 +611,10 @@ def _check_model_family(m: ModelConfig) -> None:
                   if key in takes and getattr(m, key) is not None])
 
 
-_NOT_OVERRIDES = ("family", "flavour", "kernels")  # the ModelConfig keys that are not the family's fields
+_NOT_OVERRIDES = ("family", "flavour", "kernels", "init", "freeze", "lora")  # keys that are not the family's fields
+# The keys that shape the weights: with model.init they come from the weights, and one that differs is refused.
+_FROM_WEIGHTS = ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden", "tie_embeddings",
+                 "rope_theta", "n_experts", "top_k", "n_shared_experts", "score")
 
 
 def model_config(model: ModelConfig):
@@ -582,9 +630,35 @@ def model_config(model: ModelConfig):
     if bad:
         raise ConfigError(f"model.{bad[0]} does not apply to the {model.family} model; it takes {takes}")
     try:
+        if model.init is not None:
+            return _from_weights(model, overrides)
         return get_model(model.family, model.flavour, **overrides)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from e
+
+
+def pretrained(path: str):
+    """(family, model config) of model.init's weights; ConfigError when `path` holds none."""
+    from .interchange import pretrained_config
+
+    try:
+        return pretrained_config(path)
+    except (OSError, ValueError) as e:
+        said = e.args[0] if isinstance(e, KeyError) and e.args else e
+        raise ConfigError(f"model.init={path}: {said}") from None
+
+
+def _from_weights(model: ModelConfig, overrides: dict):
+    """The model config of model.init's weights, with the keys that do not shape them overridden;
+    a key that shapes them and differs is refused, naming both values."""
+    assert model.init is not None
+    _, base = pretrained(model.init)
+    for key in _FROM_WEIGHTS:
+        if key in overrides and overrides[key] != getattr(base, key, overrides[key]):
+            raise ConfigError(f"model.{key}={overrides[key]} contradicts model.init={model.init}, whose {key} is "
+                              f"{getattr(base, key)}; leave model.{key} out (the weights decide it)")
+    values = {f.name: getattr(base, f.name) for f in fields(base)}
+    return config_from_dict(model.family, {**values, **overrides})
 
 
 # ---- the run, resolved once ----------------------------------------------------

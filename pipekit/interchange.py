@@ -25,16 +25,25 @@ import os
 import pickle
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .atomic import publish, publish_dir, remove, torch_save_atomic, write_atomic
 from .checkpoint import META, CheckpointError, latest_checkpoint, load_full_weights, read_meta
 from .models import config_from_dict, family_of
-from .models.hf import check_hf_form, config_from_hf, from_hf_state_dict, hf_config_from, pad_vocab, to_hf_state_dict
+from .models.hf import (
+    check_hf_form,
+    config_from_hf,
+    from_hf_state_dict,
+    hf_adapter,
+    hf_config_from,
+    pad_vocab,
+    to_hf_state_dict,
+)
 
 
 # ---- Hugging Face model dirs ---------------------------------------------------
@@ -296,3 +305,135 @@ def convert(src: str, dst: str, direction: str, *, overwrite: bool = False, dtyp
         save_hf_checkpoint(family, sd, cfg, dst, overwrite=overwrite, dtype=dtype)
     else:
         raise ValueError(f"unknown conversion direction {direction!r}; valid: 'from_hf', 'to_hf'")
+
+
+# ---- a run that starts from weights: each rank reads its own tensors -----------------
+def pretrained_config(path: str) -> tuple[str, object]:
+    """(family, model config) of the weights at `path`, read without reading the weights: a
+    Hugging Face model dir (its config.json), a pipekit model file (memory-mapped, so only
+    its small config record is read) or a pipekit checkpoint (its pipekit.json). Anything
+    else is a one-line error (OSError or ValueError) naming `path`."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model.init={path} does not exist; give a Hugging Face model dir (config.json and "
+                                "weights), a pipekit model.pt or a pipekit checkpoint")
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
+        cfg = config_from_hf(_read_json(os.path.join(path, "config.json")))
+        return family_of(cfg), cfg
+    if os.path.isdir(path):
+        ckpt = checkpoint_dir(path)
+        meta = read_meta(ckpt)
+        if not isinstance(meta.get("family"), str) or not isinstance(meta.get("model_config"), dict):
+            raise CheckpointError(f"{ckpt}/pipekit.json lacks the model's family and model_config")
+        return meta["family"], config_from_dict(meta["family"], meta["model_config"])
+    obj = _mapped_model_file(path)
+    return obj["family"], config_from_dict(obj["family"], obj["config"])
+
+
+def _mapped_model_file(path: str) -> dict:
+    """A pipekit model file memory-mapped: its tensors are read from disk only where touched."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as e:
+        raise ValueError(f"model.init={path} is not a Hugging Face model dir, a pipekit model file or a checkpoint "
+                         f"({type(e).__name__} while reading it as a pipekit model file)") from e
+    if not isinstance(obj, dict) or not {"family", "config", "state_dict"} <= set(obj):
+        raise ValueError(f"{path} is not a pipekit model file (a dict with 'family', 'config', 'state_dict')")
+    return obj
+
+
+class LazyWeights(Mapping):
+    """The tensors of a Hugging Face model dir by name, each read from its file when it is asked
+    for (safetensors: that tensor alone; a pytorch_model.bin: memory-mapped), never all at once.
+    `bytes_read` counts what was read."""
+
+    def __init__(self, path: str):
+        self.path, self.bytes_read = path, 0
+        self._file_of: dict[str, str] = {}
+        self._open: dict[str, object] = {}
+        for single, index in (("model.safetensors", _INDEX), ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+            if os.path.exists(os.path.join(path, single)):
+                self._file_of = {n: single for n in self._names_in(single)}
+            elif os.path.exists(os.path.join(path, index)):
+                self._file_of = dict(_read_json(os.path.join(path, index), "weight_map")["weight_map"])
+            if self._file_of:
+                return
+        raise FileNotFoundError(f"{path} holds no model.safetensors, pytorch_model.bin or their .index.json")
+
+    def _handle(self, name: str):
+        """The open file `name` (relative to the dir) — a safetensors reader or a mapped state dict."""
+        if name not in self._open:
+            full = os.path.join(self.path, name)
+            if not os.path.isfile(full):
+                raise FileNotFoundError(f"weights file {full} is missing (named by the model dir's .index.json)")
+            try:
+                if name.endswith(".safetensors"):
+                    self._open[name] = safe_open(full, framework="pt", device="cpu")
+                else:
+                    self._open[name] = torch.load(full, map_location="cpu", weights_only=True, mmap=True)
+            except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+                raise ValueError(f"weights file {full} is not readable: truncated, corrupt or not a weights file "
+                                 f"({type(e).__name__} while reading it)") from e
+        return self._open[name]
+
+    def _names_in(self, name: str) -> list[str]:
+        h = self._handle(name)
+        return list(h.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        h = self._handle(self._file_of[name])
+        if name not in h.keys():
+            raise KeyError(f"{self._file_of[name]} lacks {name!r}, which the model dir's .index.json names")
+        t = h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def __iter__(self):
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+    def __contains__(self, name) -> bool:
+        return name in self._file_of
+
+
+def load_pretrained(module, path: str) -> dict:
+    """Copy the weights at `path` into `module`, a PipelineModule at any layout: this rank's
+    stages, its tensor- and expert-parallel shards (and, under ZeRO-3, its own rows), cast
+    to each parameter's dtype. `path`: a Hugging Face model dir (model.safetensors, sharded
+    safetensors with their index, or pytorch_model.bin), a pipekit model file or a pipekit
+    checkpoint. No communication, except for a checkpoint (read collectively, as a resume is).
+
+    Memory: a Hugging Face dir is read one layer at a time, and from it only the tensors of
+    this rank's layers, so a rank holds its own shard plus one layer at most; a model file is
+    memory-mapped. Returns {"tensors": how many were set, "bytes_read": from the files}.
+    A tensor this rank needs and `path` lacks, or one of another shape, is a one-line error."""
+    from .checkpoint import _local_tensors, load_checkpoint, load_full_state_dict
+
+    local = _local_tensors(module)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        load_checkpoint(checkpoint_dir(path), module)
+        return {"tensors": len(local), "bytes_read": None}
+    family, cfg = pretrained_config(path)
+    if os.path.isdir(path):
+        weights, adapter = LazyWeights(path), hf_adapter(cfg, family)
+        for names in _by_layer(local):
+            load_full_state_dict(module, adapter.from_hf(weights, names=names), strict=False)
+        return {"tensors": len(local), "bytes_read": weights.bytes_read}
+    obj = _mapped_model_file(path)
+    sd = obj["state_dict"] if "vocab_pad_multiple" in obj["config"] else pad_vocab(obj["state_dict"], cfg)
+    missing = sorted(set(local) - set(sd))
+    if missing:
+        raise KeyError(f"{path} lacks {len(missing)} tensors this rank needs, e.g. {missing[:3]}")
+    load_full_state_dict(module, {n: sd[n] for n in local})
+    return {"tensors": len(local), "bytes_read": sum(sd[n].numel() * sd[n].element_size() for n in local)}
+
+
+def _by_layer(local: dict) -> list[set[str]]:
+    """This rank's tensor names grouped by layer (`layers.7.`, `tied.embed.`), in order."""
+    groups: dict[str, set[str]] = {}
+    for name in local:
+        head, rest = name.split(".", 1)
+        key = f"{head}.{rest.split('.', 1)[0]}"
+        groups.setdefault(key, set()).add(name)
+    return list(groups.values())

@@ -40,6 +40,8 @@ transformers is imported only by `hf_config()`, which builds its config objects.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from .gpt2 import GPT2Config
@@ -66,22 +68,34 @@ class StateDictAdapter:
     def __init__(self, cfg):
         self.cfg = cfg
         self.check()
+        self._shapes: dict | None = None  # expected_shapes(cfg), made once when first needed
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The pipekit tensors of `cfg` and their shapes (tp=1)."""
+        if self._shapes is None:
+            self._shapes = expected_shapes(self.cfg)
+        return self._shapes
 
     def check(self) -> None:
         """Raise a one-line ValueError for a config HF's model cannot hold (default: none)."""
 
-    def from_hf(self, hf_state_dict: dict) -> dict[str, torch.Tensor]:
-        """A transformers state dict -> a pipekit full state dict (vocab padded, shapes checked)."""
-        hf = _Taken(hf_state_dict, {"lm_head.weight"} if self.cfg.tie_embeddings else ())
+    def from_hf(self, hf_state_dict, names=None) -> dict[str, torch.Tensor]:
+        """A transformers state dict -> a pipekit full state dict (vocab padded, shapes checked).
+
+        `names`, when given, are the pipekit tensors wanted: only the HF tensors they come from
+        are read (`hf_state_dict` may be a mapping that reads each tensor from its file when it
+        is asked for), and the result holds those tensors alone."""
+        hf = _Taken(hf_state_dict, {"lm_head.weight"} if self.cfg.tie_embeddings else (), names)
         out = self._from_hf(hf)
-        hf.check_all_used()
+        if names is None:
+            hf.check_all_used()
         out = pad_vocab(out, self.cfg)
-        check_shapes(out, self.cfg)
+        check_shapes(out, self.cfg, partial=names is not None, expected=self.shapes())
         return out
 
     def to_hf(self, state_dict: dict) -> dict[str, torch.Tensor]:
         """A pipekit full state dict (padded) -> the transformers one (vocab_size rows)."""
-        check_shapes(state_dict, self.cfg)
+        check_shapes(state_dict, self.cfg, expected=self.shapes())
         out = self._to_hf(strip_vocab(state_dict, self.cfg))
         if self.cfg.tie_embeddings:
             out["lm_head.weight"] = out[self.embed]
@@ -136,18 +150,21 @@ class GPT2Adapter(StateDictAdapter):
             pairs.append((f"layers.{L + 2}.weight", "lm_head.weight", False))
         return pairs
 
-    def from_hf(self, hf_state_dict: dict) -> dict[str, torch.Tensor]:
+    def from_hf(self, hf_state_dict, names=None) -> dict[str, torch.Tensor]:
         """As the base, also reading a state dict saved from `GPT2Model` (no `transformer.` prefix)."""
         if self.embed not in hf_state_dict and "wte.weight" in hf_state_dict:
-            hf_state_dict = {k if k.startswith("lm_head.") else f"transformer.{k}": v for k, v in hf_state_dict.items()}
-        return super().from_hf(hf_state_dict)
+            hf_state_dict = _Prefixed(hf_state_dict, "transformer.", keep=("lm_head.",))
+        return super().from_hf(hf_state_dict, names)
 
     def _from_hf(self, hf: _Taken) -> dict:
         out = {}
         for ours, theirs, transposed in self._pairs():
-            t = hf.take(theirs)
-            out[ours] = t.t().contiguous() if transposed else t
+            if hf.wants(ours):
+                t = hf.take(theirs)
+                out[ours] = t.t().contiguous() if transposed else t
         for i in range(self.cfg.n_layers):
+            if not any(hf.wants(f"layers.{i + 1}.attn.{n}.{w}") for n in "qkv" for w in ("weight", "bias")):
+                continue
             h = f"transformer.h.{i}.attn.c_attn."
             w = hf.take(h + "weight").t()  # Conv1D (D, 3D) -> (3D, D): rows q, k, v
             b = hf.take(h + "bias")
@@ -217,7 +234,7 @@ class LlamaAdapter(StateDictAdapter):
         return pairs
 
     def _from_hf(self, hf: _Taken) -> dict:
-        return {ours: hf.take(theirs) for ours, theirs in self._pairs(self.mlp)}
+        return {ours: hf.take(theirs) for ours, theirs in self._pairs(self.mlp) if hf.wants(ours)}
 
     def _to_hf(self, sd: dict) -> dict:
         return {theirs: sd[ours] for ours, theirs in self._pairs(self.mlp)}
@@ -319,9 +336,10 @@ class MixtralAdapter(LlamaAdapter):
                 ours + "experts.w_up": up.contiguous(), ours + "experts.w_down": down.contiguous()}
 
     def _from_hf(self, hf: _Taken) -> dict:
-        out = {ours: hf.take(theirs) for ours, theirs in self._pairs(mlp=())}
+        out = {ours: hf.take(theirs) for ours, theirs in self._pairs(mlp=()) if hf.wants(ours)}
         for i in range(self.cfg.n_layers):
-            out.update(self._experts_from_hf(hf, i))
+            if hf.wants(f"layers.{i + 1}.mlp.router.weight"):
+                out.update(self._experts_from_hf(hf, i))
         return out
 
     def _to_hf(self, sd: dict) -> dict:
@@ -445,11 +463,33 @@ def strip_vocab(sd: dict, cfg) -> dict:
 
 
 # ---- helpers -------------------------------------------------------------------
+class _Prefixed(Mapping):
+    """A state dict seen with `prefix` before each name (but those starting with `keep`),
+    without reading its tensors (it may be a mapping that reads each from a file)."""
+
+    def __init__(self, sd, prefix: str, keep: tuple[str, ...] = ()):
+        self.sd, self.prefix, self.keep = sd, prefix, keep
+        self.names = {k if k.startswith(keep) else prefix + k: k for k in sd}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.sd[self.names[name]]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 class _Taken:
     """A transformers state dict read name by name; what was never taken is reported at the end."""
 
-    def __init__(self, hf: dict, used=()):
-        self.hf, self.used = hf, set(used)
+    def __init__(self, hf, used=(), names=None):
+        self.hf, self.used, self.names = hf, set(used), None if names is None else set(names)
+
+    def wants(self, ours: str) -> bool:
+        """Whether the pipekit tensor `ours` is asked for (every one, without `names`)."""
+        return self.names is None or ours in self.names
 
     def __contains__(self, name: str) -> bool:
         return name in self.hf
@@ -468,8 +508,8 @@ class _Taken:
                              f"e.g. {extra[:5]}; does the config match the checkpoint?")
 
 
-def check_shapes(sd: dict, cfg) -> None:
-    """Compare every tensor with the shape the spec list builds (on meta, tp=1)."""
+def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape as the spec list builds it (on meta, tp=1)."""
     expected = {}
     tied: set[str] = set()
     for i, spec in enumerate(model_specs(cfg)):
@@ -483,12 +523,19 @@ def check_shapes(sd: dict, cfg) -> None:
             prefix = f"layers.{i}."
         for name, t in spec.build(device="meta").state_dict().items():
             expected[prefix + name] = tuple(t.shape)
-    if set(expected) != set(sd):
+    return expected
+
+
+def check_shapes(sd: dict, cfg, partial: bool = False, expected: dict | None = None) -> None:
+    """Compare every tensor with the shape the spec list builds (`expected_shapes`, given or
+    computed); `partial`: `sd` holds some of the model's tensors (none unknown, none required)."""
+    expected = expected_shapes(cfg) if expected is None else expected
+    if set(expected) != set(sd) and not (partial and set(sd) <= set(expected)):
         missing, extra = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
         raise ValueError(f"{family_of(cfg)} state dict does not match the config: "
                          f"missing {missing[:5]}, unexpected {extra[:5]}")
     for name, shape in expected.items():
-        if tuple(sd[name].shape) != shape:
+        if name in sd and tuple(sd[name].shape) != shape:
             raise ValueError(f"{name}: the config gives shape {shape}, the weights have {tuple(sd[name].shape)}")
 
 

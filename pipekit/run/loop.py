@@ -33,6 +33,7 @@ from ..config import Config, Run, resolve
 from ..data import BatchSampler, TokenDataset, default_corpus_dir
 from ..data import read_meta as read_data_meta
 from ..engine import PipelineEngine
+from ..interchange import load_pretrained
 from ..kernels import kernels
 from ..models import model_loss, model_specs, model_vocab, synthetic_batches
 from ..optim.factory import lr_lambda, make_optimizer
@@ -62,6 +63,8 @@ def build(run: Run, topo: Topology) -> PipelineEngine:
         precision=run.precision,
         compile=run.config.train.compile,
     )
+    if run.config.model.init is not None:  # before the optimizer takes its master copies
+        load_pretrained(module, run.config.model.init)
     o = run.config.optimizer
     opt = make_optimizer(module, o, run.precision)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o, run.config.train.steps))
