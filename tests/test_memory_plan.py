@@ -223,7 +223,7 @@ def test_fallback_follows_korthikanti_splits_and_says_so(monkeypatch):
                 assert got == pytest.approx(c.saved_bytes / (t if sp else 1))
 
 
-def test_checkpointing_and_zero3_cost_time_and_options_say_what_runs():
+def test_checkpointing_and_zero3_cost_time():
     run = load_run(GPT, [*GPT_SMALL, "parallel.dp=2"])
     _, rows = _plan_rows(run)
     by = {(r.candidate.schedule, r.option): r for r in rows}
@@ -232,15 +232,31 @@ def test_checkpointing_and_zero3_cost_time_and_options_say_what_runs():
     assert by["1f1b", memplan.Option(3, False, False)].step_seconds > base.step_seconds
     assert by["1f1b", memplan.Option(2, False, False)].step_seconds == base.step_seconds
     assert not any(o.sp for _, o in by)  # tp=1: no sequence parallelism to choose
-    assert memplan.runnable(run, memplan.Option(2, False, True))
-    # what this pipekit refuses today is marked, whatever lands later
-    from pipekit.config import ConfigError, load_config
-    try:
-        load_config(None, ["optimizer.zero_stage=3"])
-        zero3 = True
-    except ConfigError:
-        zero3 = False
-    assert memplan.runnable(run, memplan.Option(3, False, False)) == zero3
+    assert all(r.runnable for r in rows) and "runnable" not in memplan.memory_table(rows)
+
+
+def _refused(*overrides: str) -> set:
+    run = load_run(GPT, [*GPT_SMALL, *overrides])
+    return {(r.candidate.schedule, r.option.zero) for r in _plan_rows(run)[1] if not r.runnable}
+
+
+def test_rows_the_config_refuses_are_marked_not_runnable(capsys):
+    """A row is runnable when `pipekit train` accepts the run with the row's overrides."""
+    assert _refused("parallel.dp=2") == set()
+    assert _refused("parallel.dp=2", "schedule.overlap=true") == {("1f1b", 3), ("gpipe", 3)}  # not beside ZeRO-3
+    assert _refused("parallel.dp=4", "parallel.dp_shard=2", "optimizer.zero_stage=3") == {
+        (s, z) for s in ("1f1b", "gpipe") for z in (0, 1, 2)}  # dp_shard is ZeRO-3's
+    run = load_run(MIXTRAL, [*QUIET, "parallel.tp=2", "parallel.expert_tp=true", "train.seq_len=16"])
+    rows = _plan_rows(run)[1]
+    assert {r.option.sp for r in rows if not r.runnable} == {True} and any(r.runnable for r in rows)
+    assert [line.endswith("(refused by pipekit train)") for line in memplan.memory_table(rows).splitlines()[1:]] \
+        == [not r.runnable for r in rows]
+    assert [r["runnable"] for r in map(memplan.MemoryRow.record, rows)] == [r.runnable for r in rows]
+    # the fastest plan, GPipe at 1 microbatch, has nothing to overlap: recommended, but said so
+    overlap = [*GPT_SMALL, "parallel.dp=2", "schedule.overlap=true", "--schedule", "gpipe", "--no-profile"]
+    assert main(["plan", GPT, *overlap, "--memory-budget-gb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: gpipe, 1 microbatches" in out and "(refused by pipekit train: the command below says" in out
 
 
 def test_too_large_models_are_not_profiled_on_the_cpu():

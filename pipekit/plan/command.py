@@ -197,7 +197,7 @@ def _print_memory(run: Run, rows: list[memplan.MemoryRow], budget_gb: float, com
               f"({least.candidate.schedule}, {least.option.label()}); use more ranks (pp, tp, ep) or a larger budget")
         print(f"recommended: none fits; the least memory plan: {command}\n")
         return
-    note = "" if best.runnable else " (not yet runnable: this pipekit does not run it)"
+    note = "" if best.runnable else " (refused by pipekit train: the command below says why)"
     print(f"\nrecommended: {c.schedule}, {c.microbatches} microbatches of {c.micro_batch}, partition {c.partition} "
           f"{c.boundaries}, {best.option.label()}: {best.step_seconds * 1e3:.1f} ms per step, "
           f"{best.memory.total / 2**30:.2f} GiB of {budget_gb:g} per rank{note}")

@@ -65,10 +65,12 @@ ZeRO-2 buckets in flight, the allocator's fragmentation, CUDA context and worksp
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field, replace
+from typing import cast
 
-from ..config import ConfigError, ParallelConfig, Run, load_config
+from omegaconf import OmegaConf
+
+from ..config import Config, ConfigError, Run, check_config, resolve
 from ..layers.parallel import FakeGroup
 from ..models import model_specs
 from ..schedules import build_schedule
@@ -129,7 +131,7 @@ class MemoryRow:
     per_rank: list[float]
     step_seconds: float
     fits: bool
-    runnable: bool = True
+    runnable: bool = True  # `pipekit train` accepts it (`runnable`; set for the rows `memory_plan` returns)
     timeline: list = field(default_factory=list, repr=False)
     activations_source: str = ""  # where the activation bytes come from (`planned_activations`)
 
@@ -325,18 +327,19 @@ def options(run: Run) -> list[Option]:
     return [Option(z, sp, ac) for z in zeros for sp in sps for ac in (False, True)]
 
 
-def runnable(run: Run, option: Option) -> bool:
-    """Whether this pipekit can run `option` today: ZeRO-3 where `optimizer.zero_stage`
-    accepts 3, sequence parallelism where `parallel.sequence_parallel` is a config key."""
-    if option.sp and "sequence_parallel" not in {f.name for f in dataclasses.fields(ParallelConfig)}:
+def runnable(run: Run, row: MemoryRow) -> bool:
+    """Whether `pipekit train` accepts the run with the row's overrides (`row_overrides`: its
+    schedule, microbatches, partition, ZeRO stage, checkpointing, SP): the config's own checks
+    decide. Refused, for instance: ZeRO-3 or a schedule with nothing to overlap beside
+    `schedule.overlap=true`, ZeRO 0-2 with `parallel.dp_shard` (ZeRO-3's hybrid sharding),
+    sequence parallelism with `parallel.expert_tp`. The plan still counts such a row's bytes."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(run.config), OmegaConf.from_dotlist(row_overrides(row)))
+        cfg = cast(Config, OmegaConf.to_object(merged))
+        check_config(cfg)
+        resolve(cfg)
+    except ConfigError:
         return False
-    if option.zero >= 3:
-        try:
-            load_config(None, ["optimizer.zero_stage=3"])
-        except ConfigError as e:
-            if "zero_stage" in str(e):
-                return False
-            raise
     return True
 
 
@@ -346,14 +349,13 @@ def memory_plan(run: Run, profile: Profile, comm: CommModel, candidates: list[Ca
     partition) that fits `budget` bytes on every rank, or else the one needing least
     memory; rows that fit first, fastest first, then the rest by memory."""
     splits, keys = layer_params(run), tied_keys(run)
-    runs = {o: runnable(run, o) for o in options(run)}
     by_schedule: dict[tuple[str, int, Option], list[MemoryRow]] = {}
     cache: dict[tuple, dict] = {}
     activations: dict = {}  # (rows, sp) -> the meta count, or why there is none
     for cand in candidates:
         layers = [replace(c, **{k: getattr(c, k) / run.tp for k in KINDS}) for c in profile.at(cand.micro_batch)]
         schedule = build_schedule(cand.schedule, run.pp, cand.microbatches, cand.chunks_per_rank)
-        for option in runs:
+        for option in options(run):
             stages = list(zip(cand.boundaries, cand.boundaries[1:]))
             held, recompute, source = planned_activations(run, layers, cand.micro_batch, option.sp, option.ac,
                                                           activations)
@@ -373,10 +375,12 @@ def memory_plan(run: Run, profile: Profile, comm: CommModel, candidates: list[Ca
                                      comm, profile.optimizer_seconds_per_param, run)
             p = cache[key]
             row = MemoryRow(cand, option, worst, [m.total for m in mems], p["step"], worst.total <= budget,
-                            runs[option], p["timeline"], source)
+                            timeline=p["timeline"], activations_source=source)
             by_schedule.setdefault((cand.schedule, cand.chunks_per_rank, option), []).append(row)
     best = [min(rows, key=lambda r: (not r.fits, r.step_seconds if r.fits else r.memory.total))
             for rows in by_schedule.values()]
+    for row in best:
+        row.runnable = runnable(run, row)
     best.sort(key=lambda r: (not r.fits, r.step_seconds if r.fits else r.memory.total,
                              r.option.zero, r.option.sp, r.option.ac))
     return best
@@ -392,7 +396,7 @@ def memory_table(rows: list[MemoryRow], top: int | None = None) -> str:
               "gathered", "unsh. grads", "activ.", "total GiB", "step ms", ""]]
     for r in rows[:top]:
         c, m, o = r.candidate, r.memory, r.option
-        note = ("fits" if r.fits else "over budget") + ("" if r.runnable else " (not yet runnable)")
+        note = ("fits" if r.fits else "over budget") + ("" if r.runnable else " (refused by pipekit train)")
         table.append([c.schedule, str(c.chunks_per_rank), f"{c.microbatches} x {c.micro_batch}", str(o.zero),
                       "on" if o.sp else "off", "on" if o.ac else "off",
                       *(_gib(getattr(m, k)) for k in COMPONENTS), _gib(m.total), f"{r.step_seconds * 1e3:.1f}",
