@@ -365,6 +365,7 @@ def check_config(cfg: Config) -> None:
     _check_positive(cfg)
     _rule(rules.check_ep, p.ep, p.dp)
     _check_model_family(cfg.model)
+    _check_lora_values(cfg.model)
     _check_choice("train.dtype", t.dtype, ("float32", "float64"))
     _check_choice("optimizer.decay", cfg.optimizer.decay, ("cosine", "constant"))
     _check_choice("optimizer.name", cfg.optimizer.name, ("adamw", "sgd"))
@@ -460,6 +461,60 @@ def partition_boundaries(text: str) -> list[int] | None:
     if not re.fullmatch(r"\s*\[?\s*\d+(\s*,\s*\d+)+\s*\]?\s*", text):
         return None
     return [int(x) for x in text.strip().strip("[]").split(",")]
+
+
+def _check_lora_values(m: ModelConfig) -> None:
+    """model.lora's numbers and model.freeze / lora.targets as regexes (values alone)."""
+    lo = m.lora
+    _check_rules([
+        ("model.lora.rank", lo.rank, isinstance(lo.rank, int) and lo.rank >= 0, "an int >= 0 (0: no adapters)"),
+        ("model.lora.alpha", lo.alpha, _finite(lo.alpha) and lo.alpha > 0, "a finite number > 0"),
+        ("model.lora.dropout", lo.dropout, _finite(lo.dropout) and 0 <= lo.dropout < 1, "in [0, 1)"),
+    ])
+    if lo.dora and not lo.rank:
+        raise ConfigError("model.lora.dora=true decomposes the adapters, but model.lora.rank=0 adds none; "
+                          "set model.lora.rank (e.g. 16)")
+    if lo.dora and lo.dropout:
+        raise ConfigError(f"model.lora.dora=true with model.lora.dropout={lo.dropout} is not supported (DoRA's "
+                          "magnitude would scale a dropped input's base product); use model.lora.dropout=0 with DoRA")
+    for key, value in (("model.lora.targets", lo.targets), ("model.freeze", m.freeze)):
+        if value is None:
+            continue
+        try:
+            re.compile(value)
+        except re.error as e:
+            raise ConfigError(f"{key}={value!r} is not a valid regex ({e})") from None
+
+
+def _check_adapters(cfg: Config, model, specs: list) -> None:
+    """model.lora.targets names at least one adaptable linear of the model and model.freeze at
+    least one parameter (each refusal lists what exists), read from the layers built on meta."""
+    m = cfg.model
+    if not m.lora.rank and m.freeze is None:
+        return
+    from .layers.lora import adaptable
+
+    linears, params = [], []
+    for i, spec in enumerate(specs):
+        layer = spec.build(device="meta")
+        prefix = f"tied.{spec.key}." if getattr(spec, "key", None) else f"layers.{i}."
+        linears += [prefix + n for n, mod in layer.named_modules() if n and adaptable(mod)]
+        params += [prefix + n for n, _ in layer.named_parameters()]
+    if m.lora.rank:
+        hit = [n for n in linears if re.search(m.lora.targets, n)]
+        if not hit:
+            kinds = sorted({n.split(".", 2)[2] for n in linears if n.startswith("layers.")})
+            raise ConfigError(f"model.lora.targets={m.lora.targets!r} matches no linear layer of the {m.family} "
+                              f"model; its linears are layers.N.{{{', '.join(kinds)}}} (e.g. {linears[0]})")
+        head = f"layers.{len(specs) - 1}"
+        if getattr(model, "fused_loss", False) and head in hit:
+            raise ConfigError(f"model.lora.targets={m.lora.targets!r} adapts the head ({head}), which "
+                              "model.fused_loss=true multiplies inside the loss; leave the head out of the targets "
+                              "or set model.fused_loss=false")
+    params = list(dict.fromkeys(params))
+    if m.freeze is not None and not any(re.search(m.freeze, n) for n in params):
+        raise ConfigError(f"model.freeze={m.freeze!r} matches no parameter; the names look like "
+                          f"{', '.join(params[i] for i in range(0, len(params), max(1, len(params) // 4)))}")
 
 
 def _check_layer_choices(cfg: Config, specs: list, num_stages: int) -> None:
@@ -711,6 +766,7 @@ def resolve(cfg: Config | Run) -> Run:
     specs = model_specs(model)
     _check_model_fits(cfg, model, specs, schedule.chunks_per_rank)
     _check_layer_choices(cfg, specs, schedule.num_stages)
+    _check_adapters(cfg, model, specs)
     bounds = partition_boundaries(cfg.schedule.partition)
     return Run(cfg, model, schedule, precision_policy(cfg.train.precision, cfg.train.dtype, cfg.fp16),
                tuple(bounds) if bounds is not None else cfg.schedule.partition, p.pp, p.dp, p.tp, p.ep)

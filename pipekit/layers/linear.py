@@ -55,6 +55,7 @@ class ColumnParallelLinear(TensorParallelModule):
         self.weight = sharded_parameter(normal_full((out_features, in_features), init_std), 0, self.group)
         bias_param = sharded_parameter(torch.zeros(out_features), 0, self.group) if bias else None
         self.register_parameter("bias", bias_param)
+        self.lora: nn.Module | None = None  # a `pipekit.layers.lora.LoRA` once `add_adapters` gives it one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linears(x, self)[0]
@@ -69,7 +70,11 @@ class ColumnParallelLinear(TensorParallelModule):
         """The layer on an input the caller already passed through `enter`: several
         projections of one input (q, k, v; gate, up) then share one backward all-reduce
         (one all-gather forward and one reduce-scatter backward when sequence-parallel)."""
-        return self._output(F.linear(x, self.weight, self.bias))  # (..., out/tp)
+        if self.lora is None:
+            return self._output(F.linear(x, self.weight, self.bias))  # (..., out/tp)
+        y = F.linear(x, self.weight)
+        y = y + self.lora.delta(x, y, self.weight)  # inside the region: its input gradient is summed as W's
+        return self._output(y if self.bias is None else y + self.bias)
 
     def _output(self, y: torch.Tensor) -> torch.Tensor:
         return gather_from_tp(y, self.group, dim=-1) if self.gather_output else y
@@ -96,8 +101,8 @@ def column_parallel_linears(x: torch.Tensor, *layers: ColumnParallelLinear) -> t
                 f"column_parallel_linears shares one entry among its layers, so they need one tp group and one "
                 f"sequence_parallel setting; got {layer!r} after {first!r}"
             )
-    if not first.sequence_parallel:
-        x = first.enter(x)
+    if not first.sequence_parallel or any(layer.lora is not None for layer in layers):
+        x = first.enter(x)  # with adapters, sequence-parallel: the plain all-gather (the whole input saved)
         return tuple(layer.forward_copied(x) for layer in layers)
     ys = sequence_parallel_linears(x, first.group, tuple(layer.weight for layer in layers),
                                    tuple(layer.bias for layer in layers))
@@ -132,11 +137,15 @@ class RowParallelLinear(TensorParallelModule):
         self.register_parameter("bias", nn.Parameter(torch.zeros(out_features)) if bias else None)
         if self.sequence_parallel:
             mark_sequence_parallel(self.bias)  # added after the reduce-scatter, to this rank's slice
+        self.lora: nn.Module | None = None  # a `pipekit.layers.lora.LoRA` once `add_adapters` gives it one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp(x, self.group, dim=-1)  # (..., in/tp)
-        y = leave_tp(F.linear(x, self.weight), self.group, self.sequence_parallel)  # (..., out)
+        y = F.linear(x, self.weight)  # this rank's partial products
+        if self.lora is not None:
+            y = y + self.lora.delta(x, y, self.weight)  # partial too: summed with them
+        y = leave_tp(y, self.group, self.sequence_parallel)  # (..., out)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -132,8 +132,23 @@ def mark_sequence_parallel(*params: torch.Tensor | None) -> None:
 
 
 def is_sequence_parallel(param: torch.Tensor) -> bool:
-    """Whether `param`'s gradient must be summed over the tp group (`mark_sequence_parallel`)."""
+    """Whether `param` is fed by this rank's sequence slice only (`mark_sequence_parallel`)."""
     return bool(getattr(param, "sequence_parallel", False))
+
+
+def mark_tp_partial(*params: torch.Tensor | None) -> None:
+    """Mark `params` (None skipped) as whole on every tp rank while each rank's backward gives it
+    only its own part of the gradient (a LoRA factor beside a split one): the optimizer sums
+    their gradients over the tp group, with or without sequence parallelism."""
+    for p in params:
+        if p is not None:
+            p.tp_partial = True  # type: ignore[attr-defined]  # pipekit's own mark on a Parameter
+
+
+def tp_partial(param: torch.Tensor) -> bool:
+    """Whether `param`'s gradient must be summed over the tp group: a sequence-parallel one
+    (`mark_sequence_parallel`) or a partial one (`mark_tp_partial`)."""
+    return is_sequence_parallel(param) or bool(getattr(param, "tp_partial", False))
 
 
 def current_etp_group():
@@ -481,4 +496,6 @@ class TensorParallelModule(nn.Module):
                 _mark_tp_shard(copied, dim)
             if param is not None and copied is not None and is_sequence_parallel(param):
                 copied.sequence_parallel = True  # kept like tp_shard_dim
+            if param is not None and copied is not None and getattr(param, "tp_partial", False):
+                copied.tp_partial = True
         return new

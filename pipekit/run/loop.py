@@ -35,6 +35,7 @@ from ..data import read_meta as read_data_meta
 from ..engine import PipelineEngine
 from ..interchange import load_pretrained
 from ..kernels import kernels
+from ..layers.lora import add_adapters, freeze
 from ..models import model_loss, model_specs, model_vocab, synthetic_batches
 from ..optim.factory import lr_lambda, make_optimizer
 from ..pipeline import PipelineModule
@@ -63,12 +64,25 @@ def build(run: Run, topo: Topology) -> PipelineEngine:
         precision=run.precision,
         compile=run.config.train.compile,
     )
-    if run.config.model.init is not None:  # before the optimizer takes its master copies
-        load_pretrained(module, run.config.model.init)
+    prepare_weights(run, module)
     o = run.config.optimizer
     opt = make_optimizer(module, o, run.precision)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o, run.config.train.steps))
     return PipelineEngine(module, optimizer=opt, clip_grad_norm=o.clip_grad_norm, lr_scheduler=sched)
+
+
+def prepare_weights(run: Run, module: PipelineModule) -> None:
+    """The weights the run starts from, before the optimizer takes its master copies:
+    model.init's (each rank reading its own), then the adapters (model.lora: every other
+    weight frozen) and model.freeze."""
+    m = run.config.model
+    if m.init is not None:
+        load_pretrained(module, m.init)
+    if m.lora.rank:
+        add_adapters(module, m.lora.targets, m.lora.rank, m.lora.alpha, m.lora.dropout, m.lora.dora,
+                     seed=run.config.train.seed)
+    if m.freeze is not None:
+        freeze(module, m.freeze)
 
 
 def partition_of(run: Run, device="cpu") -> str | list[int]:
