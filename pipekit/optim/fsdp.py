@@ -36,6 +36,7 @@ FSDP's parameters are DTensors: the attributes pipekit keeps on a parameter
 
 from __future__ import annotations
 
+import contextlib
 import types
 from typing import Any
 
@@ -43,8 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["assign", "gather_rows", "gathered_params", "own_rows", "reduce_gradients", "replica_group",
-           "shard_group", "shard_layers", "sharded", "whole"]
+__all__ = ["assign", "autograd_params", "gather_rows", "gathered_for", "gathered_params", "own_rows",
+           "reduce_gradients", "replica_group", "shard_group", "shard_groups", "shard_layers", "sharded", "whole"]
 
 
 def sharded(p: torch.Tensor) -> bool:
@@ -112,6 +113,47 @@ def gathered_params(layers: list[Any]) -> dict[int, torch.Tensor]:
             if hasattr(fsdp_param, "_unsharded_param"):
                 out[id(fsdp_param.sharded_param)] = fsdp_param._unsharded_param
     return out
+
+
+# ---- the optimizer's side: ZeroOptimizer at stage 3 --------------------------------
+def shard_groups(module, groups: list[dict], *, reshard_after_forward: bool,
+                 reduce_dtype: torch.dtype) -> tuple[list[Any], list[dict]]:
+    """Shard the layers of `module` (`shard_layers`); (the wrapped layers, `groups` with the
+    module's parameters replaced by FSDP's, found by name)."""
+    if module is None or not hasattr(module, "topology"):
+        raise ValueError("ZeRO stage 3 shards the layers of a PipelineModule: pass the module (as params, "
+                         "or module=)")
+    names = {id(p): n for n, p in module.named_parameters()}
+    layers = shard_layers(module, reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
+    now = dict(module.named_parameters())
+    return layers, [{**g, "params": [now[names[id(p)]] if id(p) in names else p for p in g["params"]]}
+                    for g in groups]
+
+
+@contextlib.contextmanager
+def gathered_for(layers: list[Any], params: list):
+    """The layers resharded after forward (`reshard_after_forward`) that hold `params`,
+    gathered for the block inside (a split backward's weight pass, after its input pass
+    resharded them), resharded after."""
+    resharding: list[Any] = [layer for layer in layers if getattr(layer, "pipekit_reshard", False)]
+    ids = {id(p) for p in params}
+    mine = [layer for layer in resharding if any(id(p) in ids for p in layer.parameters())]
+    for layer in mine:
+        layer.unshard()
+    try:
+        yield
+    finally:
+        for layer in mine:
+            layer.reshard()
+
+
+def autograd_params(layers: list[Any], params: list) -> list:
+    """The tensors autograd differentiates for `params` in a forward run now: the parameters
+    themselves, but FSDP's gathered copies of those `layers` shard."""
+    if not layers:
+        return params
+    gathered = gathered_params(layers)
+    return [gathered.get(id(p), p) for p in params]
 
 
 def _holders(layer: nn.Module, params: set) -> list[nn.Module]:

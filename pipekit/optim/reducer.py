@@ -1,0 +1,270 @@
+"""Gradients into buckets, and their reduction overlapped with backward.
+
+    backward   a post-accumulate-grad hook adds each parameter's gradient into its
+               bucket (in `grad_dtype`). Where the bucket's gradient buffer is in the
+               parameters' dtype (stages 0/1), `p.grad` is a view of it and autograd
+               accumulates in place: the hook, needed then only to note that the
+               parameter got a gradient, runs once per step, not once per
+               microbatch, except in the pass that reduces its bucket, where it
+               counts arrivals. Buckets are reduced in a fixed order, each as soon as
+               it and every bucket before it are complete, so the reduction overlaps
+               the rest of backward: stages 0/1 during the last backward pass of the
+               bucket's stage (all-reduce; reduce-scatter into the own shard), stage 2
+               during every pass (every microbatch: the reduced shard is added into
+               the rank's gradient shard and the bucket freed, at most
+               `max_inflight` buckets in flight).
+    step       what no backward pass launched is launched (a plain training loop),
+               everything in flight is waited for, tied segments are summed over
+               their pipeline owners and sequence-parallel parameters over tp, each
+               on the part of the bucket this rank updates.
+
+Stage 2 trades memory for traffic: microbatch m's gradients are reduced before
+microbatch m+1's backward, M reductions per step where stages 0/1 do one. Every dp
+rank must make the same sequence of `backward_pass` calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layers.parallel import is_sequence_parallel
+from .buckets import Bucket, local
+from .collectives import Collectives
+from .fsdp import sharded
+from .stage import Stage
+
+
+class Reducer:
+    """The gradient hooks and reductions over `buckets` (see the module docstring).
+
+    `fsdp_reduces`: stage 3 with layers sharded by FSDP, whose parameters get no hook
+    (FSDP reduces them; `take_sharded_grads` copies the result in). `hook`: what each
+    armed parameter's post-accumulate-grad hook calls (default `on_grad`; the façade
+    passes its own `_on_grad`, which calls `on_grad`, so a test can count the calls)."""
+
+    def __init__(self, buckets: list[Bucket], stage: Stage, comm: Collectives, *, grad_dtype: torch.dtype,
+                 max_inflight: int, module: Any, fsdp_reduces: bool,
+                 hook: Callable[[nn.Parameter], None] | None = None):
+        self.buckets, self.stage, self.comm = buckets, stage, comm
+        self.grad_dtype, self.max_inflight, self.module = grad_dtype, max_inflight, module
+        self.fsdp_reduces = fsdp_reduces
+        self.hook = hook or self.on_grad
+        self.bucket_of = {id(p): b for b in buckets for p in b.params}
+        self.peak_inflight_bytes = 0
+        self.pending: list = []  # stage 2: (work, bucket) reductions in flight
+        self.current: list[Bucket] | None = None  # stage 2: buckets of the backward pass running now
+        self.dirty = False
+        self.touched: set[int] = set()  # ids of parameters that got a gradient this step, here
+        self.hooks: dict[int, Any] = {}  # id(p) -> its armed post-accumulate-grad hook's handle
+
+    # ---- backward -----------------------------------------------------------
+    def arm(self, params: Iterable[nn.Parameter]) -> None:
+        """Register the gradient hook on those of `params` that have none armed."""
+        for p in params:
+            if id(p) not in self.hooks and not (self.fsdp_reduces and sharded(p)):  # stage 3: FSDP reduces
+                self.hooks[id(p)] = p.register_post_accumulate_grad_hook(self.hook)
+
+    def on_grad(self, p: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: move p.grad into its bucket (in grad_dtype) and free it.
+
+        Where autograd accumulated in place (stages 0/1, `p.grad` a view of the bucket) and
+        the bucket is not waiting for arrivals (it is not reduced during this pass), the
+        hook has done all it must this step once it marked `p` touched: it removes
+        itself, so a parameter costs one hook call per step, not one per microbatch.
+        `zero_grad` re-arms it for the next step, and `backward_pass` for the pass that
+        reduces its bucket (which counts arrivals)."""
+        b = self.bucket_of[id(p)]
+        start, n = b.offsets[id(p)]
+        self.touched.add(id(p))
+        if b.launched:  # a gradient after its bucket was reduced
+            if not self.stage.shards_grads:
+                raise RuntimeError(
+                    f"a parameter of shape {tuple(p.shape)} got a gradient after its bucket was reduced: a backward "
+                    "pass after the one marked final for it, or reentrant checkpointing firing its hook twice; "
+                    "use non-reentrant checkpointing (PipelineModule's own), or ZeRO stage 2")
+            self.drain()  # stage 2: reduce again at the end of the pass
+            b.launched, b.arrived = False, 0
+        if b.grad_buf is None:  # stage 2: a bucket starts filling
+            b.grad_buf = torch.zeros_like(b.param_buf, dtype=self.grad_dtype)
+            self.peak_inflight_bytes = max(self.peak_inflight_bytes, self.inflight_bytes())
+        grad = p.grad
+        assert grad is not None  # the hook runs once it is accumulated
+        in_place = grad.data_ptr() == b.grad_buf[start:].data_ptr()
+        if not in_place:
+            b.grad_buf[start:start + n].add_(grad.reshape(-1))
+            p.grad = None
+        self.dirty = True
+        if self.current is not None and b in self.current:
+            b.arrived += 1
+            self.launch_ready(self.current)
+        elif in_place:
+            self.hooks.pop(id(p)).remove()
+
+    @contextlib.contextmanager
+    def backward_pass(self, params: Iterable[nn.Parameter], final: Iterable[nn.Parameter] = ()):
+        """One backward pass producing gradients for `params`, `final` those complete after it
+        (`ZeroOptimizer.backward_pass`): stage 2 reduces every bucket of `params`, stages 0
+        and 1 the buckets made only of `final` parameters; those left incomplete are launched
+        after the pass, in the same order."""
+        reduces_every_pass = self.stage.shards_grads
+        ids = {id(p) for p in (params if reduces_every_pass else final)}
+        if reduces_every_pass:
+            self.drain()  # the previous pass's reductions overlapped the actions since; finish them
+            current = [b for b in self.buckets if any(id(p) in ids for p in b.params)]
+        else:  # a bucket with no dp group has nothing to reduce: it needs no arrivals counted
+            current = [b for b in self.buckets
+                       if b.dp_group is not None and not b.launched and all(id(p) in ids for p in b.params)]
+        self.arm(p for b in current for p in b.params)
+        self.current = current
+        for b in current:
+            b.arrived, b.launched = 0, False
+        try:
+            yield
+            for b in current:
+                if not b.launched:
+                    self.launch(b)
+        finally:
+            self.current = None
+            self.dirty = not reduces_every_pass and self.dirty
+
+    def launch_ready(self, current: list[Bucket]) -> None:
+        for b in current:
+            if b.launched:
+                continue
+            if b.arrived < len(b.params):
+                return
+            self.launch(b)
+
+    def launch(self, b: Bucket) -> None:
+        """Start reducing bucket `b` over its dp group: all-reduce (a replicated stage) or
+        reduce-scatter into its own shard (stages 1, 2). Stage 2 keeps at most
+        `max_inflight` buckets in flight, finishing the oldest first."""
+        if b.grad_buf is None:
+            b.grad_buf = torch.zeros_like(b.param_buf, dtype=self.grad_dtype)
+        work = None
+        if b.dp_group is not None:
+            if self.stage.shards_master:
+                work = self.comm.reduce_scatter(b.grad_buf, b.shard, b.dp_group)
+            else:
+                work = dist.all_reduce(b.grad_buf, group=b.dp_group, async_op=True)
+        self.pending.append((work, b))
+        b.launched = True
+        while self.stage.shards_grads and len(self.pending) > self.max_inflight:
+            self.finish(*self.pending.pop(0))
+
+    def finish(self, work, b: Bucket) -> None:
+        if work is not None:
+            work.wait()
+        if self.stage.shards_grads:  # add the reduced shard into this rank's gradient shard; free the bucket
+            assert b.grad_shard is not None and b.grad_buf is not None  # stage 2: a launched bucket
+            b.grad_shard.add_(b.grad_buf[b.shard])
+            b.grad_buf = None
+
+    def drain(self) -> None:
+        """Wait for every reduction in flight."""
+        for work, b in self.pending:
+            self.finish(work, b)
+        self.pending.clear()
+
+    def inflight_bytes(self) -> int:
+        return sum(b.grad_buf.numel() * b.grad_buf.element_size() for b in self.buckets if b.grad_buf is not None)
+
+    # ---- the step's reduction -------------------------------------------------
+    def reduce(self) -> None:
+        """Finish reducing the step's gradients over each bucket's dp group (launching what
+        no backward pass launched: a plain training loop); sum tied segments over pp, and
+        sequence-parallel parameters over tp."""
+        if not self.stage.shards_grads or self.dirty:
+            for b in self.buckets:
+                if self.stage.shards_grads or not b.launched:
+                    self.launch(b)
+            self.dirty = False
+        self.drain()
+        tie_groups = getattr(self.module, "tie_groups", {})
+        for b in self.buckets:
+            if isinstance(b.segment, str) and b.segment in tie_groups:
+                dist.all_reduce(self.owned_grad(b), group=tie_groups[b.segment])
+        self.sum_sequence_parallel()
+
+    def sum_sequence_parallel(self) -> None:
+        """Sequence parallelism (the topology's `sequence_parallel`): sum over the tp group the
+        gradients of the parameters marked `sequence_parallel` (norms, row-parallel biases,
+        GPT-2's position table: replicated over tp, each rank's copy fed by its sequence slice
+        only), in the part of each bucket this rank updates, as one all-reduce. Every tp rank
+        has the same buckets (the same parameters, tp shards of the same shapes), so the
+        pieces line up."""
+        topo = getattr(self.module, "topology", None)
+        group = getattr(topo, "tp_group", None) if getattr(topo, "sequence_parallel", False) else None
+        if group is None:
+            return
+        pieces = []
+        for b in self.buckets:
+            owned = self.owned_grad(b)
+            start = self.stage.first(b)
+            for p in b.params:
+                if not is_sequence_parallel(p):
+                    continue
+                offset, n = b.offsets[id(p)]
+                lo, hi = max(offset, start), min(offset + n, start + owned.numel())
+                if lo < hi:
+                    pieces.append(owned[lo - start:hi - start])
+        if not pieces:
+            return
+        flat = torch.cat(pieces)
+        dist.all_reduce(flat, group=group)
+        torch._foreach_copy_(pieces, list(flat.split([t.numel() for t in pieces])))
+
+    def take_sharded_grads(self, touched: set[int]) -> None:
+        """Stage 3, after FSDP reduced its layers' gradients (`touched`: the ids of its
+        parameters that got one here): each shard's bucket takes its parameter's local
+        gradient (zeros where none)."""
+        self.touched |= touched
+        for b in self.buckets:
+            if b.shard_group is None:
+                continue
+            p = b.params[0]
+            assert b.grad_buf is not None  # made with the bucket, never freed
+            if p.grad is None:
+                b.grad_buf.zero_()
+            else:
+                b.grad_buf.copy_(local(p.grad).reshape(-1))
+                p.grad = None
+
+    def owned_grad(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced gradient for the part of `b` it updates."""
+        if self.stage.shards_grads:
+            assert b.grad_shard is not None  # made with the bucket at stage 2
+            return b.grad_shard
+        assert b.grad_buf is not None  # made with the bucket at stages 0, 1, never freed
+        return self.stage.owned(b, b.grad_buf)
+
+    # ---- between steps ----------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero the step's gradients; where the gradient buffer is kept whole in the
+        parameters' own dtype (stages 0, 1), each `p.grad` becomes a view of it."""
+        self.touched.clear()
+        self.arm(p for b in self.buckets for p in b.params)
+        for b in self.buckets:
+            buf = None if self.stage.shards_grads else b.grad_buf  # stage 2: freed when reduced; starts anew
+            if buf is not None:
+                buf.zero_()
+            for p in b.params:
+                in_place = buf is not None and buf.dtype == p.dtype and b.shard_group is None
+                p.grad = b.view_of(buf, p) if buf is not None and in_place else None
+            b.launched = False
+            if b.grad_shard is not None:
+                b.grad_shard.zero_()
+            b.master.grad = None
+
+    def full_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """The accumulated (not yet reduced) gradient of `p` (stages 0, 1)."""
+        b = self.bucket_of[id(p)]
+        if b.grad_buf is None:
+            raise RuntimeError("stage 2 keeps no full gradient after its bucket is reduced")
+        return b.view_of(b.grad_buf, p)
