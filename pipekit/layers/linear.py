@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .lora import LoRA
 from .parallel import (
     TensorParallelModule,
     divide,
@@ -55,7 +56,7 @@ class ColumnParallelLinear(TensorParallelModule):
         self.weight = sharded_parameter(normal_full((out_features, in_features), init_std), 0, self.group)
         bias_param = sharded_parameter(torch.zeros(out_features), 0, self.group) if bias else None
         self.register_parameter("bias", bias_param)
-        self.lora: nn.Module | None = None  # a `pipekit.layers.lora.LoRA` once `add_adapters` gives it one
+        self.lora: LoRA | None = None  # a `pipekit.layers.lora.LoRA` once `add_adapters` gives it one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return column_parallel_linears(x, self)[0]
@@ -137,7 +138,7 @@ class RowParallelLinear(TensorParallelModule):
         self.register_parameter("bias", nn.Parameter(torch.zeros(out_features)) if bias else None)
         if self.sequence_parallel:
             mark_sequence_parallel(self.bias)  # added after the reduce-scatter, to this rank's slice
-        self.lora: nn.Module | None = None  # a `pipekit.layers.lora.LoRA` once `add_adapters` gives it one
+        self.lora: LoRA | None = None  # a `pipekit.layers.lora.LoRA` once `add_adapters` gives it one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

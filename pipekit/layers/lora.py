@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .parallel import _mark_tp_shard, group_size, mark_tp_partial, reduce_from_tp, tp_slice
+from .parallel import TensorParallelModule, _mark_tp_shard, group_size, mark_tp_partial, reduce_from_tp, tp_slice
 
 
 class _Weight(nn.Module):
@@ -113,10 +113,9 @@ def adapter_seed(base_seed: int, name: str) -> int:
 
 
 def adaptable(module: nn.Module) -> bool:
-    """Whether `module` can carry an adapter: a column- or row-parallel linear of pipekit's."""
-    from .linear import ColumnParallelLinear, RowParallelLinear
-
-    return isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+    """Whether `module` can carry an adapter: a column- or row-parallel linear of pipekit's
+    (a tp module with a `lora` slot: `pipekit.layers.linear`)."""
+    return isinstance(module, TensorParallelModule) and hasattr(module, "lora") and hasattr(module, "in_features")
 
 
 def add_adapters(model: nn.Module, targets: str, rank: int, alpha: float, dropout: float = 0.0,

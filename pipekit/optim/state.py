@@ -142,9 +142,11 @@ def _state_kinds(buckets: list[Bucket], inner: torch.optim.Optimizer | None,
             for key, value in state.items():
                 if isinstance(value, torch.Tensor):
                     kinds.setdefault(key, (value.shape != piece.shape, value.dtype))
-    groups = {b.dp_group for b in buckets if b.dp_group is not None and stage.shards_master}
-    groups |= {b.shard_group for b in buckets if b.shard_group is not None}
-    for group in groups:
+    # in bucket order, the same on every rank (a set's order is not: two ranks would gather over
+    # the dense and the expert groups in opposite orders and wait for each other)
+    groups = [b.dp_group for b in buckets if b.dp_group is not None and stage.shards_master]
+    groups += [b.shard_group for b in buckets if b.shard_group is not None]
+    for group in dict.fromkeys(groups):
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, kinds, group=group)
         for other in everyone:
