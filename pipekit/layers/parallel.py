@@ -27,7 +27,7 @@ all-gathers the slice again for the weight gradients and reduce-scatters the sum
 gradient (Megatron's sequence-parallel linear). A parameter replicated over tp
 that works on the split activations (a norm's weight, a row-parallel bias) then gets
 only its rank's part of the gradient; such parameters carry `sequence_parallel = True`
-and the optimizer sums their gradients over tp (`is_sequence_parallel`).
+and the optimizer sums their gradients over tp (`tp_partial`).
 
 On `meta` tensors none of them communicates: they only produce the right
 shape (the engine runs the model on meta to find activation shapes).

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layers.parallel import is_sequence_parallel
+from ..layers.parallel import tp_partial
 from .buckets import Bucket, local
 from .collectives import Collectives
 from .fsdp import sharded
@@ -190,17 +190,18 @@ class Reducer:
         for b in self.buckets:
             if isinstance(b.segment, str) and b.segment in tie_groups:
                 dist.all_reduce(self.owned_grad(b), group=tie_groups[b.segment])
-        self.sum_sequence_parallel()
+        self.sum_tp_partial()
 
-    def sum_sequence_parallel(self) -> None:
-        """Sequence parallelism (the topology's `sequence_parallel`): sum over the tp group the
-        gradients of the parameters marked `sequence_parallel` (norms, row-parallel biases,
-        GPT-2's position table: replicated over tp, each rank's copy fed by its sequence slice
-        only), in the part of each bucket this rank updates, as one all-reduce. Every tp rank
-        has the same buckets (the same parameters, tp shards of the same shapes), so the
-        pieces line up."""
+    def sum_tp_partial(self) -> None:
+        """Sum over the tp group the gradients of the parameters whole on every tp rank whose
+        backward gives each rank only its part (`pipekit.layers.parallel.tp_partial`): under
+        sequence parallelism the norms, row-parallel biases and GPT-2's position table (each
+        rank's copy fed by its sequence slice only), and the LoRA factor beside a split one,
+        in the part of each bucket this rank updates, as one all-reduce. Every tp rank has
+        the same buckets (the same parameters, tp shards of the same shapes), so the pieces
+        line up; nothing is sent when no parameter is marked."""
         topo = getattr(self.module, "topology", None)
-        group = getattr(topo, "tp_group", None) if getattr(topo, "sequence_parallel", False) else None
+        group = getattr(topo, "tp_group", None)
         if group is None:
             return
         pieces = []
@@ -208,7 +209,7 @@ class Reducer:
             owned = self.owned_grad(b)
             start = self.stage.first(b)
             for p in b.params:
-                if not is_sequence_parallel(p):
+                if not tp_partial(p):
                     continue
                 offset, n = b.offsets[id(p)]
                 lo, hi = max(offset, start), min(offset + n, start + owned.numel())
