@@ -6,10 +6,17 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
+import pipekit
+from pipekit.checkpoint import load_full_state_dict
 from pipekit.cli import main
+from pipekit.interchange import read_saved_model
+from pipekit.models import config_from_dict, model_specs
+from pipekit.precision import default_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
+FUNCTION = "def add(a, b):\n    return a + b\n\n"  # the training text, repeated
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +25,7 @@ def trained(tmp_path_factory):
     text = tmp / "text"
     text.mkdir()
     for i in range(6):
-        (text / f"doc{i}.py").write_text("def add(a, b):\n    return a + b\n\n" * (40 + i))
+        (text / f"doc{i}.py").write_text(FUNCTION * (40 + i))
     assert main(["prepare-data", str(text), "--out", str(tmp / "data"), "--val-fraction", "0.2"]) == 0
     out = tmp / "run"
     args = ["train", str(ROOT / "configs/gpt2_tiny.yaml"), "parallel.pp=1", "model.n_layers=1", "model.dim=32",
@@ -41,11 +48,29 @@ def test_training_learns_and_saves(trained):
     assert (trained[1] / "model.pt").exists()
 
 
-def test_generate_samples_text(trained, capsys):
+def _greedy(path: Path, prompt: str, n: int) -> str:
+    """Greedy decoding written out here: the saved weights, the model's forward, the argmax."""
+    saved = read_saved_model(str(path))
+    with default_dtype(next(iter(saved["state_dict"].values())).dtype):
+        module = pipekit.PipelineModule(model_specs(config_from_dict(saved["family"], saved["config"])))
+    load_full_state_dict(module, saved["state_dict"])
+    ids = list(prompt.encode())  # the byte tokenizer
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(module.eval()(torch.tensor([ids]))[0, -1].argmax()))
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_generate_at_temperature_0_is_greedy_decoding_of_the_trained_model(trained, capsys):
+    """--temperature 0 is greedy decoding: 16 new bytes, each the argmax of the model's forward
+    (written out here), drawn from the bytes of the text it trained on; nothing an echo of the
+    prompt could give. (30 steps learn the corpus's bytes, not yet the function itself.)"""
     assert main(["generate", str(trained[1] / "model.pt"), "--prompt", "def ", "--max-new-tokens", "16",
                  "--temperature", "0"]) == 0
-    text = capsys.readouterr().out
-    assert text.startswith("def ") and len(text.rstrip("\n")) >= len("def ")
+    text = capsys.readouterr().out.removesuffix("\n")
+    assert text == _greedy(trained[1] / "model.pt", "def ", 16)
+    assert len(text) == len("def ") + 16 and text.startswith("def ")
+    assert set(text[len("def "):]) <= set(FUNCTION), text
 
 
 def test_export_to_transformers(trained):
