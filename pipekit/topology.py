@@ -1,10 +1,14 @@
-"""The process grid: pipeline x data x tensor parallel, on torch's DeviceMesh.
+"""The process grid: pipeline x data x tensor parallel, on torch's DeviceMesh, with
+expert parallelism and ZeRO-3's hybrid sharding carved out of the data-parallel axis.
 
 Ranks are laid out row-major over (pp, dp, tp): the tensor-parallel ranks of
 one stage replica are neighbours, then its data-parallel replicas
 (rank = (pp_rank * dp + dp_rank) * tp + tp_rank), the order Megatron uses to
-keep the chattiest collectives (tp) within a node. Expert parallelism joins
-as a further dimension later.
+keep the chattiest collectives (tp) within a node. Expert parallelism is no
+axis of its own: runs of `ep` consecutive dp ranks share out the experts, on a
+second (pp, edp, ep, tp) mesh; hybrid sharding likewise splits dp into
+(dp_replicate, dp_shard). Expert tensor parallelism and sequence parallelism
+reuse the tp group. There is no context-parallel axis.
 
 Devices: one GPU per worker or none. `resolve_device` decides from the
 number of visible GPUs and of workers on this node, before any group exists;

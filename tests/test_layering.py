@@ -1,5 +1,5 @@
-"""The model math stays below the runtime (DESIGN.md, layering rules): no file under
-pipekit/models/ or pipekit/layers/ imports the engine, the pipeline, checkpoints, the
+"""The model math stays below the runtime (README, "Layout": model math never imports the
+runtime): no file under pipekit/models/ or pipekit/layers/ imports the engine, the pipeline, checkpoints, the
 training loop, the command line, file interchange or the other runtime modules, at
 load time or inside a function. Read from the source (ast), so nothing is imported."""
 

@@ -1,4 +1,4 @@
-"""The schedule IR: actions, the message each receive needs, and `Schedule`.
+"""The schedule IR: actions, their kinds and text form, and which send pairs with which receive.
 
 An `Action` is (virtual stage, kind, microbatch). Each compute kind means
 one thing wherever it stands (torch.distributed.pipelining's names):
