@@ -24,7 +24,7 @@ from pipekit.models import get_model, model_loss, model_specs
 from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
 from pipekit.optim import LossScaler, ZeroOptimizer
 from pipekit.spec import LayerSpec
-from pipekit.testing import reference_model, reference_name, reference_slice, run_distributed
+from pipekit.testing import Reference, in_float64, run_distributed
 
 TOL = 1e-10
 SEED, STEPS, BATCH, SEQ, CLIP, LR, WD = 7, 5, 8, 6, 0.3, 2e-2, 0.1
@@ -48,42 +48,30 @@ def _gpt_batches():
         yield ids[:, :-1], ids[:, 1:]
 
 
-def _decay_groups(module):
-    params = [p for p in module.parameters()]
+def _decay_groups(params):
+    params = list(params)
     return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
+@in_float64
 def train_and_compare(specs, loss, ref_loss_fn, batches, *, pp, dp, tp, stage, microbatches, chunks=1,
                       optimizer="adamw", partition="parameters", fused=False, **hyper) -> dict:
     """Train `specs` at a layout with ZeroOptimizer and the reference with the torch optimizer."""
-    torch.set_default_dtype(torch.float64)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp)
     module = pipekit.PipelineModule(specs, loss_fn=loss, topology=topo, seed=SEED, partition=partition,
                                     schedule="interleaved_1f1b" if chunks > 1 else "1f1b", microbatches=microbatches,
                                     chunks_per_rank=chunks)
-    opt = ZeroOptimizer(_decay_groups(module), optimizer, module=module, stage=stage, bucket_mb=TINY_BUCKETS,
-                        lr=LR, fused=fused, **hyper)
+    opt = ZeroOptimizer(_decay_groups(module.parameters()), optimizer, module=module, stage=stage,
+                        bucket_mb=TINY_BUCKETS, lr=LR, fused=fused, **hyper)
     engine = pipekit.PipelineEngine(module, optimizer=opt, clip_grad_norm=CLIP)
-    ref = reference_model(specs, SEED)
     torch_opt = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
-    ref_opt = torch_opt(_decay_groups(ref), lr=LR, **hyper)
-    ref_params = dict(ref.named_parameters())
-    pairs = {n: (p, ref_params[reference_name(n, specs)]) for n, p in module.named_parameters()}
-    worst = {"loss": 0.0, "weight": 0.0, "grad_norm": 0.0}
-    rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
-    for x, y in batches():
-        got = engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
-        ref_opt.zero_grad()
-        want = ref_loss_fn(ref(x), y)
-        want.backward()
-        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
-        ref_opt.step()
-        worst["loss"] = max(worst["loss"], abs(got - want.item()))
-        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - norm))
-    for p, r in pairs.values():
-        worst["weight"] = max(worst["weight"], (p.detach() - reference_slice(r.detach(), p, topo)).abs().max().item())
-    return worst
+    ref = Reference(specs, ref_loss_fn, lambda params: torch_opt(_decay_groups(params), lr=LR, **hyper), seed=SEED,
+                    clip=CLIP)
+    for batch in batches():
+        ref.train_beside(engine, batch)
+    ref.compare(module, topo, grads=False)
+    return ref.worst
 
 
 def gpt_layout(pp, dp, tp, stage, microbatches, chunks=1) -> dict:

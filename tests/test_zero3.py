@@ -32,7 +32,7 @@ from pipekit.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.optim import ZeroOptimizer
 from pipekit.schedules import build_schedule
-from pipekit.testing import reference_model, reference_name, reference_slice, run_distributed
+from pipekit.testing import Reference, in_float64, run_distributed
 
 TOL = 1e-10
 SEED = 3
@@ -54,10 +54,14 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() if a.numel() else 0.0
 
 
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+@in_float64
 def run_case(pp, dp, tp, name, microbatches, reshard, more) -> dict:
     from torch.distributed.tensor import DTensor
 
-    torch.set_default_dtype(torch.float64)
     cfg = get_model("gpt2", "tiny", **GPT2)
     specs = model_specs(cfg)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, **more)
@@ -66,33 +70,17 @@ def run_case(pp, dp, tp, name, microbatches, reshard, more) -> dict:
     zero = ZeroOptimizer(module, "adamw", stage=3, lr=1e-2, weight_decay=0.1, clip_grad_norm=CLIP,
                          reshard_after_forward=reshard)
     engine = pipekit.PipelineEngine(module, optimizer=zero)
-    ref = reference_model(specs, SEED)
-    ref_loss_fn = model_loss(cfg).build()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_params = dict(ref.named_parameters())
+    ref = Reference(specs, model_loss(cfg).build(), adamw, seed=SEED, clip=CLIP)
     params = list(module.named_parameters())
-    worst = {"loss": 0.0, "weight": 0.0, "grad_norm": 0.0}
     sharded = [n for n, p in params if isinstance(p, DTensor)]
     fraction = max((p.to_local().numel() / p.numel() for _, p in params if isinstance(p, DTensor)), default=1.0)
     gen = torch.Generator().manual_seed(4)
     for _ in range(STEPS):
         ids = torch.randint(0, 40, (BATCH, SEQ + 1), generator=gen)
-        x, y = ids[:, :-1], ids[:, 1:]
-        rows = slice(topo.dp_rank * BATCH // dp, (topo.dp_rank + 1) * BATCH // dp)
-        loss = engine.train_batch(iter([(x[rows], y[rows])]), reduce_loss=True)
-        ref_opt.zero_grad()
-        ref_loss = ref_loss_fn(ref(x), y)
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
-        ref_opt.step()
-        worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
-        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - ref_norm))
-        for n, p in params:
-            r = ref_params[reference_name(n, specs)]
-            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-            worst["weight"] = max(worst["weight"], _diff(full, reference_slice(r.detach(), p, topo)))
-    return {"worst": worst, "sharded": len(sharded), "params": len(params), "fraction": fraction,
-            "clipped": ref_norm > CLIP, "dp": dp}
+        ref.train_beside(engine, (ids[:, :-1], ids[:, 1:]))
+        ref.compare(params, topo, grads=False)  # a DTensor gathered whole
+    return {"worst": ref.worst, "sharded": len(sharded), "params": len(params), "fraction": fraction,
+            "clipped": ref.grad_norm > CLIP, "dp": dp}
 
 
 MIXTRAL = dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, n_kv_heads=2, hidden=8,
@@ -100,12 +88,12 @@ MIXTRAL = dict(vocab_size=32, max_seq_len=16, n_layers=2, dim=16, n_heads=4, n_k
 MOE_CASES = [(1, 4, 2), (2, 2, 2)]  # (pp, dp, ep)
 
 
+@in_float64
 def run_moe_case(pp, dp, ep) -> dict:
     from torch.distributed.tensor import DTensor
 
     from pipekit.moe import Router
 
-    torch.set_default_dtype(torch.float64)
     cfg = get_model("mixtral", "tiny", **MIXTRAL)
     specs = model_specs(cfg)
     topo = pipekit.Topology(pp=pp, dp=dp, ep=ep)
@@ -113,35 +101,21 @@ def run_moe_case(pp, dp, ep) -> dict:
                                     microbatches=2)
     zero = ZeroOptimizer(module, "adamw", stage=3, lr=1e-2, weight_decay=0.1, clip_grad_norm=CLIP)
     engine = pipekit.PipelineEngine(module, optimizer=zero)
-    ref = reference_model(specs, SEED)
-    ref_loss_fn = model_loss(cfg).build()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    ref_params = dict(ref.named_parameters())
+    ref = Reference(specs, model_loss(cfg).build(), adamw, seed=SEED, clip=CLIP)
     counts: list[torch.Tensor] = []
-    for m in ref.modules():
+    for m in ref.model.modules():
         if isinstance(m, Router):
             m.register_forward_hook(lambda mod, args, out: counts.append(out.counts_E))
     params = list(module.named_parameters())
     experts_sharded = any(isinstance(p, DTensor) and getattr(p, "expert_parallel", False) for _, p in params)
-    worst = {"loss": 0.0, "weight": 0.0, "grad_norm": 0.0}
     gen, dead = torch.Generator().manual_seed(6), 0
     for _ in range(STEPS):
         ids = torch.randint(0, 32, (BATCH, SEQ + 1), generator=gen)
-        loss = _train(engine, ids)
         counts.clear()
-        ref_opt.zero_grad()
-        ref_loss = ref_loss_fn(ref(ids[:, :-1]), ids[:, 1:])
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item()
-        ref_opt.step()
+        ref.train_beside(engine, (ids[:, :-1], ids[:, 1:]))
         dead += sum(int((c == 0).sum()) for c in counts)
-        worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()))
-        worst["grad_norm"] = max(worst["grad_norm"], abs(engine.last_grad_norm - ref_norm))
-        for n, p in params:
-            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-            r = ref_params[reference_name(n, specs)]
-            worst["weight"] = max(worst["weight"], _diff(full, reference_slice(r.detach(), p, topo)))
-    return {"worst": worst, "dead": dead, "experts_sharded": experts_sharded, "edp": dp // ep}
+        ref.compare(params, topo, grads=False)
+    return {"worst": ref.worst, "dead": dead, "experts_sharded": experts_sharded, "edp": dp // ep}
 
 
 def _engine(pp, dp, stage, precision="fp32"):
@@ -159,9 +133,9 @@ def _train(engine, ids: torch.Tensor):
     return engine.train_batch(iter([(ids[rows, :-1], ids[rows, 1:])]), reduce_loss=True)
 
 
+@in_float64
 def checkpoints(root: str) -> dict:
     """Save at one (layout, stage), resume at the other; one more step each."""
-    torch.set_default_dtype(torch.float64)
     gen = torch.Generator().manual_seed(8)
     batches = [torch.randint(0, 40, (BATCH, SEQ + 1), generator=gen) for _ in range(3)]
     out = {}
