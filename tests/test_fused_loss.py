@@ -29,7 +29,6 @@ import pipekit
 from pipekit.config import ConfigError, load_run
 from pipekit.kernels import kernels
 from pipekit.models import get_model, model_loss, model_specs
-from pipekit.precision import default_dtype
 from pipekit.run.generate import sample
 from pipekit.testing import Reference, in_float64, run_distributed
 
@@ -70,10 +69,9 @@ def loss_and_grads(cfg) -> tuple[torch.Tensor, dict]:
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_fused_loss_and_gradients_equal_the_unfused_model_in_float64(name):
-    with default_dtype(torch.float64):
-        loss_f, grads_f = loss_and_grads(config(name, True))
-        loss_u, grads_u = loss_and_grads(config(name, False))
+def test_fused_loss_and_gradients_equal_the_unfused_model_in_float64(name, float64):
+    loss_f, grads_f = loss_and_grads(config(name, True))
+    loss_u, grads_u = loss_and_grads(config(name, False))
     assert grads_f.keys() == grads_u.keys()  # the same parameters, the same names
     torch.testing.assert_close(loss_f, loss_u, rtol=1e-12, atol=1e-12)
     for n, g in grads_u.items():
@@ -171,28 +169,27 @@ def test_the_fused_loss_itself_is_float32_for_bf16_layers():
 
 
 # ---- eval, generate, names, config ----------------------------------------------------------------
-def test_eval_and_generate_get_logits_with_fused_loss_and_training_goes_on():
-    with default_dtype(torch.float64):
-        modules = {}
-        for fused in (True, False):
-            cfg = config("gpt2-tied", fused)
-            modules[fused] = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=SEED,
-                                                    microbatches=2)
-        assert modules[True].state_dict().keys() == modules[False].state_dict().keys()
-        engines = {f: pipekit.PipelineEngine(m, optimizer=adamw) for f, m in modules.items()}
-        x, y = batch()
-        evals = {f: e.eval_batch((x, y), return_outputs=True) for f, e in engines.items()}
-        (loss_f, out_f), (loss_u, out_u) = evals[True], evals[False]
-        assert out_f.shape == (4, 8, 80)  # the padded vocabulary's logits
-        torch.testing.assert_close(out_f, out_u, rtol=0, atol=0)
-        torch.testing.assert_close(loss_f, loss_u, rtol=1e-12, atol=1e-12)
-        trained = {f: e.train_batch((x, y)) for f, e in engines.items()}  # after eval, training again
-        torch.testing.assert_close(trained[True], trained[False], rtol=1e-12, atol=1e-12)
-        for m in modules.values():
-            m.eval()
-        assert modules[True](x).shape == (4, 8, 80)
-        tokens = {f: sample(m, [1, 2, 3], 5, max_len=16, temperature=0) for f, m in modules.items()}
-        assert tokens[True] == tokens[False]
+def test_eval_and_generate_get_logits_with_fused_loss_and_training_goes_on(float64):
+    modules = {}
+    for fused in (True, False):
+        cfg = config("gpt2-tied", fused)
+        modules[fused] = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=SEED,
+                                                microbatches=2)
+    assert modules[True].state_dict().keys() == modules[False].state_dict().keys()
+    engines = {f: pipekit.PipelineEngine(m, optimizer=adamw) for f, m in modules.items()}
+    x, y = batch()
+    evals = {f: e.eval_batch((x, y), return_outputs=True) for f, e in engines.items()}
+    (loss_f, out_f), (loss_u, out_u) = evals[True], evals[False]
+    assert out_f.shape == (4, 8, 80)  # the padded vocabulary's logits
+    torch.testing.assert_close(out_f, out_u, rtol=0, atol=0)
+    torch.testing.assert_close(loss_f, loss_u, rtol=1e-12, atol=1e-12)
+    trained = {f: e.train_batch((x, y)) for f, e in engines.items()}  # after eval, training again
+    torch.testing.assert_close(trained[True], trained[False], rtol=1e-12, atol=1e-12)
+    for m in modules.values():
+        m.eval()
+    assert modules[True](x).shape == (4, 8, 80)
+    tokens = {f: sample(m, [1, 2, 3], 5, max_len=16, temperature=0) for f, m in modules.items()}
+    assert tokens[True] == tokens[False]
 
 
 def test_fused_loss_is_a_model_config_key_of_the_zoo():
