@@ -110,7 +110,8 @@ class Reference:
     `nn.Sequential` (`reference_model`) and `optimizer(parameters)` over its parameters
     (and `loss_fn`'s, when the loss has some). `step(batch)` is one plain step on the
     whole `(inputs, labels)` batch: zero_grad, loss, backward, `clip_grad_norm_(clip)`
-    when `clip` is set (the norm in `grad_norm`), optimizer step; it returns the loss.
+    when `clip` is set (the norm in `grad_norm`), optimizer step; it returns the loss
+    (`loss(batch)`: the same without a gradient or a step).
     `train_beside(engine, batch)` also trains `engine` on this dp rank's `rows` of the
     batch and records how far its loss (and, with `clip`, its clipping norm) is from the
     reference's; `eval_beside` does the same for `eval_batch` ("eval_loss").
