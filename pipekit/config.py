@@ -699,8 +699,7 @@ def pretrained(path: str):
     try:
         return pretrained_config(path)
     except (OSError, ValueError) as e:
-        said = e.args[0] if isinstance(e, KeyError) and e.args else e
-        raise ConfigError(f"model.init={path}: {said}") from None
+        raise ConfigError(f"model.init={path}: {e}") from None
 
 
 def _from_weights(model: ModelConfig, overrides: dict):

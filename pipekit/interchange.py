@@ -47,19 +47,26 @@ from .models.hf import (
 
 
 # ---- Hugging Face model dirs ---------------------------------------------------
-def _read_weights(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a HF model dir: (sharded) safetensors preferred, else (sharded) pytorch_model.bin."""
+def _weight_files(path: str) -> list[str]:
+    """The weights files of a HF model dir, relative to it: model.safetensors or its sharded
+    form (the files its .index.json names) preferred, else (sharded) pytorch_model.bin."""
     for single, index in (("model.safetensors", "model.safetensors.index.json"),
                           ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        files = [single] if os.path.exists(os.path.join(path, single)) else []
-        if not files and os.path.exists(os.path.join(path, index)):
+        if os.path.exists(os.path.join(path, single)):
+            return [single]
+        if os.path.exists(os.path.join(path, index)):
             files = sorted(set(_read_json(os.path.join(path, index), "weight_map")["weight_map"].values()))
-        if files:
-            out: dict[str, torch.Tensor] = {}
-            for name in files:
-                out.update(_read_file(os.path.join(path, name)))
-            return out
+            if files:
+                return files
     raise FileNotFoundError(f"{path} holds no model.safetensors, pytorch_model.bin or their .index.json")
+
+
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF model dir (`_weight_files`), read whole."""
+    out: dict[str, torch.Tensor] = {}
+    for name in _weight_files(path):
+        out.update(_read_file(os.path.join(path, name)))
+    return out
 
 
 def _read_file(path: str) -> dict[str, torch.Tensor]:
@@ -225,11 +232,16 @@ def read_saved_model(path: str) -> dict:
         return read_model_file(path)
     ckpt = checkpoint_dir(path)
     meta, sd = load_full_weights(ckpt)
+    _check_model_record(meta, ckpt)
+    return {"family": meta["family"], "config": meta["model_config"], "state_dict": sd, "checkpoint": meta,
+            "path": ckpt}
+
+
+def _check_model_record(meta: dict, ckpt: str) -> None:
+    """A checkpoint's pipekit.json names the model it holds (its family and model_config)."""
     if not isinstance(meta.get("family"), str) or not isinstance(meta.get("model_config"), dict):
         raise CheckpointError(f"{ckpt}/pipekit.json lacks the model's family and model_config (it was not "
                               f"written by pipekit train)")
-    return {"family": meta["family"], "config": meta["model_config"], "state_dict": sd, "checkpoint": meta,
-            "path": ckpt}
 
 
 def checkpoint_dir(path: str) -> str:
@@ -322,10 +334,13 @@ def pretrained_config(path: str) -> tuple[str, object]:
     if os.path.isdir(path):
         ckpt = checkpoint_dir(path)
         meta = read_meta(ckpt)
-        if not isinstance(meta.get("family"), str) or not isinstance(meta.get("model_config"), dict):
-            raise CheckpointError(f"{ckpt}/pipekit.json lacks the model's family and model_config")
+        _check_model_record(meta, ckpt)
         return meta["family"], config_from_dict(meta["family"], meta["model_config"])
-    obj = _mapped_model_file(path)
+    return _model_of(_mapped_model_file(path))
+
+
+def _model_of(obj: dict) -> tuple[str, object]:
+    """(family, model config) of a pipekit model file's dict."""
     return obj["family"], config_from_dict(obj["family"], obj["config"])
 
 
@@ -344,20 +359,13 @@ def _mapped_model_file(path: str) -> dict:
 class LazyWeights(Mapping):
     """The tensors of a Hugging Face model dir by name, each read from its file when it is asked
     for (safetensors: that tensor alone; a pytorch_model.bin: memory-mapped), never all at once.
-    `bytes_read` counts what was read."""
+    The names are the files' own (`_weight_files`, each opened once); `bytes_read` counts what
+    was read."""
 
     def __init__(self, path: str):
         self.path, self.bytes_read = path, 0
-        self._file_of: dict[str, str] = {}
         self._open: dict[str, object] = {}
-        for single, index in (("model.safetensors", _INDEX), ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-            if os.path.exists(os.path.join(path, single)):
-                self._file_of = {n: single for n in self._names_in(single)}
-            elif os.path.exists(os.path.join(path, index)):
-                self._file_of = dict(_read_json(os.path.join(path, index), "weight_map")["weight_map"])
-            if self._file_of:
-                return
-        raise FileNotFoundError(f"{path} holds no model.safetensors, pytorch_model.bin or their .index.json")
+        self._file_of = {n: f for f in _weight_files(path) for n in self._handle(f).keys()}
 
     def _handle(self, name: str):
         """The open file `name` (relative to the dir) — a safetensors reader or a mapped state dict."""
@@ -375,14 +383,8 @@ class LazyWeights(Mapping):
                                  f"({type(e).__name__} while reading it)") from e
         return self._open[name]
 
-    def _names_in(self, name: str) -> list[str]:
-        h = self._handle(name)
-        return list(h.keys())
-
     def __getitem__(self, name: str) -> torch.Tensor:
         h = self._handle(self._file_of[name])
-        if name not in h.keys():
-            raise KeyError(f"{self._file_of[name]} lacks {name!r}, which the model dir's .index.json names")
         t = h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
         self.bytes_read += t.numel() * t.element_size()
         return t
@@ -414,13 +416,16 @@ def load_pretrained(module, path: str) -> dict:
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
         load_checkpoint(checkpoint_dir(path), module)
         return {"tensors": len(local), "bytes_read": None}
-    family, cfg = pretrained_config(path)
     if os.path.isdir(path):
+        family, cfg = pretrained_config(path)
         weights, adapter = LazyWeights(path), hf_adapter(cfg, family)
         for names in _by_layer(local):
             load_full_state_dict(module, adapter.from_hf(weights, names=names), strict=False)
         return {"tensors": len(local), "bytes_read": weights.bytes_read}
+    if not os.path.exists(path):
+        pretrained_config(path)  # the one-line error for a missing path
     obj = _mapped_model_file(path)
+    _, cfg = _model_of(obj)
     sd = obj["state_dict"] if "vocab_pad_multiple" in obj["config"] else pad_vocab(obj["state_dict"], cfg)
     missing = sorted(set(local) - set(sd))
     if missing:

@@ -138,11 +138,10 @@ def add_adapters(model: nn.Module, targets: str, rank: int, alpha: float, dropou
 def freeze(model: nn.Module, pattern: str) -> list[str]:
     """Stop training the parameters whose names match the regex `pattern` (`re.search`); returns them."""
     regex = re.compile(pattern)
-    hit = [n for n, p in model.named_parameters() if regex.search(n)]
-    for n, p in model.named_parameters():
-        if regex.search(n):
-            p.requires_grad_(False)
-    return hit
+    hit = [(n, p) for n, p in model.named_parameters() if regex.search(n)]
+    for _, p in hit:
+        p.requires_grad_(False)
+    return [n for n, _ in hit]
 
 
 def merge_adapters(state_dict: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:

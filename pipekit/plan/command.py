@@ -42,15 +42,8 @@ def plan_command(args: argparse.Namespace) -> int:
     except ScheduleError as e:
         print(f"pipekit plan: {e}", file=sys.stderr)
         return 2
-    for flag, path in (("--trace", args.trace), ("--png", args.png)):
-        if path:
-            _check_output_file(flag, path)
-    if args.png:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("pipekit plan: --png needs matplotlib: pip install matplotlib", file=sys.stderr)
-            return 2
+    if not _outputs_ok(args):
+        return 2
     events = [TimelineEvent(**e) for e in report["timeline"]]
     if args.trace:
         write_atomic(args.trace, json.dumps(to_chrome_trace(events)))
@@ -138,6 +131,12 @@ def _plan_flags_ok(args: argparse.Namespace) -> bool:
             raise ValueError(f"{flag} {value} must be a finite number > 0")
     if args.top < 1:
         raise ValueError(f"--top {args.top} must be >= 1")
+    return _outputs_ok(args)
+
+
+def _outputs_ok(args: argparse.Namespace) -> bool:
+    """--trace and --png name writable files (ValueError/OSError otherwise), and --png can be
+    drawn here: False, said on stderr, when matplotlib is missing."""
     for flag, path in (("--trace", args.trace), ("--png", args.png)):
         if path:
             _check_output_file(flag, path)
