@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from .atomic import publish, publish_dir, remove, torch_save_atomic, write_atomic
 from .checkpoint import META, CheckpointError, latest_checkpoint, load_full_weights, read_meta
+from .layers.lora import merge_adapters
 from .models import config_from_dict, family_of
 from .models.hf import (
     check_hf_form,
@@ -291,10 +292,23 @@ def load_pipekit_file(path: str):
     obj = read_saved_model(path)
     check_hf_form(obj["family"], f"{obj.get('path', path)} holds a")
     cfg = config_from_dict(obj["family"], obj["config"])
-    sd = obj["state_dict"]
+    sd = _merged(obj["state_dict"], obj, path)
     if "vocab_pad_multiple" not in obj["config"]:  # written before vocab padding: tables of vocab_size rows
         sd = pad_vocab(sd, cfg)
     return obj["family"], cfg, sd
+
+
+def _merged(sd: dict, obj: dict, path: str) -> dict:
+    """`sd` with its LoRA/DoRA adapters folded into the weights they adapt (none: `sd` itself).
+    Their scale alpha / rank comes from the file's "lora" record (train's model.pt) or the
+    checkpoint's config."""
+    if not any(".lora." in k for k in sd):
+        return sd
+    lora = obj.get("lora") or ((obj.get("checkpoint") or {}).get("config") or {}).get("model", {}).get("lora")
+    if not lora or not lora.get("rank"):
+        raise ValueError(f"{obj.get('path', path)} holds LoRA adapters but not their settings (model.lora: rank and "
+                         "alpha), so they cannot be merged; it was not written by this pipekit's train")
+    return merge_adapters(sd, lora["alpha"] / lora["rank"])
 
 
 # ---- both ways -----------------------------------------------------------------

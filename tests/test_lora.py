@@ -142,3 +142,32 @@ def test_fine_tuning_mistakes_are_refused_in_one_line(llama_dir, overrides, said
         load_run(None, ["train.seq_len=8", *(o.format(dir=llama_dir) for o in overrides)])
     assert re.search(said, str(e.value)), str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_convert_to_hf_merges_the_adapters(float64, llama_dir, dora, tmp_path):
+    from dataclasses import asdict
+
+    from pipekit.checkpoint import full_state_dict
+    from pipekit.config import LoraConfig
+    from pipekit.interchange import convert, pretrained_config
+
+    module = _pipekit(llama_dir, dora)
+    _perturb(module)
+    module.eval()
+    x = torch.randint(0, 200, (2, 8), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours = module(x)[..., :200]
+    family, cfg = pretrained_config(llama_dir)
+    lora = asdict(LoraConfig(rank=2, alpha=6.0, targets=TARGETS, dora=dora))
+    saved = {"family": family, "config": asdict(cfg), "state_dict": full_state_dict(module), "lora": lora}
+    torch.save(saved, tmp_path / "model.pt")  # as `pipekit train` writes it (run/loop.py: save_weights)
+    convert(str(tmp_path / "model.pt"), str(tmp_path / "hf"), "to_hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float64).eval()
+    with torch.no_grad():
+        theirs = hf(x).logits
+    assert (ours - theirs).abs().max().item() < 1e-6  # transformers' float32 RMSNorm: ~1e-8
+    del saved["lora"]
+    torch.save(saved, tmp_path / "bare.pt")
+    with pytest.raises(ValueError, match=r"holds LoRA adapters but not their settings"):
+        convert(str(tmp_path / "bare.pt"), str(tmp_path / "hf2"), "to_hf")

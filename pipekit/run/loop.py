@@ -407,6 +407,8 @@ def save_weights(run: Run, topo: Topology, engine: PipelineEngine, data_path: st
         meta = read_data_meta(data_path) if data_path else None
         ckpt = {"family": run.family, "config": asdict(run.model), "state_dict": state,
                 "tokenizer": meta.get("tokenizer") if meta else None}
+        if run.config.model.lora.rank:  # what `convert` needs to merge the adapters (their scale)
+            ckpt["lora"] = asdict(run.config.model.lora)
         path = os.path.join(out_dir, "model.pt")
         torch_save_atomic(ckpt, path)
         print(f"saved the trained weights to {path}", flush=True)
