@@ -2,7 +2,7 @@
 
     pipekit train [CONFIG.yaml] [key=value ...] [--show]   train (--show: print the merged config and exit)
     pipekit plan --schedule 1f1b --pp 4 --microbatches 8 [--virtual 2] [--json] [--trace F.json] [--png F.png]
-    pipekit prepare-data FILES_OR_DIRS --out DIR [--tokenizer tokenizer.json]
+    pipekit prepare-data FILES_OR_DIRS --out DIR [--tokenizer tokenizer.json|TOKENIZER_DIR]
     pipekit convert --from-hf HF_DIR --out model.pt | --to-hf model.pt|CHECKPOINT --out HF_DIR
     pipekit generate runs/x/model.pt|runs/x/checkpoints[/step_N] --prompt "def "
     pipekit env
@@ -28,8 +28,8 @@ def _prepare_data(args: argparse.Namespace) -> int:
     try:
         meta = prepare_data(args.inputs, args.out, tokenizer=args.tokenizer, val_fraction=args.val_fraction,
                             seed=args.seed, overwrite=args.overwrite)
-    except ImportError as e:  # --tokenizer needs the optional tokenizers package
-        if e.name != "tokenizers":
+    except ImportError as e:  # --tokenizer needs the optional tokenizers package (chat lines: transformers)
+        if e.name not in ("tokenizers", "transformers"):
             raise
         print(f"pipekit prepare-data: {e}", file=sys.stderr)
         return 2
@@ -155,10 +155,16 @@ def parser() -> argparse.ArgumentParser:
     q.add_argument("--png", metavar="FILE", help="also draw the timeline as a PNG (needs matplotlib)")
     q.set_defaults(fn=plan_command)
 
-    d = sub.add_parser("prepare-data", help="tokenise text files into a memory-mapped dataset")
-    d.add_argument("inputs", nargs="+", help="files or directories (*.py, *.txt, *.md below a directory)")
-    d.add_argument("--out", required=True, help="output directory (train.bin, val.bin, meta.json)")
-    d.add_argument("--tokenizer", default=None, help="a HuggingFace tokenizer.json (default: bytes)")
+    d = sub.add_parser("prepare-data", help="tokenise text and JSONL files into a memory-mapped dataset")
+    d.add_argument("inputs", nargs="+", help="files or directories (*.py, *.txt, *.md, *.jsonl below a directory); "
+                   'a .jsonl file holds one document a line: {"text"}, {"prompt", "response"} or {"messages"} '
+                   "(a chat, rendered by the tokenizer's chat template; prompts and other turns than the "
+                   "assistant's get loss mask 0)")
+    d.add_argument("--out", required=True,
+                   help="output directory (train.bin, val.bin, their .docs.bin and .mask.bin, meta.json)")
+    d.add_argument("--tokenizer", default=None,
+                   help="a HuggingFace tokenizer.json, or a tokenizer directory (tokenizer.json + "
+                        "tokenizer_config.json with chat_template, for chat lines); default: bytes")
     d.add_argument("--val-fraction", type=float, default=0.01)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")

@@ -174,6 +174,10 @@ class DataConfig:
     source: str = "stdlib"  # stdlib (this Python's own source, byte tokens) | synthetic | a `prepare-data` dir
     val_every: int = 50  # steps between validation losses (0: never)
     val_batches: int = 2
+    # pack whole documents into each row (first fit; a longer one cut into seq_len pieces), padding the rest
+    # (labels -100); the model gets each token's position in its document and attends within it. false: a row is
+    # a window of the token stream, crossing documents. Needs a prepared dataset and a gpt2/llama/mixtral model.
+    pack: bool = False
 
 
 @dataclass
@@ -441,6 +445,7 @@ def _check_runtime(cfg: Config) -> None:
         ("logging.peak_tflops", log.peak_tflops, log.peak_tflops is None or (
             _finite(log.peak_tflops) and log.peak_tflops > 0), "a finite number > 0, or null (look it up or measure)"),
     ])
+    _check_pack(cfg)
     for key in (k.strip() for k in (t.allow_changed or "").split(",") if k.strip()):
         if key not in RUN_DEFINING and not re.fullmatch(r"model\.\w+", key):
             raise ConfigError(f"train.allow_changed: {key!r} is not a key that needs allowing; give model.KEY, "
@@ -454,6 +459,21 @@ def _check_runtime(cfg: Config) -> None:
     if log.trace_step is not None and not log.out_dir:
         raise ConfigError(f"logging.trace_step={log.trace_step} writes its timeline to logging.out_dir, which is not "
                           "set; set logging.out_dir, or logging.trace_step=null")
+
+
+_PACKED_FAMILIES = ("gpt2", "llama", "mixtral")  # the zoo models that take (ids, positions)
+
+
+def _check_pack(cfg: Config) -> None:
+    """data.pack=true: documents from a prepared dataset, into a model that takes their positions."""
+    if not cfg.data.pack:
+        return
+    if cfg.data.source == "synthetic":
+        raise ConfigError("data.pack=true packs documents, but data.source=synthetic has none; give a prepared "
+                          "dataset (data.source=stdlib or a `pipekit prepare-data` dir), or data.pack=false")
+    if cfg.model.family not in _PACKED_FAMILIES:
+        raise ConfigError(f"data.pack=true needs a model that takes packed positions ({', '.join(_PACKED_FAMILIES)});"
+                          f" model.family={cfg.model.family} does not: use one of those, or data.pack=false")
 
 
 def partition_boundaries(text: str) -> list[int] | None:

@@ -107,7 +107,7 @@ def test_rerun_overwrites_atomically_and_leaves_no_temp_files(corpus, tmp_path):
     with pytest.raises(FileExistsError, match="already holds a prepared dataset"):
         prepare_data([str(corpus)], str(out), val_fraction=0.0)
     meta = prepare_data([str(corpus)], str(out), val_fraction=0.0, overwrite=True)
-    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "train.docs.bin", "val.bin", "val.docs.bin"]
     assert meta["n_files"] == 21 and meta["n_tokens"]["val"] == 0
     assert TokenDataset(str(out), "train").n_tokens == meta["n_tokens"]["train"]
     assert TokenDataset(str(out), "val").n_tokens == 0
@@ -172,7 +172,7 @@ def test_default_corpus_is_prepared_once_by_concurrent_callers(tmp_path, monkeyp
     for t in threads:
         t.join(timeout=60)
     assert results == [cache] * 4 and len(calls) == 1
-    assert sorted(os.listdir(cache)) == [".lock", "meta.json", "train.bin", "val.bin"]
+    assert sorted(os.listdir(cache)) == [".lock", "meta.json", "train.bin", "train.docs.bin", "val.bin", "val.docs.bin"]
     total = sum(len(f"x = {i}\n") * 2000 + 1 for i in range(30))
     assert TokenDataset(cache).n_tokens + TokenDataset(cache, "val").n_tokens == total
 
@@ -252,3 +252,218 @@ def test_hf_tokenizer_file(corpus, tmp_path):
     assert sum(meta["n_tokens"].values()) == sum(len(loaded.encode(t)) + 1 for t in DOCS.values())
     train = TokenDataset(str(tmp_path / "d"))
     assert int(train.tokens.max()) < loaded.vocab_size and train.vocab_size == loaded.vocab_size
+
+
+# ---- JSONL: text, prompt/response and chat lines, the loss mask, and malformed lines ----------------------------
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    """A Hugging Face tokenizer directory built offline: a small byte-level BPE with ChatML specials."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["[UNK]", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["what is two plus two", "it is four", "be brief", "hello there"] * 5, trainer)
+    d = tmp_path_factory.mktemp("tok")
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE,
+                                                         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return d
+
+
+def _jsonl(path, *lines):
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines), encoding="utf-8")
+    return str(path)
+
+
+def _docs_of(out, split="train"):
+    """[(tokens, mask)] per document of a prepared split."""
+    ds = TokenDataset(str(out), split)
+    starts = np.concatenate([[0], ds.doc_ends[:-1]])
+    mask = ds.mask if ds.mask is not None else np.ones(ds.n_tokens, np.uint8)
+    return [(ds.tokens[a:b].astype(int), mask[a:b].astype(int)) for a, b in zip(starts, ds.doc_ends)]
+
+
+def test_jsonl_text_and_prompt_response_lines_get_their_loss_mask(tmp_path):
+    src = _jsonl(tmp_path / "sft.jsonl", {"text": "plain"}, "", {"prompt": "Q: 2+2?", "response": " 4"})
+    meta = prepare_data([src], str(tmp_path / "d"), val_fraction=0.0)
+    assert meta["mask"] and meta["doc_ends"] and meta["n_docs"] == {"train": 2, "val": 0}  # the blank line is none
+    assert meta["jsonl_lines"] == {"text": 1, "prompt_response": 1, "chat": 0}
+    (text, text_mask), (qa, qa_mask) = _docs_of(tmp_path / "d")
+    assert bytes(text.tolist()) == b"plain\x00" and text_mask.tolist() == [1] * 6  # text: all trained on
+    assert bytes(qa.tolist()) == b"Q: 2+2? 4\x00"
+    assert qa_mask.tolist() == [0] * 7 + [1] * 3  # the prompt 0; the response and the separator 1
+    assert os.path.getsize(tmp_path / "d" / "train.mask.bin") == meta["n_tokens"]["train"]
+
+
+def test_text_only_data_has_no_mask(corpus, tmp_path):
+    src = _jsonl(tmp_path / "t.jsonl", {"text": "a"}, {"text": "b"})
+    meta = prepare_data([str(corpus), src], str(tmp_path / "d"), val_fraction=0.2)
+    assert not meta["mask"] and not (tmp_path / "d" / "train.mask.bin").exists()
+    assert meta["n_docs"]["train"] + meta["n_docs"]["val"] == 22  # 20 text files and 2 lines, split by document
+    assert TokenDataset(str(tmp_path / "d")).mask is None
+
+
+def test_chat_lines_train_only_the_assistant_turns(chat_tokenizer, tmp_path):
+    pytest.importorskip("transformers")
+    chat = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is two plus two"},
+                         {"role": "assistant", "content": "it is four"}, {"role": "user", "content": "hello"},
+                         {"role": "assistant", "content": "hello there"}]}
+    src = _jsonl(tmp_path / "chat.jsonl", chat)
+    meta = prepare_data([src], str(tmp_path / "d"), tokenizer=str(chat_tokenizer), val_fraction=0.0)
+    tok = load_tokenizer(str(chat_tokenizer))
+    assert meta["mask"] and meta["eot"] == tok.eot == 1 and meta["tokenizer"] == os.path.abspath(chat_tokenizer)
+    [(ids, mask)] = _docs_of(tmp_path / "d")
+    rendered = tok.render_chat(chat["messages"])
+    assert tok.decode(ids) == rendered + "<|endoftext|>"  # the template's rendering, then the separator
+    trained = [tok.decode(ids[i:j]) for i, j in _runs(mask)]
+    assert trained == ["it is four<|im_end|>\n", "hello there<|im_end|>\n<|endoftext|>"]
+
+
+def _runs(mask):
+    """(start, end) of each run of 1s."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return list(zip(edges[::2], edges[1::2]))
+
+
+def test_sampler_labels_are_minus_100_where_the_next_token_is_masked(tmp_path):
+    lines = [{"prompt": f"question {i} " * 3, "response": f"answer {i}"} for i in range(30)]
+    prepare_data([_jsonl(tmp_path / "qa.jsonl", *lines)], str(tmp_path / "d"), val_fraction=0.0)
+    ds = TokenDataset(str(tmp_path / "d"))
+    sampler = BatchSampler(ds, global_batch=4, seq_len=16, seed=1)
+    inputs, labels = sampler.batch(0)
+    starts = sampler.starts(0)
+    for row, start in enumerate(starts):
+        tokens = ds.tokens[start + 1 : start + 17].astype(np.int64)
+        want = np.where(ds.mask[start + 1 : start + 17] == 1, tokens, -100)
+        assert labels[row].tolist() == want.tolist()
+    assert (labels == -100).any() and (labels != -100).any()
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "fine"', r"bad\.jsonl:2: not JSON \(Expecting ',' delimiter at column 16\)"),
+    ('{"body": "x"}', r"bad\.jsonl:2: no known keys \(got \['body'\]\)"),
+    ('["text"]', r"bad\.jsonl:2: a line must be a JSON object .* got a list"),
+    ('{"role": "user", "content": "hi"}', r"bad\.jsonl:2: a chat line needs `messages`"),
+    ('{"messages": []}', r"bad\.jsonl:2: `messages` must be a non-empty list"),
+    ('{"messages": [{"role": "user"}]}', r"bad\.jsonl:2: message 0 needs a role and a content \(got \['role'\]\)"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}',
+     r"bad\.jsonl:2: message 0 has role 'robot'; known roles: system, user, assistant, tool"),
+    ('{"prompt": "only a prompt"}', r"bad\.jsonl:2: a line with `prompt` needs `response` too"),
+    ('{"text": 3}', r"bad\.jsonl:2: `text` must be a string, got int"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}',
+     r"bad\.jsonl:2: a chat line is rendered by the tokenizer's chat template, but the byte tokenizer has none"),
+])
+def test_malformed_jsonl_lines_are_named_by_file_and_line(tmp_path, line, message):
+    src = _jsonl(tmp_path / "bad.jsonl", {"text": "a good first line"}, line)
+    with pytest.raises(ValueError, match=message) as err:
+        prepare_data([src], str(tmp_path / "d"))
+    assert "\n" not in str(err.value)  # one line
+    assert not (tmp_path / "d").exists()  # nothing left behind
+
+
+def test_chat_with_a_tokenizer_file_or_a_template_that_refuses(chat_tokenizer, tmp_path):
+    pytest.importorskip("transformers")
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    src = _jsonl(tmp_path / "c.jsonl", chat)
+    with pytest.raises(ValueError, match=r"c\.jsonl:1: tokenizer .*tokenizer\.json is a tokenizer\.json file, "
+                                         r"which has no chat template; .* give --tokenizer a HuggingFace tokenizer"):
+        prepare_data([src], str(tmp_path / "d"), tokenizer=str(chat_tokenizer / "tokenizer.json"))
+    strict = tmp_path / "strict"
+    strict.mkdir()
+    (strict / "tokenizer.json").write_bytes((chat_tokenizer / "tokenizer.json").read_bytes())
+    (strict / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ raise_exception('no chats') }}"}))
+    with pytest.raises(ValueError, match=r"c\.jsonl:1: the chat template refused this conversation \(no chats\)"):
+        prepare_data([src], str(tmp_path / "d"), tokenizer=str(strict))
+
+
+def test_a_vocabulary_that_does_not_fit_is_one_line(tmp_path, monkeypatch):
+    class Huge(ByteTokenizer):
+        vocab_size, name = 2**32 + 5, "huge"
+
+    monkeypatch.setattr(data, "load_tokenizer", lambda path: Huge())
+    (tmp_path / "a.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"^tokenizer huge: vocab_size=4294967301 does not fit in uint32 "
+                                         r"\(at most 4294967296 ids\)$"):
+        prepare_data([str(tmp_path / "a.txt")], str(tmp_path / "d"))
+
+
+def test_prepare_data_cli_says_a_bad_line_in_one_line(tmp_path, capsys):
+    from pipekit.cli import main
+
+    src = _jsonl(tmp_path / "bad.jsonl", {"text": "ok"}, {"text": "ok"}, "{oops")
+    assert main(["prepare-data", src, "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{src}:3: not JSON" in err
+
+
+# ---- packing -----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def skewed(tmp_path):
+    """Many short documents and a few long ones (one longer than the rows), with prompts masked."""
+    rng = np.random.default_rng(0)
+    lines = [{"prompt": "p" * int(rng.integers(1, 4)), "response": "r" * int(rng.integers(1, 10))} for _ in range(40)]
+    lines += [{"text": "L" * 40}, {"prompt": "q", "response": "R" * 20}]
+    prepare_data([_jsonl(tmp_path / "mix.jsonl", *lines)], str(tmp_path / "d"), val_fraction=0.0)
+    return TokenDataset(str(tmp_path / "d"))
+
+
+def test_packed_rows_hold_whole_documents_with_their_positions(skewed):
+    S = 16
+    sampler = BatchSampler(skewed, global_batch=8, seq_len=S, seed=2, pack=True)
+    starts = np.concatenate([[0], skewed.doc_ends[:-1]])
+    for step in range(4):
+        (tokens, positions), labels = sampler.batch(step)
+        assert tokens.shape == positions.shape == labels.shape == (8, S)
+        assert tokens.dtype == positions.dtype == labels.dtype == torch.int64
+        for row, pieces in enumerate(sampler.plan(step)):
+            at = 0
+            for first, n in pieces:
+                d = int(np.searchsorted(skewed.doc_ends, first, side="right"))  # the document it is a piece of
+                assert starts[d] <= first and first + n < skewed.doc_ends[d]
+                assert (first - starts[d]) % S == 0  # pieces of a long document are cut every S places
+                assert positions[row, at:at + n].tolist() == list(range(n))
+                seg = skewed.tokens[first:first + n + 1].astype(np.int64)
+                assert tokens[row, at:at + n].tolist() == seg[:-1].tolist()
+                want = np.where(skewed.mask[first + 1:first + n + 1] == 1, seg[1:], -100)
+                assert labels[row, at:at + n].tolist() == want.tolist()
+                at += n
+            assert at <= S and (labels[row, at:] == -100).all() and positions[row, at:].tolist() == list(range(S - at))
+    assert any(n == S for p in sampler.plan(0) + sampler.plan(1) for _, n in p)  # the long ones were cut
+
+
+def test_packed_sampler_is_deterministic_dp_invariant_and_resumes(skewed):
+    whole = BatchSampler(skewed, 8, 12, seed=3, pack=True)
+    batches = [next(whole) for _ in range(3)]
+    for dp in (2, 4):
+        ranks = [BatchSampler(skewed, 8, 12, r, dp, seed=3, pack=True) for r in range(dp)]
+        for (x, p), y in batches:
+            rows = [next(r) for r in ranks]
+            assert torch.equal(torch.cat([got[0][0] for got in rows]), x)
+            assert torch.equal(torch.cat([got[0][1] for got in rows]), p)
+            assert torch.equal(torch.cat([got[1] for got in rows]), y)
+    resumed = BatchSampler(skewed, 8, 12, seed=3, pack=True, start_step=2)
+    assert all(torch.equal(a, b) for a, b in zip(next(resumed)[0], batches[2][0]))
+    assert whole.state_dict() == {"step": 3, "seed": 3, "global_batch": 8, "seq_len": 12, "pack": True}
+    with pytest.raises(ValueError, match="sampler state has pack=True but this sampler has pack=False"):
+        BatchSampler(skewed, 8, 12, seed=3).load_state_dict(whole.state_dict())
+
+
+def test_packing_needs_the_documents_ends(dataset):
+    meta_path = os.path.join(dataset.data_dir, "meta.json")
+    meta = json.loads(open(meta_path).read())
+    del meta["doc_ends"]  # as a dataset prepared before packing existed
+    with open(meta_path, "w") as fh:
+        json.dump(meta, fh)
+    old = TokenDataset(dataset.data_dir)
+    assert old.doc_ends is None
+    BatchSampler(old, 4, 8).batch(0)  # unpacked: as always
+    with pytest.raises(ValueError, match="data.pack needs the documents' ends, which the 'train' split of .* was "
+                                         "prepared without"):
+        BatchSampler(old, 4, 8, pack=True)

@@ -9,7 +9,7 @@ from torch import nn
 
 from .linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from .parallel import current_tp_group, group_size
-from .rotary import apply_rotary, rotary_cos_sin
+from .rotary import apply_rotary, rotary_cos_sin, rotary_cos_sin_at
 
 
 def check_heads(dim: int, n_heads: int, n_kv_heads: int, tp: int) -> None:
@@ -36,6 +36,13 @@ class CausalSelfAttention(nn.Module):
     one backward (the input's `copy_to_tp`, shared by q, k and v).
     Rotary embedding (Llama) when `rope_theta` is not None; none for GPT-2.
     `out_init_std` (default `init_std`) initialises `o`.
+
+    Packed documents: `forward(x, positions=...)` with each token's position in its
+    document (B, T) int64 (a document starts where the position is not the one before
+    plus 1; see `document_mask`): the rotary embedding is taken at those positions and
+    attention is causal within each document only (a block-diagonal boolean mask). The
+    positions are whole on every tp rank (with sequence parallelism too: attention
+    sees all T). Without them, plain causal attention (`is_causal=True`), as always.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, bias: bool = True,
@@ -55,7 +62,7 @@ class CausalSelfAttention(nn.Module):
         self.v = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, bias=bias, init_std=init_std, group=group)
         self.o = RowParallelLinear(n_heads * self.head_dim, dim, bias=bias, init_std=out_std, group=group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # one backward all-reduce for q, k and v together; sequence-parallel: the all-gather of the
         # sequence slices (B, T/tp, dim) -> (B, T, dim), so attention and the rotary positions see all T
         # (only the slice is saved for backward, gathered again there)
@@ -63,12 +70,30 @@ class CausalSelfAttention(nn.Module):
         q = einops.rearrange(q, "b t (h d) -> b h t d", d=self.head_dim)  # (B, H/tp, T, hd)
         k = einops.rearrange(k, "b t (h d) -> b h t d", d=self.head_dim)  # (B, KV/tp, T, hd)
         v = einops.rearrange(v, "b t (h d) -> b h t d", d=self.head_dim)
-        if self.rope_theta is not None:
+        if self.rope_theta is not None and positions is None:
             cos, sin = rotary_cos_sin(q.shape[2], self.head_dim, self.rope_theta, q.device, q.dtype)
             q, k = apply_rotary(q, k, cos, sin)
+        elif positions is not None and self.rope_theta is not None:  # packed: at positions in documents
+            cos, sin = rotary_cos_sin_at(positions, self.head_dim, self.rope_theta, q.dtype)  # (B, T, hd)
+            q, k = apply_rotary(q, k, cos.unsqueeze(1), sin.unsqueeze(1))  # tables (B, 1, T, hd)
         if self.local_kv_heads != self.local_heads:  # query head i uses kv head i // r
             r = self.local_heads // self.local_kv_heads
             k = einops.repeat(k, "b h t d -> b (h r) t d", r=r)  # (B, H/tp, T, hd)
             v = einops.repeat(v, "b h t d -> b (h r) t d", r=r)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
+        if positions is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions))
         return self.o(einops.rearrange(y, "b h t d -> b t (h d)"))  # (B, T, H/tp * hd)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed documents: (B, 1, T, T) bool, True where query t may
+    attend to key s: s <= t and both in the same document. Positions (B, T) int64; a
+    document starts at t = 0 and wherever positions[t] != positions[t-1] + 1."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    doc = starts.cumsum(dim=1)  # (B, T): the document index of each token
+    T = positions.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()
+    return ((doc.unsqueeze(2) == doc.unsqueeze(1)) & causal).unsqueeze(1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +33,11 @@ class TransformerBlock(nn.Module):
     norm module gets the plain add.
     Communication: that of the parts; for the dense ones, two all-reduces forward
     (attn.o, the MLP's output layer) and the backward all-reduces of their inputs.
+
+    Packed documents: the input may be `(x, positions)`, each token's position in its
+    document (B, T) int64; attention gets them (`attn(h, positions=positions)`) and the
+    block gives `(out, positions)`, so they travel on to the next block (and across
+    stage boundaries, forward only). A plain tensor in: a plain tensor out, as always.
     """
 
     def __init__(self, dim: int, *, norm: Callable[[int], nn.Module], attn: Callable[..., nn.Module],
@@ -49,8 +55,14 @@ class TransformerBlock(nn.Module):
             mark_sequence_parallel(*self.norm1.parameters(), *self.norm2.parameters())
         self._fused_add = isinstance(self.norm2, (RMSNorm, LayerNorm))  # a norm that takes residual=
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Any:
+        if isinstance(x, tuple):  # packed documents: (hidden, positions)
+            hidden, positions = x
+            return self._forward(hidden, positions), positions
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        a = self.attn(self.norm1(x)) if positions is None else self.attn(self.norm1(x), positions=positions)
         if self._fused_add:  # x + a and its norm in one pass (bitwise the two steps on the reference side)
             h, x = self.norm2(a, residual=x)
         else:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,8 @@ class VocabParallelEmbedding(TensorParallelModule):
     communication (each rank's table gets the gradient of its own ids only).
     Sequence-parallel (`sequence_parallel`): ids (B, T), the parts are reduce-scattered
     along T instead, and the output is this rank's slice (B, T/tp, embedding_dim).
+    Packed documents: the input `(ids, positions)` gives `(embedding, positions)`, the
+    positions (B, T) passed on whole for the blocks' attention.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float = 0.02, group=None):
@@ -29,7 +33,12 @@ class VocabParallelEmbedding(TensorParallelModule):
         self.vocab_start = group_rank(self.group) * self.rows_per_rank
         self.weight = sharded_parameter(normal_full((num_embeddings, embedding_dim), init_std), 0, self.group)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Any:
+        if isinstance(ids, tuple):  # packed documents: (ids, positions)
+            return self._embed(ids[0]), ids[1]
+        return self._embed(ids)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start

@@ -21,6 +21,16 @@ but in training it passes the hidden states through and the loss
 (`FusedLinearCrossEntropy`, `zoo_loss`) multiplies them by the head's weight
 chunk by chunk, so the (B, T, Vp/tp) logits never exist; in eval the head gives
 its logits as without it (eval_batch's outputs, generate).
+
+Packed documents (`data.pack`): a zoo model also takes `(ids, positions)`, each
+token's position in its document (B, T) int64. The embedding gives `(hidden,
+positions)`, every block hands the positions to attention (rotary and learned
+positions at them, attention within each document) and passes them on, across stage
+boundaries too (an integer tensor: forward only), and the final norm
+(`FinalRMSNorm`, `FinalLayerNorm`) drops them, so the head sees (B, T, D) as always.
+Fed a plain ids tensor, the same model computes what it always did.
+Limits: MoE blocks route the padding tokens of a packed row like any other (they
+count in the balancing loss and take expert capacity).
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ import torch.nn.functional as F
 from ..layers import (
     ColumnParallelLinear,
     FusedLinearCrossEntropy,
+    LayerNorm,
+    RMSNorm,
     VocabParallelCrossEntropy,
     VocabParallelEmbedding,
     gather_from_tp,
@@ -205,6 +217,28 @@ def vocab_table_and_head(cfg) -> tuple[LayerSpec, LayerSpec]:
         head = LayerSpec(VocabParallelHead, cfg.dim, cfg.vocab_size, rows, init_std=cfg.init_std,
                          fused_loss=cfg.fused_loss)
     return embed, head
+
+
+# ---- the final norm: drops the positions of packed documents ---------------------------------
+def hidden_of(x):
+    """The hidden states of a block's output: `x`, or packed `(hidden, positions)`'s first."""
+    return x[0] if isinstance(x, tuple) else x
+
+
+class FinalRMSNorm(RMSNorm):
+    """The last RMSNorm of a model (Llama, Mixtral): `RMSNorm` of the hidden states, whose
+    input may also be packed `(hidden, positions)` (the positions stop here)."""
+
+    def forward(self, x, residual: torch.Tensor | None = None):
+        return super().forward(hidden_of(x), residual)
+
+
+class FinalLayerNorm(LayerNorm):
+    """The last LayerNorm of a model (GPT-2): `LayerNorm` of the hidden states, whose
+    input may also be packed `(hidden, positions)` (the positions stop here)."""
+
+    def forward(self, x, residual: torch.Tensor | None = None):
+        return super().forward(hidden_of(x), residual)
 
 
 # ---- parts of blocks ---------------------------------------------------------------------

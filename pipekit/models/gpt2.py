@@ -2,7 +2,7 @@
 
     [0]        TiedLayerSpec("embed", GPT2Embedding)   ids (B, T) int64 -> hidden (B, T, D)
     [1..L]     LayerSpec(TransformerBlock, **gpt2_block_parts)     (B, T, D) -> (B, T, D)
-    [L+1]      LayerSpec(LayerNorm)                                  (B, T, D) -> (B, T, D)
+    [L+1]      LayerSpec(FinalLayerNorm)                             (B, T, D) -> (B, T, D)
     [L+2]      TiedLayerSpec("embed", ..., forward_fn=tied_logits)   (B, T, D) -> (B, T, Vp/tp)
 
 The head's logits stay split over the vocabulary (rank r holds ids
@@ -45,6 +45,7 @@ from ..layers import (
 from ..layers.parallel import mark_sequence_parallel, normal_full, tp_slice
 from ..spec import LayerSpec, TiedLayerSpec
 from .common import (  # noqa: F401 - the shared helpers, importable from here as before
+    FinalLayerNorm,
     MoEConfig,
     VocabParallelHead,
     check_moe,
@@ -105,6 +106,8 @@ FLAVOURS: dict[str, GPT2Config] = {
 class GPT2Embedding(nn.Module):
     """Token ids (B, T) int64 -> wte(ids) + wpe(0..T-1), (B, T, D), full on every tp rank
     (sequence-parallel: this rank's slice along T, (B, T/tp, D), with its own positions).
+    Packed documents: `(ids, positions)` -> `(wte(ids) + wpe(positions), positions)`, each
+    token at its position in its document.
 
     `wte` is vocab-parallel (rows split over tp; one forward all-reduce), with
     `padded_vocab` rows (default: `vocab_size`); `wpe` is replicated. Both start
@@ -121,14 +124,20 @@ class GPT2Embedding(nn.Module):
         if self.wte.sequence_parallel:  # the output is this rank's sequence slice: so are wpe's rows' gradients
             mark_sequence_parallel(self.wpe.weight)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Any:
+        if isinstance(ids, tuple):  # packed documents: (ids, positions) -> (hidden, positions)
+            tokens, positions = ids
+            return self._embed(tokens, positions), positions
+        return self._embed(ids)
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         T = ids.shape[1]
         if T > self.wpe.num_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.wpe.num_embeddings} of the position table")
-        pos = torch.arange(T, device=ids.device)
+        pos = torch.arange(T, device=ids.device) if positions is None else positions  # (T,) or (B, T)
         if self.wte.sequence_parallel:  # wte gives (B, T/tp, D), this rank's slice: its positions
-            pos = tp_slice(pos, 0, self.wte.group)
-        return self.wte(ids) + self.wpe(pos)  # (B, T, D) + (T, D); sequence-parallel (B, T/tp, D)
+            pos = tp_slice(pos, pos.dim() - 1, self.wte.group)
+        return self.wte(ids) + self.wpe(pos)  # (B, T, D) + (T, D) or (B, T, D); sequence-parallel (B, T/tp, D)
 
 
 def tied_logits(module: GPT2Embedding, h: torch.Tensor, fused: bool = False) -> torch.Tensor:
@@ -159,7 +168,7 @@ def gpt2_specs(cfg: GPT2Config) -> list:
 
     blocks = [LayerSpec(TransformerBlock, cfg.dim, **{**parts, "mlp": mlp(i)}, n_layers_for_init=cfg.n_layers)
               for i in range(cfg.n_layers)]
-    return [embed, *blocks, LayerSpec(LayerNorm, cfg.dim, cfg.norm_eps), head]
+    return [embed, *blocks, LayerSpec(FinalLayerNorm, cfg.dim, cfg.norm_eps), head]
 
 
 def gpt2_block_parts(n_heads: int, hidden: int, norm_eps: float) -> dict:

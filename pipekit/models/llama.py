@@ -2,7 +2,7 @@
 
     [0]        embedding: VocabParallelEmbedding        ids (B, T) int64 -> hidden (B, T, D)
     [1..L]     LayerSpec(TransformerBlock, **llama_block_parts)    (B, T, D) -> (B, T, D)
-    [L+1]      LayerSpec(RMSNorm)                                    (B, T, D) -> (B, T, D)
+    [L+1]      LayerSpec(FinalRMSNorm)                               (B, T, D) -> (B, T, D)
     [L+2]      head: VocabParallelHead(D, V)                         (B, T, D) -> (B, T, Vp/tp)
 
 Untied (the default, as in Llama-3 8B/70B) the embedding is `layers.0.weight`
@@ -15,7 +15,9 @@ multiplies by its weight chunk by chunk (`common.zoo_loss`).
 A block is `TransformerBlock` with Llama's parts (`llama_block_parts`): RMSNorm,
 grouped-query attention without biases and with the rotary embedding, the SwiGLU
 MLP of width `hidden`. Rotary positions 0..T-1 are made inside attention from the
-sequence length (no position input travels between stages).
+sequence length (no position input travels between stages); with packed documents
+the inputs are `(ids, positions)` and the positions travel with the hidden states
+(`pipekit.models.common`: "Packed documents").
 Limits: no Llama-3.1 rope frequency scaling, no KV cache.
 """
 
@@ -28,7 +30,7 @@ from typing import Optional
 
 from ..layers import CausalSelfAttention, RMSNorm, SwiGLUMLP, TransformerBlock
 from ..spec import LayerSpec
-from .common import check_positive, padded_vocab, vocab_table_and_head, zoo_loss
+from .common import FinalRMSNorm, check_positive, padded_vocab, vocab_table_and_head, zoo_loss
 
 
 @dataclass
@@ -92,7 +94,7 @@ def llama_specs(cfg: LlamaConfig, mlp: Optional[Callable[[int], Callable]] = Non
     parts = llama_block_parts(cfg.n_heads, cfg.n_kv_heads, cfg.hidden, cfg.norm_eps, cfg.rope_theta)
     blocks = [LayerSpec(TransformerBlock, cfg.dim, **{**parts, "mlp": mlp(i) if mlp else parts["mlp"]})
               for i in range(cfg.n_layers)]
-    return [embed, *blocks, LayerSpec(RMSNorm, cfg.dim, cfg.norm_eps), head]
+    return [embed, *blocks, LayerSpec(FinalRMSNorm, cfg.dim, cfg.norm_eps), head]
 
 
 def llama_block_parts(n_heads: int, n_kv_heads: int, hidden: int, norm_eps: float, rope_theta: float) -> dict:

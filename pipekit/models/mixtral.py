@@ -2,7 +2,7 @@
 
     [0]        embedding: VocabParallelEmbedding                      ids (B, T) -> (B, T, D)
     [1..L]     LayerSpec(TransformerBlock, Llama's parts, mlp=MoE)    (B, T, D) -> (B, T, D)
-    [L+1]      LayerSpec(RMSNorm)
+    [L+1]      LayerSpec(FinalRMSNorm)
     [L+2]      head: VocabParallelHead(D, V)                          (B, T, D) -> (B, T, Vp/tp)
 
 Every block is a Llama block whose MLP is a `pipekit.moe.MoEMLP`: `n_experts`

@@ -125,7 +125,8 @@ def data_dir(cfg: Config) -> str | None:
 def batches(run: Run, topo: Topology, split: str = "train", path: str | None = None, start_step: int = 0):
     """This dp rank's (inputs, labels) batches from step `start_step` on: the same global
     batches in every layout, and after a resume. Without a dataset `path`: the toy task's
-    synthetic batches over the model's vocabulary."""
+    synthetic batches over the model's vocabulary. With data.pack, rows of whole documents
+    whose inputs are (tokens, positions) (`pipekit.data.BatchSampler`)."""
     t = run.config.train
     seed = t.seed if split == "train" else t.seed + 1
     if path is None:
@@ -136,7 +137,7 @@ def batches(run: Run, topo: Topology, split: str = "train", path: str | None = N
         return ((x[rows], y[rows]) for x, y in itertools.islice(stream, start_step, None))
     ds = TokenDataset(path, split)
     return BatchSampler(ds, run.global_batch, t.seq_len, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=seed,
-                        start_step=start_step)
+                        start_step=start_step, pack=run.config.data.pack)
 
 
 def check_vocab(run: Run, path: str | None) -> None:
