@@ -56,7 +56,9 @@ class LoraConfig:
     rank: int = 0  # the adapters' rank r (0: no adapters)
     alpha: float = 16.0  # the update is scaled by alpha / rank (PEFT's lora_alpha)
     dropout: float = 0.0  # dropout on the adapters' input (PEFT's lora_dropout)
-    targets: str = r"attn\.(q|k|v|o)$"  # a regex over the stable layer names (layers.3.attn.q, layers.3.mlp.fc)
+    # a regex over the stable layer names (layers.3.attn.q, layers.3.mlp.fc; MoE experts' grouped weights
+    # layers.3.mlp.experts.w_gate / w_up / w_down: every expert its own adapter)
+    targets: str = r"attn\.(q|k|v|o)$"
     dora: bool = False  # weight-decomposed adapters (DoRA): a learned magnitude per output row
 
 
@@ -512,16 +514,21 @@ def _check_adapters(cfg: Config, model, specs: list) -> None:
     m = cfg.model
     if not m.lora.rank and m.freeze is None:
         return
-    from .layers.lora import adaptable
+    from .layers.lora import adaptable_names
 
     linears, params = [], []
     for i, spec in enumerate(specs):
         layer = spec.build(device="meta")
         prefix = f"tied.{spec.key}." if getattr(spec, "key", None) else f"layers.{i}."
-        linears += [prefix + n for n, mod in layer.named_modules() if n and adaptable(mod)]
+        linears += [prefix + n for n in adaptable_names(layer)]
         params += [prefix + n for n, _ in layer.named_parameters()]
     if m.lora.rank:
         hit = [n for n in linears if re.search(m.lora.targets, n)]
+        experts = [n for n in hit if ".experts.w_" in n]
+        if m.lora.dora and experts:
+            raise ConfigError(f"model.lora.dora=true is not supported on MoE experts, and model.lora.targets="
+                              f"{m.lora.targets!r} matches {experts[0]}; leave the experts out of the targets "
+                              "(e.g. attn\\.(q|k|v|o)$) or set model.lora.dora=false")
         if not hit:
             kinds = sorted({n.split(".", 2)[2] for n in linears if n.startswith("layers.")})
             raise ConfigError(f"model.lora.targets={m.lora.targets!r} matches no linear layer of the {m.family} "

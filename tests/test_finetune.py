@@ -8,9 +8,10 @@ workers runs every case, each layout against the same run in one process:
 - loading at pp=2 x tp=2 and at pp=2 x dp=2 with ZeRO-3: the gathered weights equal the Hugging
   Face weights exactly, and the first loss equals transformers' loss on the same batch;
 - LoRA (and DoRA) in float64, 3 AdamW steps at pp=2 x dp=2 (ZeRO-1), pp=2 x tp=2 (ZBV),
-  pp=4 (a stage with nothing to train), pp=2 x dp=2 (ZeRO-3) and tp=2 x dp=2 (DoRA): every loss
-  and every weight equals one process within 1e-10, and the frozen weights are bitwise the
-  pretrained ones.
+  pp=4 (a stage with nothing to train), pp=2 x dp=2 (ZeRO-3) and tp=2 x dp=2 (DoRA), and a
+  Mixtral with an adapter on every expert's weights at pp=2 x dp=2 x ep=2 (ZeRO-1) and tp=2 x
+  dp=2 x ep=2 with expert tensor parallelism or sequence parallelism: every loss and every weight equals one process
+  within 1e-10, and the frozen weights are bitwise the pretrained ones.
 """
 
 from __future__ import annotations
@@ -85,12 +86,20 @@ LOADS = {  # name -> (model dir, overrides)
     "gpt2-pp2-dp2-zero3": ("gpt2", ["parallel.pp=2", "parallel.dp=2", "optimizer.zero_stage=3"]),
 }
 LORA = r"attn\.(q|k|v|o)$|mlp\.(gate|up|down)$"
+# the balancing loss on the step's loads (the same in every layout); 2 blocks x (2 + 3) adapters
+MOE = ["model.family=mixtral", "model.global_balance=true", r"model.lora.targets=attn\.(q|v)$|experts\.w_"]
 TUNES = {  # name -> overrides beside model.init=llama and LoRA
     "pp2-dp2-zero1": ["parallel.pp=2", "parallel.dp=2", "optimizer.zero_stage=1"],
     "pp2-tp2-zbv": ["parallel.pp=2", "parallel.tp=2", "schedule.name=zbv", "schedule.microbatches=4"],
     "pp4-a-stage-without-adapters": ["parallel.pp=4", "schedule.partition=0,1,2,3,6"],
     "pp2-dp2-zero3": ["parallel.pp=2", "parallel.dp=2", "optimizer.zero_stage=3"],
     "tp2-dp2-dora": ["parallel.tp=2", "parallel.dp=2", "model.lora.dora=true"],
+    # Mixtral from its own seeded weights (no model.init), LoRA on attention and on every expert's weights
+    "mixtral-pp2-dp2-ep2-zero1": [*MOE, "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "optimizer.zero_stage=1"],
+    "mixtral-tp2-dp2-ep2-expert-tp": [*MOE, "parallel.tp=2", "parallel.dp=2", "parallel.ep=2",
+                                      "parallel.expert_tp=true"],
+    "mixtral-tp2-dp2-ep2-sequence-parallel": [*MOE, "parallel.tp=2", "parallel.dp=2", "parallel.ep=2",
+                                              "parallel.sequence_parallel=true"],
 }
 BASE = [f"train.seq_len={SEQ}", "schedule.microbatches=2", "train.device=cpu"]
 
@@ -130,17 +139,18 @@ def _tune_case(model_dir: str, overrides: list[str]) -> dict:
     from pipekit.precision import default_dtype
     from pipekit.testing import Reference
 
-    common = [f"model.init={model_dir}", "train.dtype=float64", "model.lora.rank=4", "model.lora.alpha=8",
-              f"model.lora.targets={LORA}", "optimizer.lr=0.02", "optimizer.warmup_steps=0",
-              "optimizer.clip_grad_norm=1.0", f"train.steps={STEPS}"]
-    dora, dp = [o for o in overrides if o.startswith("model.lora")], _dp(overrides)
+    moe = "model.family=mixtral" in overrides
+    common = [f"model.init={model_dir}" if not moe else "model.family=mixtral", "train.dtype=float64",
+              "model.lora.rank=4", "model.lora.alpha=8", f"model.lora.targets={LORA}", "optimizer.lr=0.02",
+              "optimizer.warmup_steps=0", "optimizer.clip_grad_norm=1.0", f"train.steps={STEPS}"]
+    dora, dp = [o for o in overrides if o.startswith("model.")], _dp(overrides)  # the model: the same on both sides
     with default_dtype(torch.float64):
         _, ref = _engine([*common, *dora, f"train.micro_batch={ROWS // 2}"], alone=True)
         before = full_state_dict(ref.module)
         _, engine = _engine([*common, *overrides, f"train.micro_batch={ROWS // 2 // dp}"])
         losses = []
         for step in range(STEPS):
-            batch = _batch(seed=10 + step)
+            batch = _batch(vocab=256 if moe else 300, seed=10 + step)
             mine = engine.train_batch(iter([Reference.rows(batch, engine.module.topology)]), reduce_loss=True)
             theirs = ref.train_batch(iter([batch]), reduce_loss=True)
             losses.append(abs(mine - theirs))
@@ -199,7 +209,46 @@ def test_lora_equals_one_process_and_the_frozen_weights_stay_bitwise(results, ca
     for rank, out in enumerate(per_rank):
         got = out[case]
         assert got["names"] == [], (rank, got["names"])
-        assert got["n_adapters"] == 3 * 7 * 2 + (3 * 7 if "dora" in case else 0), got["n_adapters"]
+        want = 2 * 5 * 2 if "mixtral" in case else 3 * 7 * 2 + (3 * 7 if "dora" in case else 0)
+        assert got["n_adapters"] == want, got["n_adapters"]
         assert got["moved"] > 1e-3, got  # the adapters trained
         assert got["loss"] < 1e-10 and got["adapters"] < 1e-10, (rank, got)
         assert got["frozen_bitwise"], rank
+
+
+def test_expert_adapters_merge_into_their_experts_exactly(float64):
+    """Every expert's own adapter (A (E, in, r), B (E, r, out)) folds into its grouped weight:
+    the merged model's logits are the adapted model's."""
+    from pipekit.checkpoint import full_state_dict, load_full_state_dict
+    from pipekit.layers.lora import add_adapters, merge_adapters
+    from pipekit.models import get_model, model_specs
+    from pipekit.pipeline import PipelineModule
+
+    specs = model_specs(get_model("mixtral", "tiny"))
+    adapted = PipelineModule(specs, seed=3).eval()
+    names = add_adapters(adapted, r"experts\.w_(gate|down)", rank=4, alpha=8.0, seed=1)
+    assert names == [f"layers.{i}.mlp.experts.w_{w}" for i in (1, 2) for w in ("gate", "down")]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in adapted.named_parameters():
+            if n.endswith("_lora_B"):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.1)  # B starts at zero: make it count
+    assert all(p.requires_grad == (".lora." in n) for n, p in adapted.named_parameters())
+    x = torch.randint(0, 256, (2, 12), generator=g)
+    merged = PipelineModule(specs, seed=3).eval()
+    load_full_state_dict(merged, merge_adapters(full_state_dict(adapted), 2.0))
+    plain = PipelineModule(specs, seed=3).eval()
+    assert (merged(x) - adapted(x)).abs().max().item() < 1e-12
+    assert (plain(x) - adapted(x)).abs().max().item() > 1e-3  # the adapters changed the model
+
+
+def test_what_expert_adapters_refuse():
+    from pipekit.config import ConfigError, load_run
+
+    with pytest.raises(ConfigError, match=r"dora=true is not supported on MoE experts.*layers\.1\.mlp\.experts\.w_"):
+        load_run(None, ["model.family=mixtral", "model.lora.rank=4", "model.lora.dora=true",
+                        r"model.lora.targets=experts"])
+    with pytest.raises(ConfigError, match=r"matches no linear layer .*mlp\.experts\.w_gate"):
+        load_run(None, ["model.family=mixtral", "model.lora.rank=4", "model.lora.targets=nothing_here"])
+    run = load_run(None, ["model.family=mixtral", "model.lora.rank=4", r"model.lora.targets=experts\.w_up"])
+    assert run.config.model.lora.targets == r"experts\.w_up"

@@ -40,6 +40,7 @@ carries `tp_shard_dim` and every tp rank runs its experts whole.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +159,8 @@ class Experts(nn.Module):
         for name, p in _expert_parameters(shapes, self.first, self.n_local, seed, tp_group).items():
             self.register_parameter(name, p)
         self.bias = bias
+        self.adaptable_weights = tuple(w for w in shapes if w.startswith("w_"))  # what LoRA may adapt
+        self.lora: Any = None  # a `pipekit.layers.lora.ExpertLoRA` once `add_adapters` gives it one
 
     @property
     def tp_group(self):
@@ -179,16 +182,26 @@ class Experts(nn.Module):
         return new
 
     def forward(self, x_ND: torch.Tensor, sizes: Sizes) -> torch.Tensor:
-        mm, group = GEMMS[self.gemm], self.tp_group
+        group = self.tp_group
         x_ND = copy_to_tp(x_ND, group)  # expert-TP: each rank's hidden slice adds to the input's gradient
         if self.activation == "swiglu":
-            h_NH = swiglu(mm(x_ND, self.w_gate, sizes), mm(x_ND, self.w_up, sizes))  # (N, hidden/tp)
-            return reduce_from_tp(mm(h_NH, self.w_down, sizes), group)
+            h_NH = swiglu(self._mm(x_ND, "w_gate", sizes), self._mm(x_ND, "w_up", sizes))  # (N, hidden/tp)
+            return reduce_from_tp(self._mm(h_NH, "w_down", sizes), group)
         rows_N = group_of_rows(sizes, x_ND.shape[0], x_ND.device)
-        h_NH = mm(x_ND, self.w_fc, sizes)  # (N, hidden/tp)
+        h_NH = self._mm(x_ND, "w_fc", sizes)  # (N, hidden/tp)
         h_NH = F.gelu(h_NH + self.b_fc[rows_N] if self.bias else h_NH, approximate="tanh")
-        y_ND = reduce_from_tp(mm(h_NH, self.w_proj, sizes), group)  # partial sums over the hidden slices
+        y_ND = reduce_from_tp(self._mm(h_NH, "w_proj", sizes), group)  # partial sums over the hidden slices
         return y_ND + self.b_proj[rows_N] if self.bias else y_ND
+
+    def _mm(self, x: torch.Tensor, weight: str, sizes: Sizes) -> torch.Tensor:
+        """Each row of `x` times its expert's `weight`, plus the adapter's update when it has one
+        (added to the partial product, before expert-TP's sum, as the weight's own)."""
+        mm = GEMMS[self.gemm]
+        y = mm(x, getattr(self, weight), sizes)
+        lora = self.lora
+        if lora is not None and weight in lora.weights:
+            y = y + lora.delta(weight, x, sizes, mm)
+        return y
 
     def extra_repr(self) -> str:
         split = f", hidden split over tp={group_size(self.tp_group)}" if self.tp_group is not None else ""
