@@ -3,7 +3,8 @@
 One spawned group of 4 gloo ranks runs every multi-rank check: a run saved
 every 2 steps at pp=2 x dp=2 (ZeRO-1), resumed at the same layout (bitwise the
 same losses) and at pp=1 x tp=2 x dp=2 (ZeRO-2, GPipe) and pp=2 x tp=2 (interleaved, 2 chunks per rank);
-the parent resumes the same checkpoint in one process.
+the parent resumes the same checkpoint in one process. A LoRA run (adapters on every linear of
+the blocks) saved at pp=2 x dp=2 resumes at tp=2 x dp=2 and in one process on the same curve.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ LAYOUTS = {
 }
 
 
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", r"model.lora.targets=attn\.(q|k|v|o)$|mlp\.", "optimizer.lr=3e-2"]
+
+
 def losses(out: str) -> dict[int, float]:
     recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return {r["step"]: r["loss"] for r in recs if "step" in r}
@@ -68,6 +72,11 @@ def _group_checks(tmp: str) -> dict:
                          f"checkpoint.dir={tmp}/tp_ckpt")
     results["interleaved"] = _run("pp2_tp2_interleaved", os.path.join(tmp, "il"),
                                   f"train.resume={tmp}/tp_ckpt/step_00000004", f"checkpoint.dir={tmp}/il_ckpt")
+    # LoRA: adapters and their optimizer state saved at pp=2 x dp=2, resumed at tp=2 x dp=2
+    lora = os.path.join(tmp, "lora")
+    results["lora"] = _run("pp2_dp2_zero1", lora, *LORA)
+    results["lora_tp"] = _run("tp2_dp2_zero2_gpipe", os.path.join(tmp, "lora_tp"), *LORA,
+                              f"train.resume={lora}/checkpoints/step_00000002", f"checkpoint.dir={tmp}/lora_tp_ckpt")
     return results
 
 
@@ -114,6 +123,26 @@ def test_weights_read_back_in_one_process_equal_the_saved_model(group):
     assert set(weights) == set(final)
     for name, t in final.items():
         assert torch.equal(weights[name], t), name
+
+
+def test_lora_resumes_at_another_layout_and_in_one_process_on_the_same_curve(group, tmp_path):
+    """The adapters and their AdamW moments are in the checkpoint, layout-free: resumed at
+    tp=2 x dp=2 (ZeRO-2) and in one process, the losses are the uninterrupted run's; the
+    frozen weights are bitwise those the run started from."""
+    tmp, r = group
+    assert list(r["lora_tp"]) == [3, 4, 5, 6]
+    one = _run("one_process", str(tmp_path / "one"), *LORA, f"train.resume={tmp}/lora/checkpoints/step_00000004")
+    assert list(one) == [5, 6]
+    for name, got in (("tp", r["lora_tp"]), ("one process", one)):
+        for step, loss in got.items():
+            assert loss == pytest.approx(r["lora"][step], abs=1e-6), (name, step)
+    assert abs(r["lora"][6] - r["lora"][1]) > 1e-3  # the adapters trained
+    _, start = load_full_weights(os.path.join(tmp, "lora", "checkpoints", "step_00000002"))
+    _, end = load_full_weights(os.path.join(tmp, "lora_tp_ckpt", "step_00000006"))
+    adapters = [k for k in end if ".lora." in k]
+    assert len(adapters) == 2 * 6 * 2  # 2 blocks x (q, k, v, o, fc, proj) x (A, B)
+    assert all(torch.equal(end[k], start[k]) for k in end if ".lora." not in k)  # frozen: bitwise
+    assert max((end[k] - start[k]).abs().max().item() for k in adapters) > 1e-3
 
 
 # ---- one process -------------------------------------------------------------
