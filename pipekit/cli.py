@@ -4,7 +4,7 @@
     pipekit plan --schedule 1f1b --pp 4 --microbatches 8 [--virtual 2] [--json] [--trace F.json] [--png F.png]
     pipekit prepare-data FILES_OR_DIRS --out DIR [--tokenizer tokenizer.json|TOKENIZER_DIR]
     pipekit convert --from-hf HF_DIR --out model.pt | --to-hf model.pt|CHECKPOINT --out HF_DIR
-    pipekit generate runs/x/model.pt|runs/x/checkpoints[/step_N] --prompt "def "
+    pipekit generate runs/x[/model.pt|/checkpoints[/step_N]]|HF_DIR --prompt "def " [--chat] [--tokenizer T]
     pipekit env
 """
 
@@ -40,9 +40,9 @@ def _prepare_data(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     try:
         text = generate_text(args.checkpoint, args.prompt, args.max_new_tokens, args.temperature, args.top_k,
-                             args.seed)
-    except ImportError as e:  # the model's tokenizer.json needs the optional tokenizers package
-        if e.name != "tokenizers":
+                             args.seed, chat=args.chat, tokenizer=args.tokenizer)
+    except ImportError as e:  # the model's tokenizer.json needs the optional tokenizers package (--chat: transformers)
+        if e.name not in ("tokenizers", "transformers"):
             raise
         print(f"pipekit generate: {e}", file=sys.stderr)
         return 2
@@ -174,13 +174,25 @@ def parser() -> argparse.ArgumentParser:
     _add_convert_args(c)
     c.set_defaults(fn=_convert)
 
-    g = sub.add_parser("generate", help="sample text from a trained model.pt or a checkpoint")
-    g.add_argument("checkpoint")
+    g = sub.add_parser("generate", help="sample text from a trained model (model.pt, a checkpoint, a run dir) "
+                                        "or a Hugging Face model dir, with a KV cache")
+    g.add_argument("checkpoint", metavar="MODEL",
+                   help="runs/x/model.pt, a checkpoint (checkpoints/step_N, or checkpoints/ for the newest), a run "
+                        "dir runs/x (its model.pt, else its checkpoints), or a Hugging Face model dir (config.json "
+                        "+ safetensors/bin, its tokenizer.json beside them)")
     g.add_argument("--prompt", default="")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="at most this many new tokens (fewer at the tokenizer's end-of-text token); prompt + new "
+                        "tokens must fit in the model's max_seq_len (default: 200, or as many as fit)")
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy (default: 0.8)")
+    g.add_argument("--top-k", type=int, default=50, help="0: no top-k cut (default: 50)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--chat", action="store_true",
+                   help="render the prompt as one user message with the tokenizer's chat template "
+                        "(generation prompt added) and print the reply alone")
+    g.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json or tokenizer dir instead of the model's own (the one it was trained with, "
+                        "or the HF dir's)")
     g.set_defaults(fn=_generate)
 
     e = sub.add_parser("env", help="report versions and usable backends")

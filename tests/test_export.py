@@ -158,7 +158,8 @@ NOT_EXPORTABLE = [  # (id, source: under the runs or this test's dir, what the o
     ("run-dir", "runs/gpt2", "is a directory, but not a checkpoint: it holds a run; give"),
 ]
 ROWS = [pytest.param("convert", source, said, id=f"convert-{i}") for i, source, said in NOT_EXPORTABLE] + [
-    pytest.param("generate", source, said, id=f"generate-{i}") for i, source, said in NOT_EXPORTABLE if i != "toy"]
+    pytest.param("generate", source, said, id=f"generate-{i}") for i, source, said in NOT_EXPORTABLE
+    if i not in ("toy", "run-dir")]  # generate reads a run dir as its model.pt (below)
 
 
 @pytest.mark.parametrize("command, source, said", ROWS)
@@ -185,12 +186,12 @@ def test_what_is_not_a_checkpoint_gets_one_line_status_2_and_changes_nothing(
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_generate_from_a_checkpoint_continues_the_prompt_as_model_pt_does(runs, family, capsys):
     texts = []
-    for src in (STEP2, "checkpoints", "model.pt"):
+    for src in (STEP2, "checkpoints", "model.pt", "."):  # ".": the run dir, read as its model.pt
         assert main(["generate", str(runs[family] / src), "--prompt", "12", "--max-new-tokens", "6",
                      "--temperature", "0"]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0].startswith("12") and len(texts[0]) > len("12\n")
-    assert texts[0] == texts[1] == texts[2], "greedy sampling from the same weights"
+    assert texts[0] == texts[1] == texts[2] == texts[3], "greedy sampling from the same weights"
 
 
 def test_a_checkpoint_names_the_tokenizer_model_pt_would(tmp_path, capsys):

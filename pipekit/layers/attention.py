@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kv_cache import active_kv_cache
 from .linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
 from .parallel import current_tp_group, group_size
 from .rotary import apply_rotary, rotary_cos_sin, rotary_cos_sin_at
@@ -43,6 +44,14 @@ class CausalSelfAttention(nn.Module):
     attention is causal within each document only (a block-diagonal boolean mask). The
     positions are whole on every tp rank (with sequence parallelism too: attention
     sees all T). Without them, plain causal attention (`is_causal=True`), as always.
+
+    Incremental decoding (`pipekit.layers.kv_cache`): inside `with kv_cache(max_len):`
+    the input is the new tokens only, with their absolute positions (which must continue
+    at the cached length); their keys and values (rotated, before the kv heads are
+    repeated) are appended to this module's slot and the queries attend over every
+    cached key, the query at position p to keys 0..p (`KVCache.append`'s mask, not
+    `document_mask`, which would take the offset for a new document). Outside such a
+    block the cache is never consulted.
     """
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, bias: bool = True,
@@ -76,14 +85,21 @@ class CausalSelfAttention(nn.Module):
         elif positions is not None and self.rope_theta is not None:  # packed: at positions in documents
             cos, sin = rotary_cos_sin_at(positions, self.head_dim, self.rope_theta, q.dtype)  # (B, T, hd)
             q, k = apply_rotary(q, k, cos.unsqueeze(1), sin.unsqueeze(1))  # tables (B, 1, T, hd)
+        cache, mask = active_kv_cache(), None
+        if cache is not None:  # incremental decoding: attend over the cached keys too
+            if positions is None:
+                raise ValueError("attention with a KV cache needs the new tokens' positions: feed (ids, positions)")
+            k, v, mask = cache.append(self, k, v, positions)  # (B, KV/tp, S, hd); mask (B, 1, T, S)
+        elif positions is not None:
+            mask = document_mask(positions)
         if self.local_kv_heads != self.local_heads:  # query head i uses kv head i // r
             r = self.local_heads // self.local_kv_heads
-            k = einops.repeat(k, "b h t d -> b (h r) t d", r=r)  # (B, H/tp, T, hd)
+            k = einops.repeat(k, "b h t d -> b (h r) t d", r=r)  # (B, H/tp, T or S, hd)
             v = einops.repeat(v, "b h t d -> b (h r) t d", r=r)
-        if positions is None:
+        if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H/tp, T, hd)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions))
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o(einops.rearrange(y, "b h t d -> b t (h d)"))  # (B, T, H/tp * hd)
 
 

@@ -3,9 +3,10 @@
 The head dim is treated as two halves [x1, x2]; frequency i (i < head_dim/2)
 rotates the pair (x1[i], x2[i]) by angle pos * theta^(-2i/head_dim). Positions
 are 0..seq_len-1 (`rotary_cos_sin`), or given per token (`rotary_cos_sin_at`:
-packed documents, each restarting at 0; the same table row for the same position,
-bitwise). Not implemented: Llama-3's frequency scaling ("rope_scaling"
-with factor / low and high frequency factors) and position offsets (no KV cache).
+packed documents, each restarting at 0, and the new tokens of incremental decoding at
+L..L+n-1 behind a KV cache; the same table row for the same position, bitwise). Not
+implemented: Llama-3's frequency scaling ("rope_scaling" with factor / low and high
+frequency factors).
 
 `apply_rotary` and `rotate_half` live in `pipekit.kernels.rotary` (the Triton kernel
 beside its reference, which is the math this file always had) and are re-exported here.

@@ -17,8 +17,10 @@ grouped-query attention without biases and with the rotary embedding, the SwiGLU
 MLP of width `hidden`. Rotary positions 0..T-1 are made inside attention from the
 sequence length (no position input travels between stages); with packed documents
 the inputs are `(ids, positions)` and the positions travel with the hidden states
-(`pipekit.models.common`: "Packed documents").
-Limits: no Llama-3.1 rope frequency scaling, no KV cache.
+(`pipekit.models.common`: "Packed documents"). Generation feeds the new tokens alone at
+their positions under a KV cache (`pipekit.layers.kv_cache`, `pipekit generate`).
+Limits: no Llama-3.1 rope frequency scaling; the KV cache is for one process (no pipeline
+stages), at most max_seq_len positions.
 """
 
 from __future__ import annotations
