@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import asdict
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .atomic import publish, publish_dir, remove, torch_save_atomic, write_atomic
@@ -370,11 +370,95 @@ def _mapped_model_file(path: str) -> dict:
     return obj
 
 
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}  # safetensors' dtype names
+
+
+class SafetensorsReader:
+    """One .safetensors file, read with plain reads at the offsets its header gives.
+
+    A tensor, or a block of its rows and columns, is read into memory this process owns
+    only while it is copied on, so a rank's resident memory holds its own tensors and one
+    block, never the file: a memory map (safetensors' `safe_open`) would keep every page it
+    touched resident until the file is closed. The format is a little-endian u64 header
+    length, a JSON header {name: {dtype, shape, data_offsets}}, then the bytes."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if not 2 <= n <= size - 8:
+                    raise ValueError(f"header length {n} in a file of {size} bytes")
+                header = json.loads(fh.read(n))
+            self.base = 8 + n
+            self.meta = {k: v for k, v in header.items() if k != "__metadata__"}
+            for name, m in self.meta.items():
+                begin, end = m["data_offsets"]
+                want = _ST_DTYPES[m["dtype"]].itemsize * _numel(m["shape"])
+                if end - begin != want or self.base + end > size:
+                    raise ValueError(f"{name}: {end - begin} bytes at {begin} for {want}, in {size}")
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise ValueError(f"weights file {path} is not readable: truncated, corrupt or not a weights file "
+                             f"({type(e).__name__} while reading it)") from e
+
+    def keys(self):
+        return self.meta.keys()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.meta[name]["shape"])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor `name`, in the file's dtype."""
+        m = self.meta[name]
+        out = torch.empty(m["shape"], dtype=_ST_DTYPES[m["dtype"]])
+        self.read_into(name, out, [(0, n) for n in m["shape"]])
+        return out
+
+    def read_into(self, name: str, dst: torch.Tensor, ranges: list[tuple[int, int]],
+                  block_bytes: int = 8 << 20) -> int:
+        """Copy rows ranges[0] (and, of a 2-d tensor, columns ranges[1]) of tensor `name` into
+        `dst` (of the slice's shape, any dtype and strides: cast on the copy), `block_bytes` of
+        whole rows at a time; returns the bytes read."""
+        m = self.meta[name]
+        shape, dtype = m["shape"], _ST_DTYPES[m["dtype"]]
+        if not shape:  # a scalar: one row of one element
+            shape, dst, ranges = [1], dst.reshape(1), [(0, 1)]
+        row_numel = _numel(shape[1:])
+        row_bytes = row_numel * dtype.itemsize
+        (r0, r1), cols = ranges[0], (ranges[1] if len(ranges) > 1 and len(shape) == 2 else None)
+        step = max(1, min(r1 - r0, block_bytes // max(1, row_bytes)))
+        done = 0
+        whole = torch.empty(step * row_bytes, dtype=torch.uint8)  # one buffer for every block
+        with open(self.path, "rb", buffering=0) as fh:
+            for r in range(r0, r1, step):
+                rr = min(r1, r + step)
+                buf = whole[: (rr - r) * row_bytes]
+                fh.seek(self.base + m["data_offsets"][0] + r * row_bytes)
+                if fh.readinto(buf.numpy()) != buf.numel():  # type: ignore[arg-type]  # an ndarray is a buffer
+                    raise ValueError(f"weights file {self.path} is truncated in {name}")
+                block = buf.view(dtype).reshape(rr - r, *shape[1:])
+                if cols is not None:
+                    block = block[:, cols[0]:cols[1]]
+                dst[r - r0:rr - r0].copy_(block)
+                done += buf.numel()
+        return done
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
 class LazyWeights(Mapping):
     """The tensors of a Hugging Face model dir by name, each read from its file when it is asked
-    for (safetensors: that tensor alone; a pytorch_model.bin: memory-mapped), never all at once.
-    The names are the files' own (`_weight_files`, each opened once); `bytes_read` counts what
-    was read."""
+    for (safetensors: that tensor alone, by `SafetensorsReader`; a pytorch_model.bin:
+    memory-mapped), never all at once. The names are the files' own (`_weight_files`, each
+    opened once); `bytes_read` counts what was read."""
 
     def __init__(self, path: str):
         self.path, self.bytes_read = path, 0
@@ -387,19 +471,24 @@ class LazyWeights(Mapping):
             full = os.path.join(self.path, name)
             if not os.path.isfile(full):
                 raise FileNotFoundError(f"weights file {full} is missing (named by the model dir's .index.json)")
+            if name.endswith(".safetensors"):
+                self._open[name] = SafetensorsReader(full)
+                return self._open[name]
             try:
-                if name.endswith(".safetensors"):
-                    self._open[name] = safe_open(full, framework="pt", device="cpu")
-                else:
-                    self._open[name] = torch.load(full, map_location="cpu", weights_only=True, mmap=True)
-            except (SafetensorError, pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+                self._open[name] = torch.load(full, map_location="cpu", weights_only=True, mmap=True)
+            except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
                 raise ValueError(f"weights file {full} is not readable: truncated, corrupt or not a weights file "
                                  f"({type(e).__name__} while reading it)") from e
         return self._open[name]
 
+    def reader(self, name: str) -> SafetensorsReader | None:
+        """The safetensors reader of the file holding `name` (None: not a safetensors file)."""
+        h = self._handle(self._file_of[name])
+        return h if isinstance(h, SafetensorsReader) else None
+
     def __getitem__(self, name: str) -> torch.Tensor:
         h = self._handle(self._file_of[name])
-        t = h.get_tensor(name) if hasattr(h, "get_tensor") else h[name]
+        t = h.get_tensor(name) if isinstance(h, SafetensorsReader) else h[name]
         self.bytes_read += t.numel() * t.element_size()
         return t
 
@@ -413,6 +502,63 @@ class LazyWeights(Mapping):
         return name in self._file_of
 
 
+def _region(module, name: str, t: torch.Tensor, full_shape: tuple[int, ...]):
+    """(the tensor to write, the (start, stop) of each dim of the full tensor it holds) of this
+    rank's `t`: its tp and ep slices (torch.chunk's), and under ZeRO-3 its own dim-0 rows
+    of those (FSDP's local tensor)."""
+    from .checkpoint import _axis, _shard_dim
+    from .optim.fsdp import _rows, shard_group, sharded
+
+    ranges = [(0, n) for n in full_shape]
+    for dim, axis in _shard_dim(t):
+        size, index, _ = _axis(module, axis)
+        a, b = ranges[dim]
+        c = -(-(b - a) // size)
+        ranges[dim] = (a + min(index * c, b - a), a + min((index + 1) * c, b - a))
+    dst = t.data
+    if sharded(t):
+        group = shard_group(t)
+        a, b = ranges[0]
+        lo, hi = _rows(b - a, torch.distributed.get_world_size(group), torch.distributed.get_rank(group))
+        ranges[0] = (a + lo, a + hi)
+        dst = t.to_local()  # type: ignore[attr-defined]  # a DTensor
+    return dst, ranges
+
+
+def _read_direct(module, adapter, weights: LazyWeights, local: dict) -> set[str]:
+    """Read straight into this rank's tensors those that are one Hugging Face tensor under another
+    name (or transposed: GPT-2's Conv1D) in a safetensors file: only the rows and columns this
+    rank holds, a block at a time, cast on the copy, padded vocabulary rows zero. Returns the
+    names set; the others (fused or stacked in Hugging Face, shapes that disagree) are left
+    to `adapter.from_hf`."""
+    done = set()
+    expected = adapter.shapes()
+    with torch.no_grad():
+        for ours, (theirs, transposed) in adapter.renamed(weights).items():
+            t = local.get(ours)
+            reader = weights.reader(theirs) if t is not None and theirs in weights else None
+            if t is None or reader is None or ours not in expected or len(expected[ours]) > 2:
+                continue
+            full = tuple(expected[ours])
+            hf_shape = reader.shape(theirs)
+            pipekit_rows = hf_shape[::-1] if transposed else hf_shape
+            vocab_rows = ours in adapter.vocab_names(adapter.cfg) and hf_shape[0] == adapter.cfg.vocab_size
+            if tuple(pipekit_rows) != full and not (vocab_rows and tuple(hf_shape[1:]) == full[1:]):
+                continue  # left to from_hf, which names the shapes in its error
+            dst, ranges = _region(module, ours, t, full)
+            if dst.shape != tuple(b - a for a, b in ranges):
+                continue
+            if transposed:
+                dst, ranges = dst.t(), ranges[::-1]
+            (r0, r1) = ranges[0]
+            have = min(r1, hf_shape[0])  # rows past the file's: the padded vocabulary, zero
+            if have > r0:
+                weights.bytes_read += reader.read_into(theirs, dst[: have - r0], [(r0, have), *ranges[1:]])
+            dst[max(0, have - r0):].zero_()
+            done.add(ours)
+    return done
+
+
 def load_pretrained(module, path: str) -> dict:
     """Copy the weights at `path` into `module`, a PipelineModule at any layout: this rank's
     stages, its tensor- and expert-parallel shards (and, under ZeRO-3, its own rows), cast
@@ -420,9 +566,12 @@ def load_pretrained(module, path: str) -> dict:
     safetensors with their index, or pytorch_model.bin), a pipekit model file or a pipekit
     checkpoint. No communication, except for a checkpoint (read collectively, as a resume is).
 
-    Memory: a Hugging Face dir is read one layer at a time, and from it only the tensors of
-    this rank's layers, so a rank holds its own shard plus one layer at most; a model file is
-    memory-mapped. Returns {"tensors": how many were set, "bytes_read": from the files}.
+    Memory: from a Hugging Face dir, a tensor that is one of the files' under another name
+    is read straight into this rank's tensor, only the rows and columns it holds, a block
+    of 8 MB at a time (`_read_direct`); the others (GPT-2's fused q/k/v, Mixtral's stacked
+    experts, pytorch_model.bin files) a layer at a time, only this rank's layers. So a rank
+    holds its own shard plus one block or one such layer. A model file is memory-mapped.
+    Returns {"tensors": how many were set, "bytes_read": from the files}.
     A tensor this rank needs and `path` lacks, or one of another shape, is a one-line error."""
     from .checkpoint import _local_tensors, load_checkpoint, load_full_state_dict
 
@@ -433,8 +582,14 @@ def load_pretrained(module, path: str) -> dict:
     if os.path.isdir(path):
         family, cfg = pretrained_config(path)
         weights, adapter = LazyWeights(path), hf_adapter(cfg, family)
-        for names in _by_layer(local):
-            load_full_state_dict(module, adapter.from_hf(weights, names=names), strict=False)
+        done = _read_direct(module, adapter, weights, local)
+        for names in _by_layer({n: t for n, t in local.items() if n not in done}):
+            part = adapter.from_hf(weights, names=names)
+            load_full_state_dict(module, part, strict=False)
+            done |= set(part) & names
+        unset = sorted(set(local) - done)
+        if unset:  # every weight must come from the files (the module may have been built without drawing)
+            raise KeyError(f"{path} gives no value for {len(unset)} tensors this rank holds, e.g. {unset[:3]}")
         return {"tensors": len(local), "bytes_read": weights.bytes_read}
     if not os.path.exists(path):
         pretrained_config(path)  # the one-line error for a missing path

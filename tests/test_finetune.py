@@ -36,15 +36,19 @@ def _llama(path: str) -> None:
     transformers.LlamaForCausalLM(cfg).save_pretrained(path, max_shard_size="60KB")
 
 
-def _gpt2(path: str) -> None:
+def _gpt2(path: str, bin_shards: bool = True) -> None:
     """Saved as transformers' older sharded pytorch_model-0000k-of-0000n.bin with its index
-    (transformers 5 writes only safetensors: the .bin shards are written here)."""
+    (transformers 5 writes only safetensors: the .bin shards are written here), or as
+    sharded safetensors (its Conv1D weights read transposed, straight into place)."""
     import json
     import os
 
     torch.manual_seed(1)
     cfg = transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=3, n_head=4, n_positions=64)
     model = transformers.GPT2LMHeadModel(cfg)
+    if not bin_shards:
+        model.save_pretrained(path, max_shard_size="60KB")
+        return
     model.save_pretrained(path)
     os.remove(os.path.join(path, "model.safetensors"))
     sd = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
@@ -84,6 +88,9 @@ LOADS = {  # name -> (model dir, overrides)
     "gpt2-pp2-tp2": ("gpt2", ["parallel.pp=2", "parallel.tp=2"]),
     "llama-pp2-dp2-zero3": ("llama", ["parallel.pp=2", "parallel.dp=2", "optimizer.zero_stage=3"]),
     "gpt2-pp2-dp2-zero3": ("gpt2", ["parallel.pp=2", "parallel.dp=2", "optimizer.zero_stage=3"]),
+    "gpt2-safetensors-pp2-tp2": ("gpt2-safetensors", ["parallel.pp=2", "parallel.tp=2"]),
+    "gpt2-safetensors-tp2-dp2-zero3": ("gpt2-safetensors", ["parallel.tp=2", "parallel.dp=2",
+                                                            "optimizer.zero_stage=3"]),
 }
 LORA = r"attn\.(q|k|v|o)$|mlp\.(gate|up|down)$"
 # the balancing loss on the step's loads (the same in every layout); 2 blocks x (2 + 3) adapters
@@ -176,9 +183,10 @@ def _worker(dirs: dict, expected: dict) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    dirs = {"llama": str(root / "llama"), "gpt2": str(root / "gpt2")}
+    dirs = {"llama": str(root / "llama"), "gpt2": str(root / "gpt2"), "gpt2-safetensors": str(root / "gpt2st")}
     _llama(dirs["llama"])
     _gpt2(dirs["gpt2"])
+    _gpt2(dirs["gpt2-safetensors"], bin_shards=False)
     expected = {f: _expected(d) for f, d in dirs.items()}
     hf_loss = {f: _hf_loss(d) for f, d in dirs.items()}
     return run_distributed(_worker, 4, dirs, expected, timeout=600, op_timeout=120), hf_loss, dirs
@@ -195,7 +203,7 @@ def test_the_models_are_saved_in_several_shards(results):
 @pytest.mark.parametrize("case", LOADS)
 def test_loaded_weights_equal_hugging_face_and_so_does_the_first_loss(results, case):
     per_rank, hf_loss, _ = results
-    family = LOADS[case][0]
+    family = LOADS[case][0]  # (a model dir's name)
     for rank, out in enumerate(per_rank):
         got = out[case]
         assert got["names"] == [], (rank, got["names"])
@@ -252,3 +260,32 @@ def test_what_expert_adapters_refuse():
         load_run(None, ["model.family=mixtral", "model.lora.rank=4", "model.lora.targets=nothing_here"])
     run = load_run(None, ["model.family=mixtral", "model.lora.rank=4", r"model.lora.targets=experts\.w_up"])
     assert run.config.model.lora.targets == r"experts\.w_up"
+
+
+def test_the_safetensors_reader_reads_slices_casts_and_refuses_a_truncated_file(tmp_path):
+    """`SafetensorsReader` (plain reads, no memory map): any block of rows and columns equals
+    the tensor's slice, cast on the copy, in blocks smaller than a row too; a cut file is a
+    one-line error."""
+    from safetensors.torch import save_file
+
+    from pipekit.interchange import SafetensorsReader
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(37, 11, generator=g).to(torch.bfloat16), "b": torch.randn(5, generator=g),
+               "s": torch.tensor(3.0, dtype=torch.float64)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    r = SafetensorsReader(str(tmp_path / "m.safetensors"))
+    assert set(r.keys()) == set(tensors) and r.shape("w") == (37, 11)
+    for name, t in tensors.items():
+        assert torch.equal(r.get_tensor(name), t) and r.get_tensor(name).dtype == t.dtype
+    for rows, cols, block in [((0, 37), (0, 11), 1), ((5, 30), (3, 9), 64), ((36, 37), (10, 11), 1 << 20)]:
+        dst = torch.empty(rows[1] - rows[0], cols[1] - cols[0], dtype=torch.float64)
+        r.read_into("w", dst, [rows, cols], block_bytes=block)
+        assert torch.equal(dst, tensors["w"][rows[0]:rows[1], cols[0]:cols[1]].double())
+    data = (tmp_path / "m.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-7])
+    with pytest.raises(ValueError, match=r"cut\.safetensors is not readable: truncated, corrupt"):
+        SafetensorsReader(str(tmp_path / "cut.safetensors"))
+    (tmp_path / "junk.safetensors").write_bytes(b"\x05" * 64)
+    with pytest.raises(ValueError, match=r"junk\.safetensors is not readable"):
+        SafetensorsReader(str(tmp_path / "junk.safetensors"))

@@ -441,13 +441,31 @@ def sharded_parameter(full: torch.Tensor, dim: int, group) -> nn.Parameter:
     return param
 
 
+_SKIP_INIT: contextvars.ContextVar[bool] = contextvars.ContextVar("pipekit_skip_init", default=False)
+
+
+@contextlib.contextmanager
+def skip_init() -> Iterator[Any]:
+    """Build layers whose random weights are about to be overwritten (a run starting from
+    pretrained weights): inside, `normal_full` and the experts' draws allocate without
+    drawing, so no page of a whole tensor is written before this rank's shard is cut from
+    it, and the memory the draws would have taken is never touched. Every weight built so
+    must then be set (`pipekit.interchange.load_pretrained` checks it)."""
+    yield from _scoped(_SKIP_INIT, True)
+
+
+def skipping_init() -> bool:
+    """Whether layers are being built inside `skip_init()`."""
+    return _SKIP_INIT.get()
+
+
 def normal_full(shape: tuple[int, ...], std: float) -> torch.Tensor:
     """The whole tensor drawn from N(0, std) with the default generator on the
     current default device (on meta: allocated nowhere, draws nothing; the
     in-place draw is skipped there because a meta `normal_` imports torch._dynamo,
-    seconds of start-up per process)."""
+    seconds of start-up per process; inside `skip_init()`: allocated, not drawn)."""
     full = torch.empty(shape)
-    return full if full.is_meta else full.normal_(0.0, std)
+    return full if full.is_meta or _SKIP_INIT.get() else full.normal_(0.0, std)
 
 
 class _SharedRef:

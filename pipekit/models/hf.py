@@ -101,6 +101,18 @@ class StateDictAdapter:
             out["lm_head.weight"] = out[self.embed]
         return out
 
+    def renamed(self, hf_state_dict) -> dict[str, tuple[str, bool]]:
+        """{pipekit name: (HF name, transposed)} of the tensors that are one HF tensor under
+        another name, perhaps transposed (what a loader may read straight into place); the
+        others (fused, stacked) only `from_hf` makes. Default: none."""
+        return {}
+
+    def fused(self) -> dict[str, tuple[str, bool, int, int]]:
+        """{pipekit name: (HF name, transposed, j, n)} of the tensors HF fuses with others: the
+        pipekit tensor is chunk j of n along dim 0 of the HF tensor in pipekit's layout
+        (transposed back first if `transposed`). Default: none."""
+        return {}
+
     def _from_hf(self, hf: _Taken) -> dict:
         raise NotImplementedError
 
@@ -149,6 +161,21 @@ class GPT2Adapter(StateDictAdapter):
         if not self.cfg.tie_embeddings:
             pairs.append((f"layers.{L + 2}.weight", "lm_head.weight", False))
         return pairs
+
+    def renamed(self, hf_state_dict) -> dict[str, tuple[str, bool]]:
+        bare = self.embed not in hf_state_dict and "wte.weight" in hf_state_dict  # saved from GPT2Model
+        return {ours: (theirs.removeprefix("transformer.") if bare else theirs, conv)
+                for ours, theirs, conv in self._pairs()}
+
+    def fused(self) -> dict[str, tuple[str, bool, int, int]]:
+        """q, k, v: chunks 0, 1, 2 of the rows of `c_attn` (a Conv1D: its weight transposed)."""
+        out = {}
+        for i in range(self.cfg.n_layers):
+            h = f"transformer.h.{i}.attn.c_attn."
+            for j, name in enumerate("qkv"):
+                out[f"layers.{i + 1}.attn.{name}.weight"] = (h + "weight", True, j, 3)
+                out[f"layers.{i + 1}.attn.{name}.bias"] = (h + "bias", False, j, 3)
+        return out
 
     def from_hf(self, hf_state_dict, names=None) -> dict[str, torch.Tensor]:
         """As the base, also reading a state dict saved from `GPT2Model` (no `transformer.` prefix)."""
@@ -232,6 +259,9 @@ class LlamaAdapter(StateDictAdapter):
         if not cfg.tie_embeddings:
             pairs.append((f"layers.{L + 2}.weight", "lm_head.weight"))
         return pairs
+
+    def renamed(self, hf_state_dict) -> dict[str, tuple[str, bool]]:
+        return {ours: (theirs, False) for ours, theirs in self._pairs(self.mlp)}
 
     def _from_hf(self, hf: _Taken) -> dict:
         return {ours: hf.take(theirs) for ours, theirs in self._pairs(self.mlp) if hf.wants(ours)}
@@ -334,6 +364,9 @@ class MixtralAdapter(LlamaAdapter):
             down = hf.take(p + "mlp.experts.down_proj").transpose(1, 2)  # (E, D, H) -> (E, H, D)
         return {ours + "router.weight": router, ours + "experts.w_gate": gate.contiguous(),
                 ours + "experts.w_up": up.contiguous(), ours + "experts.w_down": down.contiguous()}
+
+    def renamed(self, hf_state_dict) -> dict[str, tuple[str, bool]]:
+        return {ours: (theirs, False) for ours, theirs in self._pairs(mlp=())}  # the experts: stacked in HF
 
     def _from_hf(self, hf: _Taken) -> dict:
         out = {ours: hf.take(theirs) for ours, theirs in self._pairs(mlp=()) if hf.wants(ours)}

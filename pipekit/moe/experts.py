@@ -57,6 +57,7 @@ from ..layers.parallel import (
     normal_full,
     reduce_from_tp,
     shard_dim,
+    skipping_init,
 )
 from ..rules import check_experts
 from ..spec import layer_seed
@@ -84,7 +85,7 @@ def _expert_parameters(shapes: Shapes, first: int, n_local: int, seed: int,
     split = {name: HIDDEN_DIM[name] if tp_group is not None and name in HIDDEN_DIM else None for name in shapes}
     out = {name: torch.zeros((n_local, *_sliced(shape, split[name], tp_group))) for name, (shape, _) in shapes.items()}
     device = next(iter(out.values())).device
-    if device.type != "meta":
+    if device.type != "meta" and not skipping_init():
         for i in range(n_local):
             gen = torch.Generator(device=device).manual_seed(layer_seed(seed, first + i))
             for name, (shape, std) in shapes.items():
