@@ -4,6 +4,7 @@
     pipekit plan --schedule 1f1b --pp 4 --microbatches 8 [--virtual 2] [--json] [--trace F.json] [--png F.png]
     pipekit prepare-data FILES_OR_DIRS --out DIR [--tokenizer tokenizer.json|TOKENIZER_DIR]
     pipekit convert --from-hf HF_DIR --out model.pt | --to-hf model.pt|CHECKPOINT --out HF_DIR
+                    | --to-peft model.pt|CHECKPOINT --out ADAPTER_DIR
     pipekit generate runs/x[/model.pt|/checkpoints[/step_N]]|HF_DIR --prompt "def " [--chat] [--tokenizer T]
     pipekit env
 """
@@ -63,8 +64,13 @@ def _add_convert_args(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="HF_DIR", help="a Hugging Face model dir (config.json + weights)")
     src.add_argument("--to-hf", metavar="MODEL", help="a model pipekit saved: a model.pt, a checkpoint dir "
-                     "(checkpoints/step_N) or a checkpoints root (its newest complete checkpoint)")
-    parser.add_argument("--out", required=True, help="the pipekit file (--from-hf) or HF model dir (--to-hf) to write")
+                     "(checkpoints/step_N) or a checkpoints root (its newest complete checkpoint); LoRA/DoRA "
+                     "adapters are merged into the weights")
+    src.add_argument("--to-peft", metavar="MODEL", help="a model pipekit saved with LoRA/DoRA adapters (as "
+                     "--to-hf): its adapters alone, in PEFT's form (adapter_config.json, adapter_model.safetensors), "
+                     "for peft.PeftModel.from_pretrained on the Hugging Face model")
+    parser.add_argument("--out", required=True, help="the pipekit file (--from-hf), HF model dir (--to-hf) or PEFT "
+                        "adapter dir (--to-peft) to write")
     parser.add_argument("--dtype", choices=_DTYPES, default=None, help="cast floating weights (default: keep)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out file, or the model files in an existing --out dir "
@@ -77,7 +83,8 @@ def _convert(args: argparse.Namespace) -> int:
 
     from .interchange import convert
 
-    direction, src = ("from_hf", args.from_hf) if args.from_hf else ("to_hf", args.to_hf)
+    direction, src = next((d, s) for d, s in (("from_hf", args.from_hf), ("to_hf", args.to_hf),
+                                              ("to_peft", args.to_peft)) if s)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     try:
         convert(src, args.out, direction, overwrite=args.overwrite, dtype=dtype)

@@ -16,6 +16,10 @@ model.pt, convert's output), its state dict padded, or a resumable checkpoint di
 (`checkpoints/step_N`, or the checkpoints root for its newest), whose full weights
 `pipekit.checkpoint` reads. A file whose config predates `vocab_pad_multiple` (unpadded
 tables) is read with the default multiple and padded with zero rows.
+
+PEFT: `save_peft_adapter` writes a model's LoRA/DoRA adapters alone as PEFT saves them
+(adapter_config.json + adapter_model.safetensors, names and fused modules mapped by
+`pipekit.models.peft`), for `peft.PeftModel.from_pretrained` on the transformers model.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from .models.hf import (
     pad_vocab,
     to_hf_state_dict,
 )
+from .models.peft import to_peft
 
 
 # ---- Hugging Face model dirs ---------------------------------------------------
@@ -151,8 +156,14 @@ def save_hf_checkpoint(family: str, full_sd: dict, cfg, out_dir: str, *, overwri
     floats = [v.dtype for v in hf_sd.values() if v.is_floating_point()]
     if floats:
         hf_config.dtype = str(floats[0]).removeprefix("torch.")
+    _write_dir(out_dir, lambda d: _write_hf_files(d, hf_config, hf_sd))
+
+
+def _write_dir(out_dir: str, write) -> None:
+    """Run `write(dir)` on `out_dir` itself when it exists (each file it writes replaced
+    atomically), else on a new dir under a temporary name, renamed into place when complete."""
     if os.path.isdir(out_dir):
-        _write_hf_files(out_dir, hf_config, hf_sd)
+        write(out_dir)
         return
     parent, name = os.path.split(out_dir)
     os.makedirs(parent, exist_ok=True)
@@ -160,19 +171,21 @@ def save_hf_checkpoint(family: str, full_sd: dict, cfg, out_dir: str, *, overwri
     shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed process of the same id
     os.mkdir(tmp)
     try:
-        _write_hf_files(tmp, hf_config, hf_sd)
+        write(tmp)
         publish_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check_hf_out_dir(out_dir: str, overwrite: bool) -> None:
-    """Refuse an `out_dir` that is a file, or a non-empty dir without `overwrite`."""
+def check_hf_out_dir(out_dir: str, overwrite: bool, what: str = "Hugging Face model",
+                     files: str = "config.json, model.safetensors") -> None:
+    """Refuse an `out_dir` that is a file, or a non-empty dir without `overwrite` (`what` it is
+    for and the `files` written in it name the refusal)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise FileExistsError(f"{out_dir} is a file; give a directory for the Hugging Face model")
+        raise FileExistsError(f"{out_dir} is a file; give a directory for the {what}")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True (--overwrite) to replace "
-                              f"the model files in it (config.json, model.safetensors; other files are kept)")
+                              f"the {what} files in it ({files}; other files are kept)")
 
 
 def _write_hf_files(out_dir: str, hf_config, hf_sd: dict) -> None:
@@ -304,18 +317,76 @@ def _merged(sd: dict, obj: dict, path: str) -> dict:
     checkpoint's config."""
     if not any(".lora." in k for k in sd):
         return sd
-    lora = obj.get("lora") or ((obj.get("checkpoint") or {}).get("config") or {}).get("model", {}).get("lora")
+    lora = _lora_settings(obj, path, "merged")
+    return merge_adapters(sd, lora["alpha"] / lora["rank"])
+
+
+def _lora_settings(obj: dict, path: str, done: str) -> dict:
+    """The model.lora settings of a saved model's adapters: the file's "lora" record (train's
+    model.pt) or the checkpoint's config; their absence is a one-line error (they cannot be `done`)."""
+    lora = obj.get("lora") or _run_config(obj).get("model", {}).get("lora")
     if not lora or not lora.get("rank"):
         raise ValueError(f"{obj.get('path', path)} holds LoRA adapters but not their settings (model.lora: rank and "
-                         "alpha), so they cannot be merged; it was not written by this pipekit's train")
-    return merge_adapters(sd, lora["alpha"] / lora["rank"])
+                         f"alpha), so they cannot be {done}; it was not written by this pipekit's train")
+    return lora
+
+
+def _run_config(obj: dict) -> dict:
+    """The run config a checkpoint was saved with ({} for a model file)."""
+    return (obj.get("checkpoint") or {}).get("config") or {}
+
+
+# ---- adapters alone, in PEFT's form --------------------------------------------
+PEFT_FILES = "adapter_config.json, adapter_model.safetensors"
+
+
+def save_peft_adapter(family: str, cfg, full_sd: dict, lora: dict, out_dir: str, *, base: str | None = None,
+                      overwrite: bool = False, dtype: torch.dtype | None = None) -> None:
+    """Write the LoRA/DoRA adapters of `full_sd` (a pipekit full state dict; `lora`: the run's
+    model.lora settings) alone, as PEFT saves them: out_dir/adapter_model.safetensors (PEFT's
+    names, `pipekit.models.peft.to_peft`) and adapter_config.json, loadable by
+    `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out_dir)`.
+    `base`: the base model's name or dir, written as base_model_name_or_path (None: unknown).
+    The dir is written as `save_hf_checkpoint` writes its model dir; `dtype` casts the factors."""
+    tensors, config = to_peft(family, cfg, full_sd, lora["rank"], lora["alpha"], lora.get("dropout", 0.0))
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    config["base_model_name_or_path"] = base
+    out_dir = os.path.abspath(out_dir)
+    check_hf_out_dir(out_dir, overwrite, "PEFT adapter", PEFT_FILES)
+
+    def write(d: str) -> None:
+        _save_safetensors(_unshared(tensors), os.path.join(d, "adapter_model.safetensors"))
+        write_atomic(os.path.join(d, "adapter_config.json"), json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    _write_dir(out_dir, write)
+
+
+def export_peft_adapter(src: str, out_dir: str, *, overwrite: bool = False, dtype: torch.dtype | None = None) -> None:
+    """The adapters of a model pipekit saved (`read_saved_model`: a model.pt or a checkpoint)
+    -> a PEFT adapter dir (`save_peft_adapter`). base_model_name_or_path is the run's
+    model.init where that is a Hugging Face model dir (a checkpoint's config records it)."""
+    obj = read_saved_model(src)
+    check_hf_form(obj["family"], f"{obj.get('path', src)} holds a")
+    sd = obj["state_dict"]
+    if not any(".lora." in k for k in sd):
+        raise ValueError(f"{obj.get('path', src)} holds no LoRA adapters: --to-peft exports adapters alone (train "
+                         f"with model.lora.rank > 0); export the whole model with --to-hf")
+    cfg = config_from_dict(obj["family"], obj["config"])
+    if "vocab_pad_multiple" not in obj["config"]:
+        sd = pad_vocab(sd, cfg)
+    init = _run_config(obj).get("model", {}).get("init")
+    base = init if isinstance(init, str) and os.path.isfile(os.path.join(init, "config.json")) else None
+    save_peft_adapter(obj["family"], cfg, sd, _lora_settings(obj, src, "exported"), out_dir, base=base,
+                      overwrite=overwrite, dtype=dtype)
 
 
 # ---- both ways -----------------------------------------------------------------
 def convert(src: str, dst: str, direction: str, *, overwrite: bool = False, dtype: torch.dtype | None = None) -> None:
     """`direction="from_hf"`: HF model dir `src` -> pipekit file `dst`;
     `"to_hf"`: a model pipekit saved (`read_saved_model`: a model.pt, a checkpoint dir or a
-    checkpoints root) `src` -> HF model dir `dst` (`save_hf_checkpoint`)."""
+    checkpoints root) `src` -> HF model dir `dst` (`save_hf_checkpoint`), adapters merged;
+    `"to_peft"`: its adapters alone -> PEFT adapter dir `dst` (`export_peft_adapter`)."""
     if direction == "from_hf":
         if os.path.isdir(dst):
             raise IsADirectoryError(f"{dst} is a directory; give the pipekit file to write, e.g. {dst}/model.pt")
@@ -329,8 +400,11 @@ def convert(src: str, dst: str, direction: str, *, overwrite: bool = False, dtyp
         check_hf_out_dir(dst, overwrite)  # before reading what may be a large checkpoint
         family, cfg, sd = load_pipekit_file(src)
         save_hf_checkpoint(family, sd, cfg, dst, overwrite=overwrite, dtype=dtype)
+    elif direction == "to_peft":
+        check_hf_out_dir(dst, overwrite, "PEFT adapter", PEFT_FILES)
+        export_peft_adapter(src, dst, overwrite=overwrite, dtype=dtype)
     else:
-        raise ValueError(f"unknown conversion direction {direction!r}; valid: 'from_hf', 'to_hf'")
+        raise ValueError(f"unknown conversion direction {direction!r}; valid: 'from_hf', 'to_hf', 'to_peft'")
 
 
 # ---- a run that starts from weights: each rank reads its own tensors -----------------
