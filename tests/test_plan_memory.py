@@ -50,7 +50,7 @@ def test_state_components_are_the_zero_formulas(reshard):
     experts = m.n_layers * m.n_experts * 3 * m.dim * m.hidden  # w_gate, w_up, w_down per expert
     dense = count_params(m) - experts
     E = experts / 2  # this rank's half of the experts
-    largest = max(d + e / 2 for d, e in memplan.layer_params(run))
+    largest = max(p.dense + p.expert / 2 for p in memplan.layer_params(run))
     _, rows = _plan_rows(run)
     got = {r.option.zero: r.memory for r in rows if r.candidate.schedule == "1f1b" and not r.option.ac}
     assert set(got) == {0, 1, 2, 3}
@@ -82,7 +82,7 @@ def test_stage_0_state_is_what_the_optimizer_allocates():
     module.loss_fn(out, labels).backward()
     opt.step()
     real = opt.memory_bytes()
-    mem = memplan.state_memory(*memplan.rank_params(run, memplan.layer_params(run)), run, 0)
+    mem = memplan.state_memory(memplan.rank_params(run, memplan.layer_params(run)), run, 0)
     assert (mem.params, mem.grads, mem.master, mem.optimizer) == (
         real["params"], real["grads"], real["master"], real["optimizer_state"])
 
@@ -94,11 +94,11 @@ def test_a_tied_weight_is_counted_once_per_rank_holding_it(pp):
     run = load_run(GPT, [*GPT_SMALL, f"parallel.pp={pp}", "parallel.dp=2", "train.precision=bf16"])
     splits, keys = memplan.layer_params(run), memplan.tied_keys(run)
     assert keys[0] == keys[-1] == "embed" and splits[0] == splits[-1]
-    embed = splits[0][0]
+    embed = splits[0].dense
     _, rows = _plan_rows(run)
     row = next(r for r in rows if r.candidate.schedule == "1f1b" and r.option == memplan.Option(3, False, False))
     cuts = row.candidate.boundaries
-    per_rank = [sum(d for d, _ in splits[lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
+    per_rank = [sum(p.dense for p in splits[lo:hi]) for lo, hi in zip(cuts, cuts[1:])]
     if pp == 1:
         per_rank = [per_rank[0] - embed]  # the head's use of the embedding's weight: not a second copy
     psi = row.memory.params  # bf16 / 2 shards: the worst rank's psi; it must be one of the ranks' counts
@@ -112,7 +112,7 @@ def test_a_tied_weight_is_counted_once_per_rank_holding_it(pp):
 
 def test_sgd_and_fp32_state():
     run = load_run(GPT, [*GPT_SMALL, "optimizer.name=sgd", "optimizer.momentum=0.9", "parallel.dp=2"])
-    mem = memplan.state_memory(1000, 0, run, 1)
+    mem = memplan.state_memory(memplan.Params(1000), run, 1)
     # fp32: no separate master copy; one fp32 momentum buffer, sharded over dp=2 at stage 1
     assert (mem.params, mem.grads, mem.master, mem.optimizer) == (4000, 4000, 0, 2000)
 
@@ -293,3 +293,94 @@ def test_memory_flags_conflict(capsys):
     assert main(["plan", GPT, "--no-profile", "--memory-budget-gb", "1", "--memory-gb", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "are the same flag with two values" in err and len(err.splitlines()) == 1
+
+
+# ---- fine-tuning: frozen weights and adapters ---------------------------------------------
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", r"model.lora.targets=attn\.(q|k|v|o)$|mlp\.(gate|up|down)$"]
+FINETUNES = {"lora": LORA, "dora": [*LORA, "model.lora.dora=true"],
+             "freeze": [r"model.freeze=layers\.[12]\.|^layers\.0\."]}
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under `tensors` (views of one storage once, whole)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("case", sorted(FINETUNES))
+def test_a_fine_tuned_run_holds_the_planned_state_bytes(case, precision):
+    """Llama small, one process, AdamW, built by `pipekit train`'s own `build` and trained one
+    step: the parameters' storages (frozen weights and the optimizer's flat buffer), the gradient
+    buffers, the master weights and the moments equal the plan's components byte for byte; no
+    frozen weight has a gradient or optimizer state."""
+    from pipekit.models import model_vocab, synthetic_batches
+    from pipekit.run.loop import build
+    from pipekit.topology import Topology
+
+    run = load_run(LLAMA, [*LLAMA_SMALL, "parallel.pp=1", "schedule.microbatches=2", f"train.precision={precision}",
+                           *FINETUNES[case]])
+    engine = build(run, Topology(alone=True))
+    engine.train_batch(next(synthetic_batches(model_vocab(run.model), 4, run.config.train.seq_len, seed=0)))
+    params = list(engine.module.parameters())
+    frozen = [p for p in params if not p.requires_grad]
+    state = engine.optimizer.inner.state
+    assert frozen and all(p.grad is None and p not in state for p in frozen)
+    real = engine.optimizer.memory_bytes()
+    planned = memplan.layer_params(run)
+    mem = memplan.state_memory(memplan.rank_params(run, planned), run, 0)
+    assert sum(p.frozen_dense for p in planned) == sum(p.numel() for p in frozen)
+    assert (mem.params, mem.grads, mem.master, mem.optimizer) == (
+        _storage_bytes(params), real["grads"], real["master"], real["optimizer_state"])
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    assert mem.grads == run.precision.reduce_dtype.itemsize * trained and (mem.master > 0) == (precision == "bf16")
+
+
+def test_adapters_are_the_trained_parameters_of_an_adapted_block():
+    """Llama small (dim 32, kv dim 16, hidden 48), rank 4 on q, k, v, o, gate, up, down: a block
+    trains r (in + out) per target, DoRA's magnitude (out) beside; the rest of it is frozen."""
+    full = memplan.layer_params(load_run(LLAMA, LLAMA_SMALL))
+    lora = memplan.layer_params(load_run(LLAMA, [*LLAMA_SMALL, *LORA]))
+    dora = memplan.layer_params(load_run(LLAMA, [*LLAMA_SMALL, *FINETUNES["dora"]]))
+    ins_outs = [(32, 32), (32, 16), (32, 16), (32, 32), (32, 48), (32, 48), (48, 32)]
+    block = full[1].dense
+    assert lora[1] == memplan.Params(4 * sum(i + o for i, o in ins_outs), 0, block, 0)
+    assert dora[1] == memplan.Params(lora[1].dense + sum(o for _, o in ins_outs), 0, block, 0)
+    assert lora[0] == memplan.Params(0, 0, full[0].dense, 0)  # the embedding: frozen whole
+
+
+def test_zero3_shards_and_gathers_the_adapters_alone():
+    """bf16 AdamW, dp=2 at ZeRO-3: frozen weights stay whole on every rank (FSDP's ignored
+    parameters), never gathered; the adapters are sharded, gathered and reduced like any
+    trained parameter."""
+    run = load_run(LLAMA, [*LLAMA_SMALL, *LORA, "parallel.pp=1", "parallel.dp=2", "train.precision=bf16"])
+    p = memplan.rank_params(run, memplan.layer_params(run))
+    _, rows = _plan_rows(run)
+    row = next(r for r in rows if r.candidate.schedule == "1f1b" and r.option == memplan.Option(3, False, False))
+    m = row.memory
+    assert m.params == pytest.approx(2 * p.frozen_dense + 2 * p.dense / 2)
+    assert (m.grads, m.master, m.optimizer) == pytest.approx((4 * p.dense / 2, 4 * p.dense / 2, 8 * p.dense / 2))
+    assert (m.gathered, m.unsharded_grads) == pytest.approx((2 * p.dense, 4 * p.dense))
+
+
+def test_a_frozen_block_has_a_near_empty_weight_pass():
+    """FLOP-counted: an adapted block's backward computes its input's gradient (I) as a full
+    block's does, its weight pass (W) only the adapters' gradients."""
+    full = profiler.flop_layers(load_run(LLAMA, LLAMA_SMALL), flops_per_second=1.0).layers[1]
+    lora = profiler.flop_layers(load_run(LLAMA, [*LLAMA_SMALL, *LORA]), flops_per_second=1.0).layers[1]
+    assert lora.I >= full.I and 0 < lora.W < full.W / 3
+    assert full.I + full.W == pytest.approx(full.B) and lora.I + lora.W == pytest.approx(lora.B)
+
+
+def test_plan_accepts_a_lora_config_and_counts_frozen_weights_apart(capsys):
+    small = [*LLAMA_SMALL, *LORA, "parallel.pp=1", "train.precision=bf16", "--schedule", "1f1b"]
+    assert main(["plan", LLAMA, *small, "--memory-budget-gb", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    run = load_run(LLAMA, small[:-2])
+    planned = memplan.layer_params(run)
+    assert [(c["params"], c["frozen"]) for c in report["layers"]] == [(p.dense, p.frozen_dense) for p in planned]
+    best = report["memory_plan"]["recommended"]["bytes"]
+    trained = sum(p.dense for p in planned)
+    assert best["grads"] == 4 * trained and best["optimizer"] == 8 * trained
+    assert best["params"] == 2 * (trained + sum(p.frozen_dense for p in planned))
+    assert main(["plan", LLAMA, *small]) == 0
+    assert "frozen" in capsys.readouterr().out.splitlines()[1]  # the layer table's header

@@ -3,8 +3,9 @@ ZeRO stage (0-3) x sequence parallelism (off/on, at tp > 1) x activation checkpo
 (off / every transformer block), the bytes each rank holds, and the fastest plan that fits.
 
 Nothing is allocated: parameter counts come from the model built on the meta device
-(`layer_params`), activation bytes from the run's own layers run on the meta device
-(`meta_activations`).
+(`layer_params`, with the run's fine-tuning applied as `pipekit train` applies it: model.lora's
+adapters, every other weight frozen, and model.freeze), activation bytes from the run's own
+layers run on the meta device (`meta_activations`).
 
 Model state per rank (ZeRO, Rajbhandari et al. 2020), Ψ parameters of the rank's
 stages (a tied weight, a GPT's embedding and head, counted once per rank holding it),
@@ -20,6 +21,13 @@ N the group the state is sharded over:
                      forward and after its backward: the rank's largest layer
     unsharded_grads  stage 3 only: Ψ · gradient bytes, the step's gradients FSDP accumulates whole
                      until the one reduce-scatter at the step's end
+
+Frozen parameters (fine-tuning: `profiler.finetune`) hold their weights alone, in param bytes,
+whole on every rank at every stage: the optimizer never sees them, so they have no gradient,
+master copy or moments, and ZeRO-3 leaves them out of FSDP's sharding (its `ignored_params`),
+so they are neither sharded nor gathered; only a layer's trained parameters (its adapters) are.
+The adapters are trained parameters like any other: A (r, in) and B (out, r) per target linear,
+DoRA's magnitude (out,) beside them, counted from the adapted model itself.
 
 Bytes are the run's precision policy's: param bytes `param_dtype`, gradient bytes
 `reduce_dtype` (the dtype `ZeroOptimizer` accumulates and reduces gradients in: fp32
@@ -54,7 +62,7 @@ SP); t = tp, a = heads, s = sequence length, h = model width.
 Step time: the planner's prediction of the candidate (`planner.predict`), with
 activation checkpointing adding each block's forward to its backward (in I, the half
 that needs the activations), and ZeRO-3 adding per layer and microbatch an all-gather
-of its parameters before its forward and again before its backward, each
+of its trained parameters before its forward and again before its backward, each
 `latency + (N-1)/N · bytes / bandwidth` on the planner's message model (the
 reduce-scatter of gradients is not added: pipekit's ZeRO-2 already reduce-scatters
 every microbatch, and neither stage's data-parallel traffic is otherwise modelled).
@@ -65,7 +73,7 @@ ZeRO-2 buckets in flight, the allocator's fragmentation, CUDA context and worksp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, field, replace
 from typing import cast
 
 from omegaconf import OmegaConf
@@ -147,15 +155,35 @@ class MemoryRow:
 
 
 # ---- parameters ------------------------------------------------------------------
-def layer_params(run: Run) -> list[tuple[int, int]]:
-    """Per layer of the whole model (tp=1, ep=1, on the meta device): (dense, routed-expert)
-    parameter counts; a tied layer counts at each use (`tied_keys` tells a rank's uses apart)."""
+@dataclass(frozen=True)
+class Params:
+    """Parameter counts of some layers: dense and routed-expert, each trained (gradients, master
+    weights, optimizer state) or frozen (the weights alone)."""
+
+    dense: float = 0.0
+    expert: float = 0.0
+    frozen_dense: float = 0.0
+    frozen_expert: float = 0.0
+
+    def __add__(self, other: Params) -> Params:
+        return Params(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    @property
+    def trained(self) -> float:
+        return self.dense + self.expert
+
+
+def layer_params(run: Run) -> list[Params]:
+    """Per layer of the whole model (tp=1, ep=1, on the meta device, fine-tuned as the run
+    trains it: `profiler.whole_model`): its parameter counts; a tied layer counts at each use
+    (`tied_keys` tells a rank's uses apart)."""
     module, _ = whole_model(run, "meta")
     out = []
     for i in range(len(module.specs)):
-        params = [p for p in params_of_layer(module, i) if p.requires_grad]
-        expert = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
-        out.append((sum(p.numel() for p in params) - expert, expert))
+        count = {(t, e): 0 for t in (True, False) for e in (True, False)}
+        for p in params_of_layer(module, i):
+            count[p.requires_grad, bool(getattr(p, "expert_parallel", False))] += p.numel()
+        out.append(Params(count[True, False], count[True, True], count[False, False], count[False, True]))
     return out
 
 
@@ -178,28 +206,30 @@ def held_once(layers: list[int], keys: list[str | None]) -> list[int]:
     return out
 
 
-def rank_params(run: Run, split: list[tuple[int, int]]) -> tuple[float, float]:
-    """(dense, expert) parameters of `split`'s layers on one rank: dense / tp, experts / ep
-    (and / tp with parallel.expert_tp)."""
-    dense = sum(d for d, _ in split) / run.tp
-    expert = sum(e for _, e in split) / run.ep / (run.tp if run.config.parallel.expert_tp else 1)
-    return dense, expert
+def rank_params(run: Run, split: list[Params]) -> Params:
+    """The parameters of `split`'s layers on one rank: dense / tp, experts / ep (and / tp with
+    parallel.expert_tp), trained and frozen alike."""
+    total = sum(split, Params())
+    experts = run.ep * (run.tp if run.config.parallel.expert_tp else 1)
+    return Params(total.dense / run.tp, total.expert / experts, total.frozen_dense / run.tp,
+                  total.frozen_expert / experts)
 
 
-def state_memory(dense: float, expert: float, run: Run, zero: int,
-                 gathered_params: tuple[float, float] = (0.0, 0.0)) -> Memory:
-    """Model state on one rank holding `dense` and `expert` parameters (already split over
-    tp and ep) at ZeRO stage `zero` (see the module docstring); `gathered_params`: the
-    (dense, expert) parameters a stage-3 rank holds gathered whole at once. Stage 3 also
-    holds the step's gradients whole, in the reduce dtype, until the step's reduce-scatter.
-    A group sharded over one rank (dp=1, or edp=1 for experts) is whole already: nothing
-    is gathered and its gradients are the `grads` component."""
+def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = Params()) -> Memory:
+    """Model state on one rank holding `params` (already split over tp and ep) at ZeRO stage
+    `zero` (see the module docstring); `gathered_params`: the trained parameters a stage-3 rank
+    holds gathered whole at once. Stage 3 also holds the step's gradients whole, in the reduce
+    dtype, until the step's reduce-scatter. A group sharded over one rank (dp=1, or edp=1 for
+    experts) is whole already: nothing is gathered and its gradients are the `grads`
+    component. Frozen parameters: their weights, whole, and nothing else."""
     policy, o = run.precision, run.config.optimizer
     width, grad = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
     master = policy.master_dtype.itemsize if policy.mixed else 0
     moments = (2 if o.name == "adamw" else (1 if o.momentum else 0)) * policy.master_dtype.itemsize
     mem = Memory()
-    for n, shards, whole in ((dense, run.dp, gathered_params[0]), (expert, run.dp // run.ep, gathered_params[1])):
+    mem.params += (params.frozen_dense + params.frozen_expert) * width
+    for n, shards, whole in ((params.dense, run.dp, gathered_params.dense),
+                             (params.expert, run.dp // run.ep, gathered_params.expert)):
         mem.params += n * width / (shards if zero >= 3 else 1)
         mem.grads += n * grad / (shards if zero >= 2 else 1)
         mem.master += n * master / (shards if zero >= 1 else 1)
@@ -210,17 +240,18 @@ def state_memory(dense: float, expert: float, run: Run, zero: int,
     return mem
 
 
-def gathered_params(run: Run, splits: list[tuple[int, int]], mine: list[int]) -> tuple[float, float]:
-    """(dense, expert) parameters a stage-3 rank holding layers `mine` (each held once) keeps
+def gathered_params(run: Run, splits: list[Params], mine: list[int]) -> Params:
+    """The trained parameters a stage-3 rank holding layers `mine` (each held once) keeps
     gathered at its peak: with `optimizer.reshard_after_forward` one layer at a time (FSDP frees
     each after its forward and after its backward), the largest; without, every layer from
-    its first use to the step's end, so all of them."""
+    its first use to the step's end, so all of them. Frozen ones are never gathered (whole)."""
     per_layer = [rank_params(run, [splits[i]]) for i in mine]
-    if not per_layer:
-        return 0.0, 0.0
+    trained = [Params(p.dense, p.expert) for p in per_layer]
+    if not trained:
+        return Params()
     if run.config.optimizer.reshard_after_forward:
-        return max(per_layer, key=sum)
-    return sum(d for d, _ in per_layer), sum(e for _, e in per_layer)
+        return max(trained, key=lambda p: p.trained)
+    return sum(trained, Params())
 
 
 # ---- activations -------------------------------------------------------------------
@@ -298,9 +329,10 @@ def layer_activations(run: Run, layers: list[LayerCost], sp: bool, ac: bool,
 
 
 # ---- time ----------------------------------------------------------------------------
-def adjusted_layers(run: Run, layers: list[LayerCost], splits: list[tuple[int, int]], comm: CommModel,
+def adjusted_layers(run: Run, layers: list[LayerCost], splits: list[Params], comm: CommModel,
                     option: Option) -> list[LayerCost]:
-    """The layers' costs (per rank, already / tp) with checkpointing's recompute and ZeRO-3's gathers."""
+    """The layers' costs (per rank, already / tp) with checkpointing's recompute and ZeRO-3's
+    gathers (of the trained parameters: frozen ones stay whole)."""
     width = run.precision.param_dtype.itemsize
     out = []
     for c, split in zip(layers, splits):
@@ -308,8 +340,8 @@ def adjusted_layers(run: Run, layers: list[LayerCost], splits: list[tuple[int, i
         if option.ac and c.name == BLOCK:
             extra_b += c.F
         if option.zero >= 3:
-            dense, expert = rank_params(run, [split])
-            for n, shards in ((dense, run.dp), (expert, run.dp // run.ep)):
+            mine = rank_params(run, [split])
+            for n, shards in ((mine.dense, run.dp), (mine.expert, run.dp // run.ep)):
                 if n and shards > 1:
                     gather = comm.latency + (shards - 1) / shards * n * width / comm.bandwidth
                     extra_f += gather
@@ -364,8 +396,8 @@ def memory_plan(run: Run, profile: Profile, comm: CommModel, candidates: list[Ca
             for r in range(schedule.pp):
                 mine = [i for s in schedule.local_stages(r) for i in range(*stages[s])]
                 once = held_once(mine, keys)
-                dense, expert = rank_params(run, [splits[i] for i in once])
-                mem = state_memory(dense, expert, run, option.zero, gathered_params(run, splits, once))
+                mem = state_memory(rank_params(run, [splits[i] for i in once]), run, option.zero,
+                                   gathered_params(run, splits, once))
                 mem.activations = peaks[r] + max((recompute[i] for i in mine), default=0.0)
                 mems.append(mem)
             worst = max(mems, key=lambda m: m.total)

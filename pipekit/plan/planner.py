@@ -16,7 +16,8 @@ How a prediction is made
    those collectives plus the slowest rank's optimizer step (timed on the real
    optimizer, shared out by parameters).
 5. **Memory per rank**: weights, gradients and optimizer state (ZeRO sharding and
-   mixed precision counted), plus the activations in flight, walking the rank's
+   mixed precision counted; a frozen weight, model.lora's or model.freeze's, its
+   bytes alone), plus the activations in flight, walking the rank's
    actions: a stage's microbatch holds its saved activations from its `F` until
    its `B` or `W`.
 
@@ -79,7 +80,8 @@ def stage_costs(layers: list[LayerCost], boundaries: list[int]) -> list[LayerCos
         part = layers[lo:hi]
         seconds = {k: sum(getattr(c, k) for c in part) for k in KINDS}
         cost = LayerCost(f"stage {s}", sum(c.params for c in part), **seconds,
-                         saved_bytes=sum(c.saved_bytes for c in part), out_bytes=part[-1].out_bytes)
+                         saved_bytes=sum(c.saved_bytes for c in part), out_bytes=part[-1].out_bytes,
+                         frozen=sum(c.frozen for c in part))
         out.append(replace(cost, I=0.0, W=cost.B) if s == 0 else cost)
     return out
 
@@ -100,9 +102,10 @@ def activation_peaks(schedule: Schedule, saved: list[int]) -> list[int]:
     return peaks
 
 
-def state_bytes(params: int, run: Run) -> int:
-    """Weights, gradients, master weights and optimizer moments of `params` parameters on
-    one rank, in the run's precision policy's dtypes, with ZeRO's sharding over dp."""
+def state_bytes(params: int, run: Run, frozen: int = 0) -> int:
+    """Weights, gradients, master weights and optimizer moments of `params` trained parameters
+    on one rank, in the run's precision policy's dtypes, with ZeRO's sharding over dp, and the
+    weights alone of `frozen` ones (whole on every rank: the optimizer never sees them)."""
     o, dp, policy = run.config.optimizer, run.dp, run.precision
     width = policy.param_dtype.itemsize
     state = policy.master_dtype.itemsize
@@ -111,7 +114,7 @@ def state_bytes(params: int, run: Run) -> int:
     grads = width
     sharded = (master + moments) + (grads if o.zero_stage >= 2 else 0)
     kept = width + (0 if o.zero_stage >= 2 else grads)
-    return round(params * (kept + sharded / (dp if o.zero_stage >= 1 else 1)))
+    return round(params * (kept + sharded / (dp if o.zero_stage >= 1 else 1)) + frozen * width)
 
 
 def predict(schedule: Schedule, layers: list[LayerCost], boundaries: list[int], comm: CommModel,
@@ -139,13 +142,15 @@ def predict(schedule: Schedule, layers: list[LayerCost], boundaries: list[int], 
     sim = simulate(schedule, duration=duration, comm_latency=latency)
     ends = [max((e.end for e in sim.timeline if e.rank == r), default=0.0) for r in range(schedule.pp)]
     params = [sum(stages[s].params for s in schedule.local_stages(r)) for r in range(schedule.pp)]
+    frozen = [sum(stages[s].frozen for s in schedule.local_stages(r)) for r in range(schedule.pp)]
     optimizer = max(params) * optimizer_seconds_per_param
     # pipekit train's per step, over the pipeline ranks: the gradient norm, the loss, the stop-request check
     collectives = 3 if schedule.pp > 1 else 0
     tail = collectives * comm.collective + optimizer
     saved = [s.saved_bytes for s in stages]
     acts = activation_peaks(schedule, saved)
-    memory = [acts[r] + (state_bytes(params[r], run) if run is not None else 0) for r in range(schedule.pp)]
+    memory = [acts[r] + (state_bytes(params[r], run, frozen[r]) if run is not None else 0)
+              for r in range(schedule.pp)]
     return {"step": max(ends) + tail, "makespan": sim.makespan, "bubble": sim.bubble_fraction, "tail": tail,
             "memory": memory, "timeline": sim.timeline}
 
@@ -174,14 +179,16 @@ def profile_boundaries(layers: list[LayerCost], num_stages: int, *, budget: floa
     share = budget / schedule.chunks_per_rank
     n = len(layers)
     prefix_t = [0.0]
-    prefix_p, prefix_a = [0], [0]
+    prefix_p, prefix_f, prefix_a = [0], [0], [0]
     for c, t in zip(layers, times):
         prefix_t.append(prefix_t[-1] + t)
         prefix_p.append(prefix_p[-1] + c.params)
+        prefix_f.append(prefix_f[-1] + c.frozen)
         prefix_a.append(prefix_a[-1] + c.saved_bytes)
 
     def fits(s, lo, hi):
-        return state_bytes(prefix_p[hi] - prefix_p[lo], run) + inflight[s] * (prefix_a[hi] - prefix_a[lo]) <= share
+        state = state_bytes(prefix_p[hi] - prefix_p[lo], run, prefix_f[hi] - prefix_f[lo])
+        return state + inflight[s] * (prefix_a[hi] - prefix_a[lo]) <= share
 
     inf = math.inf
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
@@ -314,9 +321,13 @@ def _table(rows: list[list[str]]) -> str:
 
 def layer_table(profile: Profile) -> str:
     """The profiled layers (the loss folded into the last), at the profiled rows."""
-    rows = [["layer", "name", "params", "F ms", "B ms", "I ms", "W ms", "saved MiB"]]
-    for i, c in enumerate(profile.at(profile.rows)):
-        rows.append([str(i), c.name, f"{c.params:,}", *(_ms(getattr(c, k)) for k in KINDS), _mib(c.saved_bytes)])
+    layers = profile.at(profile.rows)
+    frozen = any(c.frozen for c in layers)  # fine-tuning: trained and frozen parameters apart
+    rows = [["layer", "name", "params", *(["frozen"] if frozen else []), "F ms", "B ms", "I ms", "W ms",
+             "saved MiB"]]
+    for i, c in enumerate(layers):
+        rows.append([str(i), c.name, f"{c.params:,}", *([f"{c.frozen:,}"] if frozen else []),
+                     *(_ms(getattr(c, k)) for k in KINDS), _mib(c.saved_bytes)])
     return _table(rows)
 
 

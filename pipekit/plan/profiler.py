@@ -26,6 +26,11 @@ Message costs
 the latency and bandwidth of a message, what posting a send costs the sender,
 and a one-element all-reduce (`CommModel`).
 
+Fine-tuning: the model is the run's as `pipekit train` trains it (`finetune`: model.lora's
+adapters, every other weight frozen, and model.freeze), so a frozen layer's `params` are its
+adapters alone (`frozen` the rest), its timed backward computes no frozen weight's gradient,
+and its split backward's `W` is the adapters' weight gradients alone (near-empty).
+
 Limits: one process times the whole model at tp=1; contention with other jobs
 on the machine is measured, not modelled; the two-rank profile is a CPU
 measure (a GPU run is profiled in one process).
@@ -47,6 +52,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import Run
+from ..layers.lora import add_adapters, freeze
 from ..models import model_loss, model_specs, model_vocab, synthetic_batches
 from ..optim.factory import make_optimizer
 from ..pipeline import PipelineModule
@@ -78,13 +84,14 @@ class LayerCost:
     """One layer on one microbatch: seconds per action kind, and bytes."""
 
     name: str
-    params: int
+    params: int  # trained parameters (gradients, optimizer state)
     F: float
     B: float
     I: float  # noqa: E741
     W: float
     saved_bytes: int  # activations kept for backward
     out_bytes: int  # the output: the message when a stage ends after this layer
+    frozen: int = 0  # frozen parameters (model.lora, model.freeze): their weights alone, never a gradient
 
     def scaled(self, fixed: LayerCost | None, rows: float, rows0: float) -> LayerCost:
         """This cost (measured at `rows0` rows) at `rows` rows: `fixed` holds the part that
@@ -95,7 +102,7 @@ class LayerCost:
             return base + (v - base) * rows / rows0
         return LayerCost(self.name, self.params, **{k: max(0.0, at(k)) for k in KINDS},
                          saved_bytes=round(self.saved_bytes * rows / rows0),
-                         out_bytes=round(self.out_bytes * rows / rows0))
+                         out_bytes=round(self.out_bytes * rows / rows0), frozen=self.frozen)
 
 
 @dataclass
@@ -135,10 +142,24 @@ class CommModel:
 
 
 # ---- profiling ---------------------------------------------------------------
+def finetune(run: Run, module) -> None:
+    """The run's fine-tuning on `module`'s weights, in place: model.lora's adapters (every other
+    weight frozen) and model.freeze. `pipekit train` applies it after model.init's weights and
+    before the optimizer (`pipekit.run.loop.prepare_weights`); the plan's model (`whole_model`)
+    is built through it too, so the two cannot differ in what is trained."""
+    m = run.config.model
+    if m.lora.rank:
+        add_adapters(module, m.lora.targets, m.lora.rank, m.lora.alpha, m.lora.dropout, m.lora.dora,
+                     seed=run.config.train.seed)
+    if m.freeze is not None:
+        freeze(module, m.freeze)
+
+
 def whole_model(run: Run, device: str = "cpu", *, tp_group=None, sequence_parallel: bool = False):
-    """The run's whole model as one pp=1 PipelineModule on `device`, and an example batch maker.
-    `tp_group`: the tp group its layers are built on (a `pipekit.layers.parallel.FakeGroup` builds one
-    tp rank's shards on meta, where collectives only shape); `sequence_parallel` with it."""
+    """The run's whole model as one pp=1 PipelineModule on `device`, its fine-tuning applied
+    (`finetune`: adapters, frozen weights), and an example batch maker. `tp_group`: the tp group
+    its layers are built on (a `pipekit.layers.parallel.FakeGroup` builds one tp rank's shards
+    on meta, where collectives only shape); `sequence_parallel` with it."""
     cfg, mcfg = run.config, run.model
     dtype = torch.float64 if cfg.train.dtype == "float64" else torch.float32
     alone = Topology(alone=True)  # one process, no groups, also inside a job (Topology() would span it)
@@ -148,6 +169,7 @@ def whole_model(run: Run, device: str = "cpu", *, tp_group=None, sequence_parall
         module = PipelineModule(model_specs(mcfg), loss_fn=model_loss(mcfg), topology=alone,
                                 partition="uniform", seed=cfg.train.seed, device=device,
                                 precision=run.precision)
+        finetune(run, module)
     vocab = model_vocab(mcfg)
 
     def batch(rows: int):
@@ -248,10 +270,12 @@ def _label(specs: list, i: int) -> str:
 
 def _profile_one(module, i: int, x, reps: int, sync):
     """(LayerCost, output) of layer i on input x: medians over `reps` after one warm-up."""
-    params = [p for p in params_of_layer(module, i) if p.requires_grad]
+    every = params_of_layer(module, i)
+    params = [p for p in every if p.requires_grad]
     times: dict[str, list[float]] = {k: [] for k in KINDS}
     out = None
-    with SavedStorages(params) as counter:  # counted apart: the hooks would slow the timed passes
+    # counted apart (the hooks would slow the timed passes); a frozen weight autograd keeps is no activation
+    with SavedStorages(every) as counter:
         out = module.run_layer(i, _leaf(x))
     saved, out_bytes = counter.total, _nbytes(out)
     counter.close()
@@ -275,8 +299,9 @@ def _profile_one(module, i: int, x, reps: int, sync):
         for p in params:
             p.grad = None
     med = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
-    n = sum(p.numel() for p in params)
-    return LayerCost(_label(module.specs, i), n, med["F"], med["B"], med["I"], med["W"], saved, out_bytes), out
+    n, frozen = sum(p.numel() for p in params), sum(p.numel() for p in every if not p.requires_grad)
+    return LayerCost(_label(module.specs, i), n, med["F"], med["B"], med["I"], med["W"], saved, out_bytes,
+                     frozen), out
 
 
 def _profile_loss(module, out, labels, reps: int, sync) -> LayerCost:
@@ -427,7 +452,8 @@ def _intercept(big: LayerCost, small: LayerCost, rows: int, rows_small: int) -> 
         b, s = getattr(big, key), getattr(small, key)
         slope = (b - s) / (rows - rows_small)
         return min(max(0.0, b - slope * rows), b)
-    return LayerCost(big.name, big.params, **{k: cut(k) for k in KINDS}, saved_bytes=0, out_bytes=0)
+    return LayerCost(big.name, big.params, **{k: cut(k) for k in KINDS}, saved_bytes=0, out_bytes=0,
+                     frozen=big.frozen)
 
 
 def _optimizer_seconds_per_param(run: Run, module, sync) -> float:
@@ -503,7 +529,7 @@ def meta_saved(run: Run, rows: int, *, tp_group=None, sequence_parallel: bool = 
     module, batch = whole_model(run, "meta", tp_group=tp_group, sequence_parallel=sequence_parallel)
     module.train()
     x, labels = (t.to("meta") for t in batch(rows))
-    counter = SavedStorages([p for p in module.parameters() if p.requires_grad])  # buffers count (rotary tables)
+    counter = SavedStorages(list(module.parameters()))  # frozen weights too; buffers count (rotary tables)
     out, found = x, []
     try:
         with counter, torch.enable_grad(), _fused_attention_on_meta():
@@ -520,7 +546,9 @@ def meta_saved(run: Run, rows: int, *, tp_group=None, sequence_parallel: bool = 
 def flop_layers(run: Run, *, rows: int | None = None, flops_per_second: float | None = None) -> Profile:
     """The layer table from FLOP counts (torch's FlopCounterMode) on the meta device:
     seconds = FLOPs / `flops_per_second` (default: logging.peak_tflops, or 1 TFLOP/s).
-    A backward's halves are taken as equal (I = W = B / 2). Saved bytes: `meta_saved` (the
+    A backward's halves are counted apart: I the FLOPs of the gradients of the layer's input
+    alone, W = B - I (what the weight gradients add; a frozen layer's, the adapters' alone, so
+    near zero; a first layer, whose input takes no gradient, all of B). Saved bytes: `meta_saved` (the
     count the memory plan makes; the FLOP pass keeps torch's unfused meta attention, whose
     FLOPs torch counts)."""
     rows = rows or run.config.train.micro_batch
@@ -531,17 +559,24 @@ def flop_layers(run: Run, *, rows: int | None = None, flops_per_second: float | 
     layers = []
     out = x
     for i in range(len(module.specs)):
-        params = [p for p in params_of_layer(module, i) if p.requires_grad]
+        every = params_of_layer(module, i)
+        params = [p for p in every if p.requires_grad]
         xin = _leaf(out)
         with FlopCounterMode(display=False) as fwd:
             out = module.run_layer(i, xin)
         outs = [o for o in _floats(out) if o.requires_grad]
+        grads = [torch.ones_like(o) for o in outs]
+        inputs = _floats(xin)
+        with FlopCounterMode(display=False) as inp:  # the input gradients alone: the split backward's I
+            if outs and inputs:
+                torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
         with FlopCounterMode(display=False) as bwd:
             if outs:
-                torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-        f, b = fwd.get_total_flops() / rate, bwd.get_total_flops() / rate
-        layers.append(LayerCost(_label(module.specs, i), sum(p.numel() for p in params), f, b, b / 2, b / 2,
-                                saved[i][0], _nbytes(out)))
+                torch.autograd.backward(outs, grads)
+        f, b, i_part = (c.get_total_flops() / rate for c in (fwd, bwd, inp))
+        layers.append(LayerCost(_label(module.specs, i), sum(p.numel() for p in params), f, b, min(i_part, b),
+                                max(0.0, b - i_part), saved[i][0], _nbytes(out),
+                                sum(p.numel() for p in every if not p.requires_grad)))
         out = out.detach() if torch.is_tensor(out) else out
     xin = _leaf(out)
     with FlopCounterMode(display=False) as fwd:

@@ -35,12 +35,11 @@ from ..data import read_meta as read_data_meta
 from ..engine import PipelineEngine
 from ..interchange import load_pretrained
 from ..kernels import kernels
-from ..layers.lora import add_adapters, freeze
 from ..models import model_loss, model_specs, model_vocab, synthetic_batches
 from ..optim.factory import lr_lambda, make_optimizer
 from ..pipeline import PipelineModule
 from ..plan.planner import profile_boundaries
-from ..plan.profiler import profile_layers
+from ..plan.profiler import finetune, profile_layers
 from ..precision import default_dtype
 from ..schedules import Schedule, TimelineEvent, mean_costs, render_png, simulate, to_chrome_trace
 from ..topology import Topology, fell_back, init_distributed, local_workers, resolve_device
@@ -74,15 +73,10 @@ def build(run: Run, topo: Topology) -> PipelineEngine:
 def prepare_weights(run: Run, module: PipelineModule) -> None:
     """The weights the run starts from, before the optimizer takes its master copies:
     model.init's (each rank reading its own), then the adapters (model.lora: every other
-    weight frozen) and model.freeze."""
-    m = run.config.model
-    if m.init is not None:
-        load_pretrained(module, m.init)
-    if m.lora.rank:
-        add_adapters(module, m.lora.targets, m.lora.rank, m.lora.alpha, m.lora.dropout, m.lora.dora,
-                     seed=run.config.train.seed)
-    if m.freeze is not None:
-        freeze(module, m.freeze)
+    weight frozen) and model.freeze (`finetune`: what the plan's model applies too)."""
+    if run.config.model.init is not None:
+        load_pretrained(module, run.config.model.init)
+    finetune(run, module)
 
 
 def partition_of(run: Run, device="cpu") -> str | list[int]:
