@@ -13,6 +13,7 @@ trained weights are written as a layout-free `model.pt` that `pipekit generate` 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -35,6 +36,7 @@ from ..data import read_meta as read_data_meta
 from ..engine import PipelineEngine
 from ..interchange import load_pretrained
 from ..kernels import kernels
+from ..layers.parallel import skip_init
 from ..models import model_loss, model_specs, model_vocab, synthetic_batches
 from ..optim.factory import lr_lambda, make_optimizer
 from ..pipeline import PipelineModule
@@ -50,24 +52,32 @@ from .resume import checkpoint_root, clear_old_checkpoints, is_own, resume, save
 # ---- building --------------------------------------------------------------
 def build(run: Run, topo: Topology) -> PipelineEngine:
     """This rank's module (its stages of the run's schedule), optimizer, LR schedule and engine."""
-    s = run.config.schedule
-    module = PipelineModule(
-        model_specs(run.model),
-        loss_fn=model_loss(run.model),
-        topology=topo,
-        partition=partition_of(run, topo.device),
-        seed=run.config.train.seed,
-        schedule=run.schedule,
-        activation_checkpoint_interval=s.activation_checkpoint_interval,
-        checkpoint_layers=s.checkpoint_layers,
-        precision=run.precision,
-        compile=run.config.train.compile,
-    )
+    module = build_module(run, topo)
     prepare_weights(run, module)
     o = run.config.optimizer
     opt = make_optimizer(module, o, run.precision)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o, run.config.train.steps))
     return PipelineEngine(module, optimizer=opt, clip_grad_norm=o.clip_grad_norm, lr_scheduler=sched)
+
+
+def build_module(run: Run, topo: Topology) -> PipelineModule:
+    """This rank's module: its stages of the run's schedule. With model.init its weights are
+    allocated, not drawn (`skip_init`): `prepare_weights` reads them all, and the draws'
+    whole-tensor temporaries would outgrow this rank's shard."""
+    s = run.config.schedule
+    with skip_init() if run.config.model.init is not None else contextlib.nullcontext():
+        return PipelineModule(
+            model_specs(run.model),
+            loss_fn=model_loss(run.model),
+            topology=topo,
+            partition=partition_of(run, topo.device),
+            seed=run.config.train.seed,
+            schedule=run.schedule,
+            activation_checkpoint_interval=s.activation_checkpoint_interval,
+            checkpoint_layers=s.checkpoint_layers,
+            precision=run.precision,
+            compile=run.config.train.compile,
+        )
 
 
 def prepare_weights(run: Run, module: PipelineModule) -> None:
