@@ -13,13 +13,31 @@ and `pipekit.plan` (the `plan` command); `pipekit.cli` only parses arguments.
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 
-from .engine import PipelineEngine, PipelineError
-from .partition import partition
-from .pipeline import PipelineModule
-from .spec import LayerSpec, TiedLayerSpec
-from .topology import Topology, init_distributed
+
+def _interrupted_while_starting() -> None:
+    """Ctrl-C while the `pipekit` command imports torch (its first second or two): one line and
+    exit status 130, not import machinery's traceback. A library user's import is left alone."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    command = sys.argv[0].endswith("pipekit") or "pipekit.cli" in argv[1:3]
+    if not command:
+        return
+    if "PIPEKIT_ERROR_DIR" not in os.environ:  # a worker of pipekit's launcher: the launcher says it
+        sys.stderr.write("pipekit: interrupted\n")
+    raise SystemExit(128 + 2)  # 128 + SIGINT
+
+
+try:
+    from .engine import PipelineEngine, PipelineError
+    from .partition import partition
+    from .pipeline import PipelineModule
+    from .spec import LayerSpec, TiedLayerSpec
+    from .topology import Topology, init_distributed
+except KeyboardInterrupt:
+    _interrupted_while_starting()
+    raise
 
 __version__ = "0.1.0"
 

@@ -20,6 +20,7 @@ from . import __version__
 from .data import prepare_data
 from .plan.command import plan_command
 from .run import launch
+from .run import reports as told
 from .run.env import format_report, report
 from .run.generate import generate_text
 from .run.start import train_command
@@ -218,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         return args.fn(args)
+    except KeyboardInterrupt:  # before a stop handler was in place (or the second, "stop now", Ctrl-C)
+        if not told.directory():  # a worker of pipekit's launcher: the launcher says it
+            print(f"pipekit {args.command}: interrupted", file=sys.stderr)
+        return launch.INTERRUPTED
     except launch.USER_ERRORS as e:
         if os.environ.get("PIPEKIT_DEBUG") == "1":
             raise

@@ -20,7 +20,7 @@ import pytest
 
 from pipekit.cli import main
 from pipekit.config import load_config
-from pipekit.run.launch import PEER_STOPPED
+from pipekit.run.launch import PEER_STOPPED, PREEMPTED
 from pipekit.run.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,7 +106,7 @@ def test_sigterm_to_the_launcher_saves_a_checkpoint_that_resumes_anywhere(tmp_pa
         stdout, stderr = proc.communicate(timeout=90)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert proc.returncode == PREEMPTED, stderr[-3000:]  # stopped early, resumable
     said = [line for line in stdout.splitlines() if line.startswith("pipekit: stopped after step")]
     assert len(said) == 1 and "on SIGTERM: checkpoint saved to" in said[0] and "train.resume=auto" in said[0], stdout
     stopped_at = int(said[0].split()[4])
@@ -272,7 +272,7 @@ def test_sighup_in_a_long_validation_then_sigusr1_each_save_and_the_run_stays_on
     run = ["train.steps=400", "checkpoint.every=0", "data.val_every=3", "data.val_batches=100000"]
     # The terminal closes (SIGHUP) while step 3's validation runs (hours of it, reported as it goes).
     status, said, _ = signal_when(out, lambda text: "validating: " in text, signal.SIGHUP, *run)
-    assert status == 128 + signal.SIGHUP, said[-3000:]
+    assert status == PREEMPTED, said[-3000:]
     assert "validating: 1/100000 batches, about" in said and "pipekit: SIGHUP received: stopping" in said
     assert f"pipekit: saved the checkpoint of step 3 to {out}/checkpoints/step_00000003 in " in said
     stops = [line for line in said.splitlines() if line.startswith("pipekit: stopped after step")]
@@ -280,7 +280,7 @@ def test_sighup_in_a_long_validation_then_sigusr1_each_save_and_the_run_stays_on
                      f"continue with train.resume=auto"]
     # Continued as advised; Slurm's warning before the end of the job's time (SIGUSR1) stops it again.
     status, said, _ = signal_when(out, lambda text: "step     5" in text, signal.SIGUSR1, *run, "train.resume=auto")
-    assert status == 128 + signal.SIGUSR1, said[-3000:]
+    assert status == PREEMPTED, said[-3000:]
     stops = [line for line in said.splitlines() if line.startswith("pipekit: stopped after step")]
     assert len(stops) == 1 and " on SIGUSR1: checkpoint saved to " in stops[0], said[-3000:]
     stopped_at = int(stops[0].split()[4])

@@ -7,7 +7,7 @@ interpreter that gloo threads still use (`exit_worker`)."""
 from __future__ import annotations
 
 import atexit
-import json
+import contextlib
 import os
 import pickle
 import signal
@@ -19,13 +19,15 @@ from typing import NoReturn
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing import api as elastic_api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args
 from torch.distributed.run import run as torchrun
 
-from ..atomic import write_atomic
+from ..checkpoint import latest_checkpoint
 from ..comm import PeerClosed
 from ..config import Run
+from . import reports as told
 from .loop import StopRequests, train
 
 
@@ -43,11 +45,20 @@ def run_worker(run: Run) -> int:
             dist.destroy_process_group()
             _had_process_group = True
     stopped = summary.get("stopped_by") if isinstance(summary, dict) else None
-    if stopped in STOP_SIGNALS and "RANK" not in os.environ:
-        return 128 + getattr(signal, stopped)  # the shell's convention for a run ended by a signal
-    return 0
+    if stopped is None:
+        return 0
+    status = PREEMPTED if summary.get("checkpoint") else 128 + getattr(signal, stopped, signal.SIGTERM)
+    # Under this command's launcher a stop is no failure (torchrun would restart the group): the
+    # launcher exits with the status instead.
+    return 0 if told.write("stopped", {"status": status, "checkpoint": summary.get("checkpoint")}) else status
 
 
+# The exit statuses of `pipekit train` (README, "What pipekit answers"): 0 finished; 1 failed
+# (a traceback); 2 a user's mistake (one line); PREEMPTED stopped early by a signal after saving
+# a checkpoint (resumable: the line says where); 128 + N stopped at once by signal N, unsaved
+# (130: Ctrl-C); PEER_STOPPED is a worker's only.
+PREEMPTED = 75  # EX_TEMPFAIL: stopped early, resumable
+INTERRUPTED = 128 + signal.SIGINT  # Ctrl-C before the run could stop at a step (or a second Ctrl-C)
 PEER_STOPPED = 3  # a worker's exit status when it failed only because another rank stopped first
 
 
@@ -69,19 +80,15 @@ def worker_failed(e: BaseException) -> int:
     prints from; under a user's own torchrun, or when the launcher is gone, it is printed here."""
     rank = int(os.environ.get("RANK", "0"))
     if isinstance(e, KeyboardInterrupt):
-        return 130
+        return INTERRUPTED
     peer = _caused_by_peer(e)
     user = isinstance(e, USER_ERRORS) and not peer
     if os.environ.get("PIPEKIT_DEBUG") == "1":
         user = False
     text = _first_line(e) if user else "".join(traceback.format_exception(e)).rstrip()
     status = PEER_STOPPED if peer else (2 if user else 1)
-    report_dir = os.environ.get("PIPEKIT_ERROR_DIR")
-    if report_dir and str(os.getppid()) == os.environ.get("PIPEKIT_LAUNCHER_PID"):  # else: none left to read it
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        write_atomic(os.path.join(report_dir, f"attempt{attempt}-rank{rank}.json"),
-                     json.dumps({"rank": rank, "peer": peer, "user": user, "text": text, "time": time.time()}))
-    elif not peer:
+    written = told.write("error", {"rank": rank, "peer": peer, "user": user, "text": text, "time": time.time()})
+    if not written and not peer:  # else the launcher prints it
         who = f"rank {rank}: " if "RANK" in os.environ else ""
         print(f"pipekit train: {who}{text}" if user else text, file=sys.stderr, flush=True)
     return status
@@ -119,43 +126,83 @@ def die_with_launcher() -> None:
 STOP_SIGNALS = tuple(sig.name for sig in StopRequests.SIGNALS)
 
 
-def launch(nproc: int, argv: list[str], grace: int, max_restarts: int = 0) -> int:
+def launch(nproc: int, argv: list[str], grace: int, max_restarts: int = 0, checkpoints: str | None = None) -> int:
     """Start `nproc` workers on this machine through torch.distributed.run, each running
     `pipekit argv`; with `max_restarts`, a failed group is restarted (and resumes from its
     newest checkpoint) up to that many times. Errors are reported once (`report_failures`).
     A stop signal is passed on to the workers, which are given `grace` seconds to finish
-    their step and save before they are killed (torchrun's own default is 30 s)."""
+    their step and save before they are killed (torchrun's own default is 30 s). The exit
+    status is the workers' (PREEMPTED after a stop that saved), or says why there is none:
+    workers killed before they had saved, after a stop signal, are said in one line naming
+    the newest checkpoint under `checkpoints`."""
     print(f"pipekit: launching {nproc} workers with torch.distributed.run"
           + (f" (up to {max_restarts} restarts)" if max_restarts else ""), flush=True)
     with tempfile.TemporaryDirectory(prefix="pipekit-errors-") as reports:
         os.environ["PIPEKIT_ERROR_DIR"] = reports
         os.environ["PIPEKIT_LAUNCHER_PID"] = str(os.getpid())
         try:
-            torchrun(parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                                 f"--signals-to-handle={','.join(STOP_SIGNALS)},SIGQUIT",
-                                 f"--shutdown-timeout={grace}", "-m", "pipekit.cli", *argv]))
+            with _noting_forwards(reports):
+                torchrun(parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                                     f"--signals-to-handle={','.join(STOP_SIGNALS)},SIGQUIT",
+                                     f"--shutdown-timeout={grace}", "-m", "pipekit.cli", *argv]))
         except ChildFailedError as e:
             return report_failures(e, reports)
         except SignalException as e:  # a stop signal: the workers save, say where, and stop
-            return 128 + int(e.sigval)
+            return _after_signal(signal.Signals(int(e.sigval)), reports, grace, checkpoints)
         finally:
             os.environ.pop("PIPEKIT_ERROR_DIR", None)
             os.environ.pop("PIPEKIT_LAUNCHER_PID", None)
-    return 0
+        return _stop_status(reports) or 0
+
+
+@contextlib.contextmanager
+def _noting_forwards(reports: str):
+    """Each stop signal torchrun passes on to the workers is counted first (`reports.note_forward`),
+    so that a worker told to stop already takes the launcher's first one for the same request
+    (a signal to the workers, then to the launcher), not for "stop now"."""
+    original = elastic_api._terminate_process_handler
+
+    def noting(signum, frame):
+        told.note_forward(reports)
+        original(signum, frame)
+
+    elastic_api._terminate_process_handler = noting  # looked up when torchrun installs its handlers
+    try:
+        yield
+    finally:
+        elastic_api._terminate_process_handler = original
+
+
+def _stop_status(reports: str) -> int | None:
+    """The exit status the workers' stop earned (PREEMPTED when it saved), or None when none stopped."""
+    stopped = told.last(reports, "stopped")
+    if not stopped:
+        return None
+    return PREEMPTED if any(r["status"] == PREEMPTED for r in stopped) else stopped[0]["status"]
+
+
+def _after_signal(sig: signal.Signals, reports: str, grace: int, checkpoints: str | None) -> int:
+    """The launcher's status after a stop signal: the workers' own when they stopped (saving),
+    else 128 + the signal, with one line on what was lost and where to continue from."""
+    status = _stop_status(reports)
+    if status is not None:
+        return status
+    newest = latest_checkpoint(checkpoints) if checkpoints else None
+    since = (f"the newest checkpoint is {newest}; continue from it with train.resume=auto" if newest
+             else "no checkpoint of this run was saved")
+    if told.last(reports, "stopping"):
+        print(f"pipekit train: the workers were still in their step or checkpoint {grace} s after {sig.name} "
+              f"(checkpoint.stop_grace_s={grace}) and were killed: {since}; raise checkpoint.stop_grace_s above "
+              f"a step and a save", file=sys.stderr, flush=True)
+    else:
+        print(f"pipekit train: stopped by {sig.name} before training began: {since}", file=sys.stderr, flush=True)
+    return 128 + int(sig)
 
 
 def report_failures(e, reports: str) -> int:
     """Print each distinct error of the last attempt once (the earliest first), naming the
     ranks it came from, then one line on the ranks that stopped only because a peer did."""
-    found = []
-    for name in os.listdir(reports):
-        try:
-            with open(os.path.join(reports, name)) as f:
-                found.append((name.split("-")[0], json.load(f)))
-        except (OSError, ValueError):
-            continue
-    last = max((a for a, _ in found), key=lambda a: int(a.removeprefix("attempt")), default=None)
-    reports_now = sorted((r for a, r in found if a == last), key=lambda r: r["time"])
+    reports_now = sorted(told.last(reports, "error"), key=lambda r: r["time"])
     origins: dict[str, list[int]] = {}
     for r in reports_now:
         if not r["peer"]:

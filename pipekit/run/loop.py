@@ -45,8 +45,10 @@ from ..plan.profiler import finetune, profile_layers
 from ..precision import default_dtype
 from ..schedules import Schedule, TimelineEvent, mean_costs, render_png, simulate, to_chrome_trace
 from ..topology import Topology, fell_back, init_distributed, local_workers, resolve_device
+from . import reports
 from .metrics import Logger, moe_summary
 from .resume import checkpoint_root, clear_old_checkpoints, is_own, resume, save
+from .terminal import detach_from_closed_terminal
 
 
 # ---- building --------------------------------------------------------------
@@ -239,23 +241,32 @@ def _steps(run: Run, topo: Topology, engine: PipelineEngine, log: Logger, path: 
                     saved_at = save(run, topo, engine, root, step)
                     log.saved(step, saved_at, time.perf_counter() - began)
             if stopping:
-                log.stopped(step, stop.signal_name, saved_at if saved_at and saved_at.endswith(f"{step:08d}") else None)
-                return {**log.finish(), "stopped_by": stop.signal_name}
+                now = saved_at if saved_at and saved_at.endswith(f"{step:08d}") else None
+                log.stopped(step, stop.signal_name, now)
+                return {**log.finish(), "stopped_by": stop.signal_name, "checkpoint": now}
     return log.finish()
 
 
 def _injected_fault(step: int, topo: Topology) -> None:
-    """For the fault tests: PIPEKIT_TEST_FAULT="kill|raise:RANK:STEP" makes global rank RANK,
-    after step STEP of the first attempt (not after a torchrun restart), die by SIGKILL (no
-    handler, no cleanup: as when a machine is lost) or raise an error."""
+    """For the fault tests: PIPEKIT_TEST_FAULT="kill|term|slow|raise:RANK:STEP" makes global rank
+    RANK, after step STEP of the first attempt (not after a torchrun restart), die by SIGKILL (no
+    handler, no cleanup: as when a machine is lost), get a SIGTERM (a scheduler stopping one
+    rank), take SLOW_S seconds more over the step, or raise an error."""
     spec = os.environ.get("PIPEKIT_TEST_FAULT")
     if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     what, rank, at = spec.split(":")
     if topo.rank == int(rank) and step == int(at):
-        if what == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if what in ("kill", "term"):
+            os.kill(os.getpid(), signal.SIGKILL if what == "kill" else signal.SIGTERM)
+            return
+        if what == "slow":
+            time.sleep(SLOW_S)
+            return
         raise RuntimeError(f"injected fault on rank {rank} after step {at}")
+
+
+SLOW_S = 6.0  # PIPEKIT_TEST_FAULT=slow: a step this much longer
 
 
 class NonFiniteLoss(ValueError):
@@ -274,10 +285,13 @@ class StopRequests:
     """SIGTERM (a scheduler's preemption), SIGINT (Ctrl-C), SIGHUP (the terminal or SSH
     session closed) or SIGUSR1 (Slurm's warning before the end of a job's time) asks the run
     to stop at the next step boundary, or between two validation batches, after saving a
-    checkpoint; a second signal, 2 s or more after the first, stops it at once. Every rank agrees on where: `requested`
-    is collective (one 1-element all-reduce per step and per validation batch). Rank 0 says
-    at once that the signal came; after SIGHUP, a closed terminal's stdout and stderr are
-    replaced by /dev/null, so that the saving run's prints do not fail."""
+    checkpoint; a second signal, 2 s or more after the first, stops it at once, unless it is
+    the launcher passing on the stop it was sent in turn (its first, `reports.forwards`) or
+    another SIGHUP (a terminal closes once). Every rank agrees on where: `requested` is
+    collective (one 1-element all-reduce per step and per validation batch). Rank 0 says at
+    once that the signal came, and each rank tells the launcher (`reports`); after SIGHUP, a
+    closed terminal's stdout and stderr are replaced by /dev/null, so that the saving run's
+    prints do not fail."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
     # A second signal within this many seconds of the first is the same request arriving twice
@@ -287,6 +301,7 @@ class StopRequests:
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self._since = 0.0  # when the first signal came (time.monotonic)
+        self._forwards = 0  # the stop signals the launcher had passed on when the last one came
         self._old: dict = {}
 
     def __enter__(self):
@@ -301,14 +316,19 @@ class StopRequests:
         return False
 
     def _handle(self, signum, frame):
+        forwards, seen = reports.forwards(), self._forwards
+        self._forwards = forwards
         if self.signal_name is not None:  # the second one: stop now, unless it is the first one's echo
-            if time.monotonic() - self._since < self.ECHO_S:
+            launchers_first = forwards == 1 and seen == 0
+            if time.monotonic() - self._since < self.ECHO_S or launchers_first or signum == signal.SIGHUP:
                 return
             signal.signal(signum, self._old.get(signum, signal.SIG_DFL))
             raise KeyboardInterrupt
         self.signal_name, self._since = signal.Signals(signum).name, time.monotonic()
         if signum == signal.SIGHUP:
-            _detach_from_closed_terminal()
+            detach_from_closed_terminal()
+        with contextlib.suppress(OSError):
+            reports.write("stopping", {"signal": self.signal_name, "time": time.time()})
         if os.environ.get("RANK", "0") == "0":
             try:  # os.write: a print interrupted by this handler would refuse a reentrant one
                 os.write(1, f"pipekit: {self.signal_name} received: stopping after this step (or validation "
@@ -323,15 +343,6 @@ class StopRequests:
         if flag.item() and self.signal_name is None:
             self.signal_name = "a signal to another rank"
         return bool(flag.item())
-
-
-def _detach_from_closed_terminal() -> None:
-    """Point stdout and stderr that are a terminal at /dev/null (after SIGHUP, writing to it fails)."""
-    null = os.open(os.devnull, os.O_WRONLY)
-    for fd in (1, 2):
-        if os.isatty(fd):
-            os.dup2(null, fd)
-    os.close(null)
 
 
 def _due(step: int, every: int, last: int) -> bool:

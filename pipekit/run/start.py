@@ -21,13 +21,20 @@ from ..topology import fell_back, local_workers, resolve_device
 from . import launch, rundirs
 from .loop import partition_of
 from .preflight import check_before_launch
+from .resume import checkpoint_root
+from .terminal import surviving_hangup
 
 
 def train_command(args: argparse.Namespace) -> int:
     """Resolve the run (its errors before any worker starts), check the paths it names,
     then launch the workers (each resolves the same run again from the same argv) or,
-    as one of them, train."""
+    as one of them, train. Its output outlives a closed terminal (`surviving_hangup`)."""
     launch.die_with_launcher()
+    with surviving_hangup():
+        return _train_command(args)
+
+
+def _train_command(args: argparse.Namespace) -> int:
     try:
         args.config, args.overrides = config_and_overrides(args.config, args.overrides)
         run = load_run(args.config, args.overrides)
@@ -65,7 +72,7 @@ def train_command(args: argparse.Namespace) -> int:
             if run.partition == "profile":  # once, here, before the workers share the cores
                 argv += _profiled_partition(run, device)
             return launch.launch(cfg.world_size, argv, max_restarts=args.max_restarts,
-                           grace=cfg.checkpoint.stop_grace_s)
+                                 grace=cfg.checkpoint.stop_grace_s, checkpoints=checkpoint_root(cfg))
         if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
             print(f"pipekit train: torchrun started {os.environ['WORLD_SIZE']} workers but the config asks for "
                   f"pp*dp*tp = {cfg.world_size}", file=sys.stderr)
