@@ -22,8 +22,9 @@ from collections.abc import Callable
 from typing import BinaryIO
 
 
-def write_atomic(path: str, data: bytes | str | Callable[[BinaryIO], None]) -> None:
-    """Write `data` (bytes, text, or a function writing to a binary file) to `path` atomically."""
+def write_atomic(path: str, data: bytes | str | Callable[[BinaryIO], None], *, replace: bool = True) -> None:
+    """Write `data` (bytes, text, or a function writing to a binary file) to `path` atomically
+    (`replace=False`: FileExistsError, and nothing written, when `path` exists by then)."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
@@ -36,7 +37,7 @@ def write_atomic(path: str, data: bytes | str | Callable[[BinaryIO], None]) -> N
                 fh.write(data.encode() if isinstance(data, str) else data)
             fh.flush()
             os.fsync(fh.fileno())
-        publish(tmp, path)
+        publish(tmp, path, replace=replace)
     except Exception as e:
         remove(tmp)
         if no_space_left(e, parent):
@@ -84,13 +85,19 @@ def torch_save_atomic(obj, path: str) -> None:
     write_atomic(path, lambda fh: torch.save(obj, fh))
 
 
-def publish(tmp: str, path: str) -> None:
+def publish(tmp: str, path: str, *, replace: bool = True) -> None:
     """Rename a finished temporary file into place, with the permissions a plain `open` would
-    give (mkstemp makes 0600), and make the rename durable."""
+    give (mkstemp makes 0600), and make the rename durable. `replace=False` never replaces a
+    file there: it links `tmp` as `path` (atomic, failing with FileExistsError when `path`
+    exists) and removes `tmp`."""
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o666 & ~umask)
-    os.replace(tmp, path)
+    if replace:
+        os.replace(tmp, path)
+    else:
+        os.link(tmp, path)
+        os.remove(tmp)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 

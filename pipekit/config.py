@@ -199,7 +199,8 @@ class TrainConfig:
     allow_changed: Optional[str] = None  # on resume, keys that make it another run which may differ from the
     #                                      checkpoint's anyway, comma-separated: model.KEY (as the checkpoint's
     #                                      model names it, e.g. model.aux_loss_coef), train.seed,
-    #                                      train.seq_len, data.source (other keys may always change)
+    #                                      train.seq_len, data.source, data (the dataset's files at the
+    #                                      same data.source, re-prepared: other contents); other keys may always change
 
 
 @dataclass
@@ -249,7 +250,8 @@ class ConfigError(ValueError):
 
 # The keys besides the model's whose change makes a resumed run another run (other weights or
 # other batches at the same step): refused on resume unless named in train.allow_changed.
-RUN_DEFINING = ("train.seed", "train.seq_len", "data.source")
+# "data" is the dataset's contents: the fingerprint (sizes, CRC-32s) its meta.json records.
+RUN_DEFINING = ("train.seed", "train.seq_len", "data.source", "data")
 
 
 def load_run(path: str | None = None, overrides: list[str] | None = None) -> Run:

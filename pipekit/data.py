@@ -9,12 +9,13 @@ The plan, nanoGPT-style:
    the tokenizer's end-of-document separator appended, and the documents are written
    one after another into `train.bin` and `val.bin` (raw native-endian arrays that
    `np.memmap` opens directly), their end offsets into `train.docs.bin` /
-   `val.docs.bin` (int64), plus `meta.json`. Instruction data (prompt/response and
-   chat lines) also gets a **loss mask**, `train.mask.bin` / `val.mask.bin` (uint8,
-   one per token: 1 where the token is trained on, 0 on prompts and on the turns
-   that are not the assistant's); a dataset with no such line has no mask. The
-   split is by document, so validation text is held out, never a window of
-   training text.
+   `val.docs.bin` (int64), plus `meta.json` (which records each file's size and CRC-32:
+   the fingerprint that `pipekit train` checks at start and a checkpoint keeps).
+   Instruction data (prompt/response and chat lines) also gets a **loss mask**,
+   `train.mask.bin` / `val.mask.bin` (uint8, one per token: 1 where the token is trained
+   on, 0 on prompts and on the turns that are not the assistant's); a dataset with no
+   such line has no mask. The split is by document, so validation text is held out,
+   never a window of training text.
 2. `TokenDataset` memmaps one split (tokens, and the mask and document ends when
    there are some); nothing is read until it is sampled.
 3. `BatchSampler` makes each step's global batch from a generator seeded by
@@ -48,6 +49,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import zlib
 from typing import Any
 
 import numpy as np
@@ -465,14 +467,16 @@ def prepare_data(
     `.*.tmp` file). Bad arguments (inputs, tokenizer, out_dir, fraction, seed)
     are refused before `out_dir` is made, and a run that fails later (no
     readable text) removes the directories it made. `source` is the description
-    kept in meta (default: the inputs). A dataset already in `out_dir` (its
-    meta.json) is replaced only with `overwrite`."""
+    kept in meta (default: the inputs). Without `overwrite`, any file it would
+    write or remove (meta.json, each split's .bin, .docs.bin, .mask.bin) already in
+    `out_dir` is a FileExistsError naming it, before anything is read or written, and
+    none is replaced later either (see `_write_splits`). `meta["files"]` records each
+    file's size and CRC-32: the dataset's fingerprint (`check_files`)."""
     _check_fraction(val_fraction)
     _check_seed(seed)
     _check_out_dir(out_dir)
-    if not overwrite and os.path.exists(os.path.join(out_dir, "meta.json")):
-        raise FileExistsError(f"{out_dir!r} already holds a prepared dataset (meta.json); choose another --out, or "
-                              "pass --overwrite to replace it")
+    if not overwrite:
+        _refuse_existing(out_dir)
     files = list_files(inputs)
     if not files:
         rule = ", ".join("*" + s for s in TEXT_SUFFIXES)
@@ -487,7 +491,7 @@ def prepare_data(
     stats: dict = {"n_files": 0, "n_skipped": 0}
     docs = _documents(files, val_fraction, seed, stats, encoder)
     with _made_dir(out_dir):
-        n_tokens, n_docs, has_mask = _write_splits(out_dir, docs)
+        n_tokens, n_docs, has_mask, written = _write_splits(out_dir, docs, overwrite)
     meta = {
         "format": FORMAT,
         "dtype": dtype.name,
@@ -499,13 +503,27 @@ def prepare_data(
         "n_docs": n_docs,
         "mask": has_mask,  # {split}.mask.bin: uint8 per token, 0 where not trained on
         "doc_ends": True,  # {split}.docs.bin: int64 end offset of each document
+        "files": written,  # each file's size and CRC-32: the dataset's fingerprint (`check_files`)
         **stats,
         "source": source if source is not None else ", ".join(map(str, inputs)),
         "val_fraction": val_fraction,
         "seed": seed,
     }
-    write_atomic(os.path.join(out_dir, "meta.json"), json.dumps(meta, indent=2))
+    write_atomic(os.path.join(out_dir, "meta.json"), json.dumps(meta, indent=2), replace=overwrite)
     return meta
+
+
+OUTPUTS = tuple(f"{split}.{name}" for split in ("train", "val") for name in ("bin", "docs.bin", "mask.bin"))
+
+
+def _refuse_existing(out_dir: str) -> None:
+    """FileExistsError naming the first file of `out_dir` that prepare-data would write or remove."""
+    for name in ("meta.json", *OUTPUTS):
+        path = os.path.join(out_dir, name)
+        if os.path.lexists(path):
+            held = "a prepared dataset (meta.json)" if name == "meta.json" else name
+            raise FileExistsError(f"{out_dir!r} already holds {held}; choose another --out, or pass --overwrite "
+                                  f"to replace it")
 
 
 def _check_seed(seed: int) -> None:
@@ -548,22 +566,33 @@ def _made_dir(path: str):
         raise
 
 
-def _write_splits(out_dir: str, docs) -> tuple[dict, dict, bool]:
+def _write_splits(out_dir: str, docs, overwrite: bool = False) -> tuple[dict, dict, bool, dict]:
     """Stream the encoded (ids, mask, held_out) documents into temp files, then rename them to
     {split}.bin, {split}.docs.bin and (when some document has a mask) {split}.mask.bin.
 
-    Returns tokens and documents per split, and whether there is a mask. Nothing is
-    renamed if `docs` raises; a mask file of an older dataset here is removed when the
-    new one has none."""
+    Returns tokens and documents per split, whether there is a mask, and each file's
+    `{"size", "crc32"}` (summed as it is written: no second read). Nothing is renamed if
+    `docs` raises. With `overwrite`, files here are replaced (meta.json removed first, so
+    the mix a crash in between leaves is no dataset) and an older mask file the new dataset
+    lacks is removed; without it, a file that appeared meanwhile is not replaced: the
+    files published so far are removed again and FileExistsError names it."""
     splits, names = ("train", "val"), ["bin", "docs.bin"]
     tmps: dict = {}
+    sums: dict = {}
     n_tokens, n_docs = {"train": 0, "val": 0}, {"train": 0, "val": 0}
 
     def temp(split: str, name: str):
         fd, tmps[(split, name)] = tempfile.mkstemp(dir=out_dir, prefix=f".{split}.{name}.", suffix=".tmp")
+        sums[(split, name)] = [0, 0]  # size, crc32
         return os.fdopen(fd, "wb")
 
+    def put(key: tuple, data: bytes) -> None:
+        files[key].write(data)
+        sums[key][0] += len(data)
+        sums[key][1] = zlib.crc32(data, sums[key][1])
+
     files: dict = {}
+    published: list[str] = []
     try:
         files = {(split, name): temp(split, name) for split in splits for name in names}
         for ids, mask, held_out in docs:
@@ -571,30 +600,39 @@ def _write_splits(out_dir: str, docs) -> tuple[dict, dict, bool]:
             if mask is not None and (split, "mask.bin") not in files:  # the first mask: the ones before it
                 for sp in splits:
                     files[(sp, "mask.bin")] = temp(sp, "mask.bin")
-                    files[(sp, "mask.bin")].write(np.ones(n_tokens[sp], np.uint8).tobytes())
+                    put((sp, "mask.bin"), np.ones(n_tokens[sp], np.uint8).tobytes())
                 names.append("mask.bin")
-            files[(split, "bin")].write(ids.tobytes())
+            put((split, "bin"), ids.tobytes())
             if "mask.bin" in names:
-                files[(split, "mask.bin")].write((np.ones(len(ids), np.uint8) if mask is None else mask).tobytes())
+                put((split, "mask.bin"), (np.ones(len(ids), np.uint8) if mask is None else mask).tobytes())
             n_tokens[split] += len(ids)
             n_docs[split] += 1
-            files[(split, "docs.bin")].write(np.asarray([n_tokens[split]], dtype=np.int64).tobytes())
+            put((split, "docs.bin"), np.asarray([n_tokens[split]], dtype=np.int64).tobytes())
         for fh in files.values():
             fh.flush()
             os.fsync(fh.fileno())
             fh.close()
-        remove(os.path.join(out_dir, "meta.json"))  # the dataset is incomplete from here on
+        if overwrite:
+            remove(os.path.join(out_dir, "meta.json"))  # the dataset is incomplete from here on
         for (split, name), tmp in tmps.items():
-            publish(tmp, os.path.join(out_dir, f"{split}.{name}"))
-        if "mask.bin" not in names:
+            path = os.path.join(out_dir, f"{split}.{name}")
+            publish(tmp, path, replace=overwrite)
+            published.append(path)
+        if overwrite and "mask.bin" not in names:
             for split in splits:
                 remove(os.path.join(out_dir, f"{split}.mask.bin"))
+    except FileExistsError as e:
+        for path in published:  # ours: none of them was there when we began
+            remove(path)
+        raise FileExistsError(f"{out_dir!r} got a {os.path.basename(e.filename2 or '?')} from elsewhere while "
+                              "preparing; choose another --out, or pass --overwrite to replace it") from None
     finally:
         for fh in files.values():
             fh.close()
         for tmp in tmps.values():
             remove(tmp)
-    return n_tokens, n_docs, "mask.bin" in names
+    written = {f"{split}.{name}": {"size": size, "crc32": f"{crc:08x}"} for (split, name), (size, crc) in sums.items()}
+    return n_tokens, n_docs, "mask.bin" in names, dict(sorted(written.items()))
 
 
 def read_meta(data_dir: str) -> dict | None:
@@ -615,6 +653,48 @@ def read_meta(data_dir: str) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return meta if meta.get("format") == FORMAT else None
+
+
+class DataChanged(ValueError):
+    """A dataset's files are not the ones its meta.json describes; the message names the file."""
+
+
+def check_files(data_dir: str, meta: dict) -> dict | None:
+    """Read every file of `meta["files"]` whole and check its size and CRC-32; return the
+    fingerprint (`meta["files"]`), or None for a dataset prepared without one (an older
+    pipekit: nothing to check). DataChanged names the first file that differs.
+    Costs one sequential read of the dataset: ~15 ms for the 12 MB stdlib corpus (page-cached)."""
+    recorded = meta.get("files")
+    if not recorded:
+        return None
+    for name, want in recorded.items():
+        path = os.path.join(data_dir, name)
+        try:
+            size, crc = _crc32(path)
+        except OSError as e:
+            raise DataChanged(f"{path} is listed in its meta.json but cannot be read ({e.strerror}); "
+                              f"run `pipekit prepare-data ... --out {data_dir} --overwrite` again") from None
+        if (size, f"{crc:08x}") != (want["size"], want["crc32"]):
+            how = f"{size} bytes, meta.json says {want['size']}" if size != want["size"] else "its CRC-32 differs"
+            raise DataChanged(f"{path} is not the file its meta.json describes ({how}): it changed after "
+                              f"`pipekit prepare-data`; prepare the dataset again (--overwrite)")
+    return recorded
+
+
+def _crc32(path: str, chunk: int = 8 << 20) -> tuple[int, int]:
+    """(size, CRC-32) of the file at `path`, read `chunk` bytes at a time."""
+    size = crc = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            size += len(block)
+            crc = zlib.crc32(block, crc)
+    return size, crc
+
+
+def unfingerprinted(data_dir: str) -> str:
+    """The notice for a dataset prepared without a fingerprint (an older pipekit)."""
+    return (f"pipekit: {data_dir} was prepared without a fingerprint (an older pipekit), so a change to its files "
+            "cannot be noticed; `pipekit prepare-data ... --overwrite` adds one")
 
 
 # ---- the default corpus: the Python standard library's source --------------------
@@ -654,15 +734,40 @@ def default_corpus_dir(cache_dir: str | None = None, *, source_dir: str | None =
     return cache_dir
 
 
+def source_dir(source: str) -> str | None:
+    """The dataset directory that `data.source` names, without preparing anything: None for
+    synthetic data, the default corpus's cache for stdlib, else the path itself."""
+    if source == "synthetic":
+        return None
+    return default_cache_dir() if source == "stdlib" else source
+
+
+def fingerprint(source: str) -> dict | None:
+    """The fingerprint (each file's size and CRC-32) that the meta.json of `data.source`'s
+    dataset records, as it stands now; None without a complete fingerprinted dataset there."""
+    path = source_dir(source)
+    meta = read_meta(path) if path else None
+    return meta.get("files") if meta else None
+
+
 def _has_corpus(cache_dir: str, source: str) -> bool:
-    meta = read_meta(cache_dir)  # (one prepared before documents' ends were kept is prepared again)
-    return meta is not None and meta.get("source") == source and bool(meta.get("doc_ends"))
+    """Whether the cache holds this source's corpus, whole: one prepared before documents' ends
+    or fingerprints were kept is prepared again, and so is one whose files changed (said)."""
+    meta = read_meta(cache_dir)
+    if meta is None or meta.get("source") != source or not (meta.get("doc_ends") and meta.get("files")):
+        return False
+    try:
+        check_files(cache_dir, meta)
+    except DataChanged as e:
+        print(f"pipekit: the default corpus cache is damaged ({e}); preparing it again", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _prepare_stdlib(source_dir: str, cache_dir: str, source: str) -> None:
     print(f"pipekit: preparing the default corpus ({source}) in {cache_dir} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    meta = prepare_data(stdlib_files(source_dir), cache_dir, source=source)
+    meta = prepare_data(stdlib_files(source_dir), cache_dir, source=source, overwrite=True)
     n = sum(meta["n_tokens"].values())
     print(f"pipekit: {meta['n_files']} files, {n:,} tokens in {time.perf_counter() - start:.1f}s",
           file=sys.stderr, flush=True)

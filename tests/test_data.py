@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -111,6 +112,62 @@ def test_rerun_overwrites_atomically_and_leaves_no_temp_files(corpus, tmp_path):
     assert meta["n_files"] == 21 and meta["n_tokens"]["val"] == 0
     assert TokenDataset(str(out), "train").n_tokens == meta["n_tokens"]["train"]
     assert TokenDataset(str(out), "val").n_tokens == 0
+
+
+@pytest.mark.parametrize("name", ["train.bin", "val.docs.bin", "train.mask.bin"])
+def test_prepare_data_never_replaces_a_file_it_would_write_without_overwrite(corpus, tmp_path, name):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / name).write_bytes(b"the user's own bytes")
+    with pytest.raises(FileExistsError, match=rf"already holds {name}; .* --overwrite"):
+        prepare_data([str(corpus)], str(out))
+    assert os.listdir(out) == [name] and (out / name).read_bytes() == b"the user's own bytes"
+
+
+def test_a_file_that_appears_while_preparing_is_kept_and_ours_withdrawn(tmp_path):
+    """The guard before reading cannot see a file written during tokenisation; publishing
+    without replacing can: nothing of ours stays beside it, and it is untouched."""
+    out = tmp_path / "d"
+    out.mkdir()
+
+    def docs():
+        yield np.frombuffer(b"abc\0", np.uint8), None, False
+        (out / "val.bin").write_bytes(b"theirs")
+        yield np.frombuffer(b"de\0", np.uint8), None, True
+
+    with pytest.raises(FileExistsError, match="got a val.bin from elsewhere"):
+        data._write_splits(str(out), docs())
+    assert os.listdir(out) == ["val.bin"] and (out / "val.bin").read_bytes() == b"theirs"
+
+
+def test_meta_records_each_files_size_and_crc32_and_a_changed_file_is_named(corpus, tmp_path):
+    out = tmp_path / "data"
+    meta = prepare_data([str(corpus)], str(out), val_fraction=0.2)
+    assert sorted(meta["files"]) == ["train.bin", "train.docs.bin", "val.bin", "val.docs.bin"]
+    for name, rec in meta["files"].items():
+        raw = (out / name).read_bytes()
+        assert rec == {"size": len(raw), "crc32": f"{zlib.crc32(raw):08x}"}
+    assert data.check_files(str(out), meta) == meta["files"]
+    size = os.path.getsize(out / "train.bin")
+    (out / "train.bin").write_bytes(np.random.default_rng(0).integers(0, 256, size, np.uint8).tobytes())
+    assert data.read_meta(str(out)) is not None  # the sizes still match: only the checksum can tell
+    with pytest.raises(data.DataChanged, match=r"train.bin is not the file its meta.json describes \(its CRC-32"):
+        data.check_files(str(out), meta)
+    assert data.check_files(str(out), {k: v for k, v in meta.items() if k != "files"}) is None  # an older dataset
+
+
+def test_a_damaged_default_corpus_is_prepared_again(tmp_path, capsys):
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "os.py").write_text("import sys\n" * 100)
+    cache = str(tmp_path / "cache")
+    default_corpus_dir(cache, source_dir=str(lib))
+    good = (tmp_path / "cache" / "train.bin").read_bytes()
+    (tmp_path / "cache" / "train.bin").write_bytes(b"x" * len(good))
+    capsys.readouterr()
+    default_corpus_dir(cache, source_dir=str(lib))
+    assert "default corpus cache is damaged" in capsys.readouterr().err
+    assert (tmp_path / "cache" / "train.bin").read_bytes() == good
 
 
 def test_interrupted_dataset_is_not_readable(dataset):

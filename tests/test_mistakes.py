@@ -14,6 +14,7 @@ fails quickly in this process instead of launching workers.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -102,6 +103,11 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
     ("data-missing", train("data.source={tmp}/nothing-here"), "does not exist; give stdlib or synthetic"),
     ("data-is-a-file", train("data.source={tmp}/afile"), "is a file, not a dataset directory"),
     ("data-not-prepared", train("data.source={tmp}/empty"), "holds no complete prepared dataset"),
+    ("data-file-changed-same-size", train("data.source={tmp}/scrambled", "model.vocab_size=256"),
+     "/scrambled/train.bin is not the file its meta.json describes (its CRC-32"),
+    ("resume-data-prepared-again", train("train.resume={shared}/redata_run/checkpoints/step_00000002",
+                                         "data.source={shared}/redata", "model.vocab_size=256", "data.val_every=0"),
+     ("was trained on other data: train.bin", "train.allow_changed=data")),
     ("data-too-short", train("data.source={shared}/small", "model.vocab_size=256"),
      "training tokens, fewer than one window of train.seq_len+1 = 33"),
     ("data-no-val", train("data.source={shared}/noval", "model.vocab_size=256"),
@@ -176,6 +182,8 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
      "is not a HuggingFace tokenizer.json"),
     ("prepare-out-holds-a-dataset", ["prepare-data", "{tmp}/texts", "--out", "{shared}/data"],
      "already holds a prepared dataset (meta.json); choose another --out, or pass --overwrite"),
+    ("prepare-out-holds-a-users-train-bin", ["prepare-data", "{tmp}/texts", "--out", "{tmp}/mine"],
+     "/mine' already holds train.bin; choose another --out, or pass --overwrite"),
     # ---- plan
     ("plan-config-pp-flag", ["plan", "{root}/configs/toy.yaml", "--pp", "4"],
      "--pp 4 applies without a CONFIG; with one, override parallel.pp=N"),
@@ -238,7 +246,18 @@ def shared(tmp_path_factory):
         "checkpoint.every=2")]
     assert main(argv) == 0
     assert (root / "run" / "model.pt").is_file()
+    prepare_data([str(texts[1])], str(root / "redata"), val_fraction=0.0)  # a run on it, then other text there
+    assert main(on_data(root / "redata", root / "redata_run", "checkpoint.every=2")) == 0
+    (root / "other.txt").write_text(TEXT.replace("2 * x", "3 * x") * 2)
+    prepare_data([str(root / "other.txt")], str(root / "redata"), val_fraction=0.0, overwrite=True)
     return root
+
+
+def on_data(dataset: Path, out_dir: Path, *overrides: str) -> list[str]:
+    """A train command line of the toy model on a prepared byte-token dataset, into `out_dir`."""
+    return [a.format(root=ROOT) for a in train(
+        f"data.source={dataset}", "model.vocab_size=256", "data.val_every=0", f"logging.out_dir={out_dir}",
+        "logging.peak_tflops=1", "logging.tensorboard=false", *overrides)]
 
 
 def tmp_files(tmp: Path, shared: Path) -> None:
@@ -263,6 +282,11 @@ def tmp_files(tmp: Path, shared: Path) -> None:
     (tmp / "b" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     (tmp / "texts").mkdir()
     (tmp / "texts" / "a.txt").write_text(TEXT)
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "train.bin").write_bytes(b"a user's own tokens")
+    shutil.copytree(shared / "data", tmp / "scrambled")
+    size = (tmp / "scrambled" / "train.bin").stat().st_size
+    (tmp / "scrambled" / "train.bin").write_bytes(torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes())
     (tmp / "binary").mkdir()
     (tmp / "binary" / "x.txt").write_bytes(b"\xff\xfe\x00 not UTF-8")
     for name, config in [("hf_bert", '{"model_type": "bert"}'), ("hf_notjson", "model_type: gpt2\n"),
@@ -312,6 +336,38 @@ def test_a_change_train_allow_changed_names_is_resumed_and_listed(shared, tmp_pa
     assert main(argv) == 0
     said = [line for line in capsys.readouterr().out.splitlines() if "changed since the checkpoint" in line]
     assert len(said) == 1 and "train.seed 0 -> 1" in said[0] and "train.steps 2 -> 3" in said[0], said
+
+
+def test_a_dataset_prepared_again_resumes_with_allow_changed_data_and_says_so(shared, tmp_path, capsys):
+    """The other side of the resume-data-prepared-again row."""
+    ckpt = shared / "redata_run" / "checkpoints" / "step_00000002"
+    assert main(on_data(shared / "redata", tmp_path, f"train.resume={ckpt}", "train.steps=3",
+                        "train.allow_changed=data")) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "changed since the checkpoint" in line]
+    assert len(said) == 1 and f"data (train.bin in {shared / 'redata'})" in said[0], said
+
+
+def test_an_unchanged_dataset_trains_and_resumes_without_a_word_about_data(shared, tmp_path, capsys):
+    first = on_data(shared / "data", tmp_path / "run", "checkpoint.every=2")
+    assert main(first) == 0
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "pipekit.json").read_text())
+    assert meta["data"]["files"] == json.loads((shared / "data" / "meta.json").read_text())["files"]
+    capsys.readouterr()
+    assert main(on_data(shared / "data", tmp_path / "run", "train.resume=auto", "train.steps=3")) == 0
+    out = capsys.readouterr()
+    said = [line for line in out.out.splitlines() if "changed since the checkpoint" in line]
+    assert "resuming from" in out.out and len(said) == 1 and "data (" not in said[0], said
+    assert "fingerprint" not in out.err
+
+
+def test_an_older_dataset_without_a_fingerprint_trains_with_one_notice(shared, tmp_path, capsys):
+    shutil.copytree(shared / "data", tmp_path / "old")
+    meta = json.loads((tmp_path / "old" / "meta.json").read_text())
+    del meta["files"]
+    (tmp_path / "old" / "meta.json").write_text(json.dumps(meta))
+    assert main(on_data(tmp_path / "old", tmp_path / "run")) == 0
+    notices = [line for line in capsys.readouterr().err.splitlines() if "without a fingerprint" in line]
+    assert len(notices) == 1, notices
 
 
 def test_generate_without_a_prompt_starts_a_new_document(shared, capsys):

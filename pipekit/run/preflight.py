@@ -1,13 +1,12 @@
 """Checks of a config against the filesystem, made by the launcher before any worker starts.
 
 `pipekit.config.load_run` judges values, the model and the schedule;
-`check_before_launch(run)`
-looks at what the paths a config names hold: the prepared dataset of
-`data.source`, the directories a run will write (`logging.out_dir`,
-`checkpoint.dir`) and the checkpoint `train.resume` names. So a mistake a
-worker would meet after launch (a missing dataset, a window longer than the
-data, an out_dir that is a file) is one line and exit status 2 instead of a
-failed world.
+`check_before_launch(run)` looks at what the paths a config names hold: the
+prepared dataset of `data.source` (its files read whole against the fingerprint
+its meta.json records), the directories a run will write (`logging.out_dir`,
+`checkpoint.dir`) and the checkpoint `train.resume` names. So a mistake a worker
+would meet after launch (a missing dataset, a window longer than the data, an
+out_dir that is a file) is one line and exit status 2 instead of a failed world.
 
 It only reads: nothing is created, so a refused run leaves the disk as it was.
 No torch.distributed. Limits: paths are judged from this machine (workers on
@@ -18,10 +17,11 @@ a worker looks (another process may remove or fill a directory in between).
 from __future__ import annotations
 
 import os
+import sys
 
 from ..checkpoint import CheckpointError, read_meta
 from ..config import ConfigError, Run
-from ..data import ByteTokenizer
+from ..data import ByteTokenizer, DataChanged, check_files, unfingerprinted
 from ..data import read_meta as read_data_meta
 from ..models import model_vocab
 from .resume import compare_settings, resume_path
@@ -65,6 +65,21 @@ def _check_data(run: Run) -> None:
         raise ConfigError(f"data.source={src} has {tokens.get('val', 0)} validation tokens, fewer than one window of "
                           f"train.seq_len+1 = {need}; prepare it with a larger --val-fraction, or set data.val_every=0")
     _check_vocab(run, int(meta["vocab_size"]), f"data.source={src}")
+    _check_fingerprint(src, meta)
+
+
+def _check_fingerprint(src: str, meta: dict) -> None:
+    """The dataset's files are the ones its meta.json records (one read of each); an older
+    dataset without a fingerprint gets one notice. Not in the workers of this command's
+    launcher (PIPEKIT_ERROR_DIR), which checked before starting them."""
+    if "PIPEKIT_ERROR_DIR" in os.environ:
+        return
+    try:
+        recorded = check_files(src, meta)
+    except DataChanged as e:
+        raise ConfigError(f"data.source={src}: {e}") from None
+    if recorded is None and os.environ.get("RANK", "0") == "0":
+        print(unfingerprinted(src), file=sys.stderr, flush=True)
 
 
 def _check_vocab(run: Run, data_vocab: int, what: str) -> None:

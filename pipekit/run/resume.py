@@ -41,6 +41,7 @@ from ..checkpoint import (
     step_dir,
 )
 from ..config import RUN_DEFINING, Config, Run
+from ..data import fingerprint, source_dir
 from ..engine import PipelineEngine
 from ..interchange import checkpoint_dir
 from ..topology import Topology
@@ -192,7 +193,26 @@ def compare_settings(meta: dict, run: Run, path: str) -> list[str]:
                                   f"{ours.get(key)}), which makes this another run; resume with {key}="
                                   f"{theirs.get(key)}, or allow the change with train.allow_changed={key}")
         changed.append(f"{key} {theirs.get(key)} -> {ours.get(key)}")
-    return changed
+    data = _data_change(meta, run, path, allowed)
+    return changed + ([data] if data else [])
+
+
+def _data_change(meta: dict, run: Run, path: str, allowed: set[str]) -> str | None:
+    """"data (train.bin, ...)" when data.source's dataset is not the one checkpoint `path` was
+    trained on (the fingerprint it recorded), CheckpointError unless train.allow_changed names
+    data; None when it is, or when there is nothing to compare (a checkpoint or dataset from
+    before fingerprints, a default corpus not yet prepared, a data.source changed as such)."""
+    saved = meta.get("data") or {}
+    theirs, source = saved.get("files"), run.config.data.source
+    ours = fingerprint(source) if theirs and saved.get("source") == source else None
+    if theirs is None or ours is None or ours == theirs:
+        return None
+    names = ", ".join(sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k)))
+    if "data" not in allowed:
+        raise CheckpointError(f"checkpoint {path} was trained on other data: {names} in {source_dir(source)} changed "
+                              f"since (prepared again?); resume on the data it was trained on, or allow the change "
+                              f"with train.allow_changed=data")
+    return f"data ({names} in {source_dir(source)})"
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -219,6 +239,6 @@ def save(run: Run, topo: Topology, engine: PipelineEngine, root: str, step: int)
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
             "data": {"source": cfg.data.source, "seed": cfg.train.seed, "global_batch": cfg.train.global_batch,
-                     "seq_len": cfg.train.seq_len, "next_step": step},
+                     "seq_len": cfg.train.seq_len, "next_step": step, "files": fingerprint(cfg.data.source)},
             "config": json.loads(json.dumps(asdict(cfg)))}
     return save_checkpoint(step_dir(root, step), engine.module, engine.optimizer, meta=meta, keep=cfg.checkpoint.keep)
