@@ -22,12 +22,14 @@ dataclasses: treat them as read-only.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import math
 import os
 import re
 import sys
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional, cast
 
@@ -42,7 +44,7 @@ from .partition import check_boundaries, layer_weights
 from .precision import PRECISION_NAMES, Precision, precision_policy
 from .schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, load_schedule
 from .spec import spec_name
-from .topology import local_workers, resolve_device
+from .topology import default_timeout, local_workers, resolve_device
 
 # The ModelConfig keys that are sizes: when set, each must be >= 1 (checked with the key named as given).
 _MODEL_SIZES = ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden",
@@ -66,7 +68,8 @@ class LoraConfig:
 class ModelConfig:
     family: str = "gpt2"  # gpt2 | llama | mixtral | toy (with model.init: the weights' own)
     flavour: str = "tiny"  # a named size of the family (pipekit.models FLAVOURS)
-    kernels: str = "auto"  # auto | triton | torch: the fused kernels' side (pipekit.kernels; float64: torch)
+    kernels: Optional[str] = None  # auto | triton | torch: the fused kernels' side (pipekit.kernels; float64:
+    #                                torch); null: $PIPEKIT_KERNELS, else auto
     # Start from weights: a Hugging Face model dir, a pipekit model.pt or a pipekit checkpoint. The family
     # and every size come from it; each rank reads only the tensors of the stages and shards it holds.
     init: Optional[str] = None
@@ -257,7 +260,8 @@ RUN_DEFINING = ("train.seed", "train.seq_len", "data.source", "data")
 def load_run(path: str | None = None, overrides: list[str] | None = None) -> Run:
     """Read the YAML file and the `key=value` overrides, check them and resolve the run:
     what `pipekit train` and `pipekit plan` call, in the launcher and in each worker."""
-    return resolve(_merged(path, overrides))
+    cfg, given = _merged(path, overrides)
+    return resolve(cfg, given)
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
@@ -266,36 +270,132 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     return load_run(path, overrides).config
 
 
-def _merged(path: str | None, overrides: list[str] | None) -> Config:
-    """The schema merged with the file and the overrides, as real dataclasses, values checked."""
-    schema = OmegaConf.structured(Config)
+# The keys that name a path: an empty one (an unset shell variable) is refused, and so is a number or a boolean.
+PATH_KEYS = ("logging.out_dir", "checkpoint.dir", "train.resume", "data.source", "model.init", "schedule.module")
+_BOOL_WORDS = ("optimizer.fused",)  # string keys whose values include true / false
+
+
+def _schema_types(cls=None, prefix: str = "") -> dict[str, Any]:
+    """Every leaf key of the schema (`train.resume`) and its annotation."""
+    out: dict[str, Any] = {}
+    for name, hint in typing.get_type_hints(cls or Config).items():
+        if dataclasses.is_dataclass(hint):
+            out.update(_schema_types(hint, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = hint
+    return out
+
+
+_TYPES = _schema_types()
+STRING_KEYS = tuple(k for k, t in _TYPES.items() if t in (str, Optional[str]))
+SECTIONS = tuple(dict.fromkeys(k.rsplit(".", 1)[0] for k in _TYPES if "." in k))
+
+
+def _flat(node, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value} of a plain nested dict (a YAML part as given)."""
+    if not isinstance(node, dict):
+        return {prefix.rstrip("."): node}
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _yaml_reason(e: Exception) -> str:
+    """A YAML parser error as '<problem> (line L, column C)', its first line when it has no mark."""
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if problem and mark is not None:
+        return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+    return str(e).strip().splitlines()[0].strip()
+
+
+def _load_file(path: str):
     try:
-        parts = [schema]
-        if path:
-            loaded = OmegaConf.load(path)
-            if not isinstance(loaded, DictConfig):
-                raise ConfigError(f"{path} holds a YAML {'list' if isinstance(loaded, ListConfig) else 'value'} at its "
-                                  "top level; a config is a mapping of sections (model:, train:, ...), as in "
-                                  "configs/gpt2_tiny.yaml")
-            parts.append(loaded)
-        parts.append(OmegaConf.from_dotlist(list(overrides or [])))
-        # to_object's declared return covers any container; merged onto the Config schema it is a Config
-        cfg = cast(Config, OmegaConf.to_object(OmegaConf.merge(*parts)))
-    except OmegaConfBaseException as e:  # one line: the key, then OmegaConf's reason
-        key, msg = getattr(e, "full_key", None), str(getattr(e, "msg", None) or e).strip().splitlines()[0]
-        raise ConfigError(f"bad config{f' {path}' if path else ''}: {f'{key}: ' if key else ''}{msg}") from e
+        loaded = OmegaConf.load(path)
     except FileNotFoundError as e:
         raise ConfigError(f"config file not found: {path}") from e
     except IsADirectoryError as e:
         raise ConfigError(f"{path} is a directory; give a YAML file such as configs/gpt2_tiny.yaml") from e
     except Exception as e:  # noqa: BLE001 - yaml's parser errors (yaml is OmegaConf's dependency)
         if type(e).__module__.startswith("yaml"):
-            where = str(e).strip().splitlines()[-1].strip()
-            raise ConfigError(f"{path} is not valid YAML ({str(e).splitlines()[0].strip()}, {where})") from e
+            raise ConfigError(f"{path} is not valid YAML: {_yaml_reason(e)}") from e
         raise
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"{path} holds a YAML {'list' if isinstance(loaded, ListConfig) else 'value'} at its "
+                          "top level; a config is a mapping of sections (model:, train:, ...), as in "
+                          "configs/gpt2_tiny.yaml")
+    return loaded
+
+
+def _load_override(text: str):
+    """One `key=value` override as its own part, so that its errors name it."""
+    key, _, value = text.partition("=")
+    if not key or any(not piece.strip() for piece in key.split(".")):
+        raise ConfigError(f"override {text!r} names no key{'' if key else ' before ='}; write KEY=VALUE, "
+                          "e.g. train.steps=100")
+    if value.strip() == "" and key in STRING_KEYS:
+        raise ConfigError(f"{key}= is empty (an unset shell variable?); give a value, or {key}=null to leave it "
+                          "unset")
+    try:
+        return OmegaConf.from_dotlist([text])
+    except Exception as e:  # noqa: BLE001 - yaml's parser errors, on the value alone
+        if type(e).__module__.startswith("yaml"):
+            raise ConfigError(f"override {text!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); "
+                              "quote it, e.g. "
+                              f"{key}=\"'{value}'\"") from e
+        raise
+
+
+def _check_given_types(where: str, given: dict[str, Any]) -> None:
+    """A string key given a boolean (YAML 1.1 reads no/yes/on/off as one), or a path key a number: refused,
+    as OmegaConf would turn it into the text 'False' or '2024' silently."""
+    for key, value in given.items():
+        if key in SECTIONS and value is not None:
+            keys = [k.rsplit(".", 1)[1] for k in _TYPES if k.rsplit(".", 1)[0] == key][:3]
+            raise ConfigError(f"{key}={_shown(value)} ({where}): {key} is a section, not a value; set its keys, "
+                              f"e.g. {', '.join(f'{key}.{k}' for k in keys)}")
+        if key not in STRING_KEYS or value is None or isinstance(value, str):
+            continue
+        if isinstance(value, bool) and key not in _BOOL_WORDS:
+            raise ConfigError(f"{key}={str(value).lower()} ({where}) is a boolean, not text (YAML reads no, yes, "
+                              f"on, off as one); quote it ('no') if you mean the word, or leave {key} out")
+        if key in PATH_KEYS and not isinstance(value, bool):
+            raise ConfigError(f"{key}={value} ({where}) is a number, not a path; quote it "
+                              f"('{value}') if you mean that name")
+
+
+def _merge_error(e: OmegaConfBaseException, where: str) -> ConfigError:
+    """OmegaConf's error as one line naming the key and the file or override."""
+    key, msg = getattr(e, "full_key", None) or "", str(getattr(e, "msg", None) or e).strip().splitlines()[0]
+    return ConfigError(f"bad config ({where}): {f'{key}: ' if key else ''}{msg}")
+
+
+def _merged(path: str | None, overrides: list[str] | None) -> tuple[Config, set[str]]:
+    """The schema merged with the file and the overrides, as real dataclasses, values checked;
+    and the keys the file and the overrides set."""
+    parts = [(path, _load_file(path))] if path else []
+    parts += [(f"override {o!r}", _load_override(o)) for o in overrides or []]
+    given: set[str] = set()
+    merged = OmegaConf.structured(Config)
+    for where, part in parts:
+        try:
+            flat = _flat(OmegaConf.to_container(part, resolve=False))
+        except OmegaConfBaseException as e:
+            raise _merge_error(e, where) from e
+        _check_given_types(where, flat)
+        given.update(flat)
+        try:
+            merged = OmegaConf.merge(merged, part)
+        except OmegaConfBaseException as e:
+            raise _merge_error(e, where) from e
+    try:
+        # to_object's declared return covers any container; merged onto the Config schema it is a Config
+        cfg = cast(Config, OmegaConf.to_object(merged))
+    except OmegaConfBaseException as e:
+        raise _merge_error(e, path or "overrides") from e
     if cfg.model.init is not None:
-        _family_from_weights(cfg.model, [_given(part, "model.family") for part in parts[1:]],
-                             [_given(part, "model.flavour") for part in parts[1:]])
+        _family_from_weights(cfg.model, [_given(part, "model.family") for _, part in parts],
+                             [_given(part, "model.flavour") for _, part in parts])
     if cfg.train.global_batch is None:
         cfg.train.global_batch = cfg.train.micro_batch * cfg.schedule.microbatches * cfg.parallel.dp
     for section, key in (("logging", "out_dir"), ("checkpoint", "dir"), ("train", "resume"), ("data", "source")):
@@ -303,7 +403,7 @@ def _merged(path: str | None, overrides: list[str] | None) -> Config:
         if isinstance(value, str) and value.startswith("~"):
             setattr(getattr(cfg, section), key, os.path.expanduser(value))
     check_config(cfg)
-    return cfg
+    return cfg, given
 
 
 def _given(part, key: str):
@@ -341,6 +441,14 @@ def _rule(check, *values) -> None:
     """One rule of `pipekit.rules` applied to config values, its words the config's keys."""
     try:
         check(*values, names=rules.CONFIG)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _rule_env(check) -> None:
+    """An environment variable's check (PIPEKIT_TIMEOUT's `default_timeout`) as a ConfigError."""
+    try:
+        check()
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -383,6 +491,7 @@ def check_config(cfg: Config) -> None:
     _check_choice("train.device", t.device, ("auto", "cpu", "cuda"))
     _check_choice("train.precision", t.precision, PRECISION_NAMES)
     _check_kernels(cfg)
+    _rule_env(default_timeout)
     _check_optimizer(cfg)
     _check_precision(cfg)
     _check_runtime(cfg)
@@ -439,8 +548,6 @@ def _check_runtime(cfg: Config) -> None:
         ("data.val_batches", d.val_batches, d.val_every == 0 or d.val_batches >= 1,
          f">= 1 while data.val_every={d.val_every} (or set data.val_every=0 for no validation)"),
         ("train.seed", t.seed, t.seed >= 0, ">= 0"),
-        ("train.resume", repr(t.resume), t.resume is None or (t.resume.strip() != "" and "\0" not in t.resume),
-         "auto (the newest checkpoint in checkpoint.dir), a checkpoint directory, or null (start fresh)"),
         ("checkpoint.every", ck.every, ck.every >= 0, ">= 0 (0: only at the end of the run)"),
         ("checkpoint.stop_grace_s", ck.stop_grace_s, ck.stop_grace_s >= 1,
          ">= 1 (seconds for the step in flight and the save after a stop signal)"),
@@ -449,6 +556,7 @@ def _check_runtime(cfg: Config) -> None:
         ("logging.peak_tflops", log.peak_tflops, log.peak_tflops is None or (
             _finite(log.peak_tflops) and log.peak_tflops > 0), "a finite number > 0, or null (look it up or measure)"),
     ])
+    _check_paths(cfg)
     _check_pack(cfg)
     for key in (k.strip() for k in (t.allow_changed or "").split(",") if k.strip()):
         if key not in RUN_DEFINING and not re.fullmatch(r"model\.\w+", key):
@@ -463,6 +571,18 @@ def _check_runtime(cfg: Config) -> None:
     if log.trace_step is not None and not log.out_dir:
         raise ConfigError(f"logging.trace_step={log.trace_step} writes its timeline to logging.out_dir, which is not "
                           "set; set logging.out_dir, or logging.trace_step=null")
+
+
+def _check_paths(cfg: Config) -> None:
+    """A path key that is set names something: not blank (an unset shell variable), no NUL byte."""
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if isinstance(value, str) and (value.strip() == "" or "\0" in value):
+            what = ("auto (the newest checkpoint in checkpoint.dir), a checkpoint directory, or null (start fresh)"
+                    if key == "train.resume" else "a path, or null (leave it unset)")
+            raise ConfigError(f"{key}={value!r} is {'empty' if value.strip() == '' else 'not a path'} (an unset "
+                              f"shell variable?); it must be {what}")
 
 
 _PACKED_FAMILIES = ("gpt2", "llama", "mixtral")  # the zoo models that take (ids, positions)
@@ -615,12 +735,19 @@ def _check_device(cfg: Config) -> None:
 def _check_kernels(cfg: Config) -> None:
     """model.kernels is a mode, and "triton" can run: the package is there, and on the CPU
     only in Triton's interpreter (known before any worker starts)."""
-    mode = cfg.model.kernels
-    _check_choice("model.kernels", mode, kernel_dispatch.MODES)
+    mode, key = cfg.model.kernels, "model.kernels"
+    if mode is None:  # the environment's, read here as in every worker
+        try:
+            mode, key = kernel_dispatch.env_mode(), kernel_dispatch.ENV
+        except ValueError as e:
+            raise ConfigError(f"{e} (model.kernels is unset, so the environment's is used)") from None
+    if mode is None:
+        return
+    _check_choice(key, mode, kernel_dispatch.MODES)
     if mode != "triton":
         return
     # train.device=auto may still land on a GPU: only "cpu" is known to need the interpreter here
-    blocker = kernel_dispatch.triton_blocker(cfg.train.device != "cpu", "model.kernels=triton")
+    blocker = kernel_dispatch.triton_blocker(cfg.train.device != "cpu", f"{key}=triton")
     if blocker is not None:
         raise ConfigError(blocker)
 
@@ -762,6 +889,7 @@ class Run:
     dp: int
     tp: int
     ep: int
+    notices: tuple[str, ...] = ()  # "KEY=VALUE has no effect: WHY" for each key set that does nothing here
 
     @property
     def world_size(self) -> int:
@@ -779,11 +907,13 @@ class Run:
         return global_batch
 
 
-def resolve(cfg: Config | Run) -> Run:
+def resolve(cfg: Config | Run, given: set[str] | None = None) -> Run:
     """The run of a value-checked config: the schedule module imported (`schedule.module`),
     the model config, the schedule, the precision policy and the partition made once,
     and checked against each other (layers per stage, heads and vocabulary per tp rank,
-    experts per ep rank). ConfigError names the key. A Run is returned as it is."""
+    experts per ep rank). ConfigError names the key. A Run is returned as it is.
+    `given`: the keys the file and overrides set, which (with those off their defaults)
+    get a notice where they have no effect (`NO_EFFECT`)."""
     if isinstance(cfg, Run):
         return cfg
     cfg = copy.deepcopy(cfg)  # the run keeps its own keys: a caller's later edits do not reach it
@@ -797,7 +927,57 @@ def resolve(cfg: Config | Run) -> Run:
     _check_adapters(cfg, model, specs)
     bounds = partition_boundaries(cfg.schedule.partition)
     return Run(cfg, model, schedule, precision_policy(cfg.train.precision, cfg.train.dtype, cfg.fp16),
-               tuple(bounds) if bounds is not None else cfg.schedule.partition, p.pp, p.dp, p.tp, p.ep)
+               tuple(bounds) if bounds is not None else cfg.schedule.partition, p.pp, p.dp, p.tp, p.ep,
+               no_effect_notices(cfg, model, given))
+
+
+# ---- keys that do nothing in a run ------------------------------------------------
+# (key, or a section ending in ".", when it has no effect (config, model config) -> bool, why: formatted with
+# c=the config, m=the model config). Each key the user set that a rule matches gets one notice; never an error.
+NO_EFFECT: list[tuple[str, Any, str]] = [
+    ("optimizer.momentum", lambda c, m: c.optimizer.name != "sgd",
+     "momentum is SGD's; optimizer.name={c.optimizer.name} uses optimizer.beta1"),
+    ("optimizer.beta1", lambda c, m: c.optimizer.name == "sgd", "AdamW's; optimizer.name=sgd uses optimizer.momentum"),
+    ("optimizer.beta2", lambda c, m: c.optimizer.name == "sgd", "AdamW's; optimizer.name=sgd has no second moment"),
+    ("optimizer.eps", lambda c, m: c.optimizer.name == "sgd", "AdamW's; optimizer.name=sgd divides by nothing"),
+    ("optimizer.reshard_after_forward", lambda c, m: c.optimizer.zero_stage != 3,
+     "only ZeRO-3 gathers parameters, and optimizer.zero_stage={c.optimizer.zero_stage}"),
+    ("fp16.", lambda c, m: c.train.precision != "fp16",
+     "loss scaling is for train.precision=fp16, and this run's is {c.train.precision}"),
+    ("model.token_drop_policy", lambda c, m: getattr(m, "capacity_factor", None) is None,
+     "tokens are dropped only over a capacity, and model.capacity_factor is unset (dropless)"),
+    ("model.pad_expert_input_to_capacity", lambda c, m: getattr(m, "capacity_factor", None) is None,
+     "there is no capacity to pad to: model.capacity_factor is unset (dropless)"),
+    *[(f"model.{key}", lambda c, m: getattr(m, "n_experts", None) is None,
+       "the {c.model.family} model here is dense (no model.n_experts): nothing is routed")
+      for key in ("global_balance", "aux_loss_coef", "z_loss_coef", "bias_update_rate", "capacity_factor", "score")],
+    ("parallel.sequence_parallel", lambda c, m: c.parallel.tp == 1, "it splits the sequence over tp; parallel.tp=1"),
+    ("parallel.expert_tp", lambda c, m: c.parallel.tp == 1, "it splits the experts over tp, and parallel.tp=1"),
+    *[(f"model.lora.{key}", lambda c, m: not c.model.lora.rank, "model.lora.rank=0 adds no adapters")
+      for key in ("alpha", "dropout", "targets")],
+    ("data.val_batches", lambda c, m: c.data.val_every == 0, "data.val_every=0 never validates"),
+    *[(f"checkpoint.{key}", lambda c, m: not (c.checkpoint.dir or c.logging.out_dir),
+       "neither checkpoint.dir nor logging.out_dir is set, so nothing is saved") for key in ("keep", "at_end")],
+    ("train.allow_changed", lambda c, m: c.train.resume is None, "it applies on resume, and train.resume is unset"),
+]
+
+
+def _shown(value) -> str:
+    return "true" if value is True else "false" if value is False else "null" if value is None else str(value)
+
+
+def no_effect_notices(cfg: Config, model, given: set[str] | None = None) -> tuple[str, ...]:
+    """"KEY=VALUE has no effect: WHY" for each key set (in `given`, or off its default) that a
+    NO_EFFECT rule says does nothing in this run, in the order of the rules."""
+    values = _flat(dataclasses.asdict(cfg))
+    defaults = _flat(dataclasses.asdict(Config()))
+    chosen = set(given or ()) | {k for k, v in values.items() if v != defaults.get(k)}
+    said = []
+    for rule_key, idle, why in NO_EFFECT:
+        for key in sorted(k for k in chosen if k == rule_key or (rule_key.endswith(".") and k.startswith(rule_key))):
+            if key in values and idle(cfg, model):
+                said.append(f"{key}={_shown(values[key])} has no effect: {why.format(c=cfg, m=model)}")
+    return tuple(dict.fromkeys(said))
 
 
 def _schedule(cfg: Config) -> Schedule:

@@ -80,7 +80,7 @@ from .rules import check_clip, check_overlap
 from .schedules import Action, Kind, Schedule, TimelineEvent
 from .schedules.ir import WEIGHT_GRAD_KINDS
 from .spec import TiedLayerSpec
-from .topology import DEFAULT_TIMEOUT
+from .topology import default_timeout
 
 
 class PipelineError(RuntimeError):
@@ -157,7 +157,7 @@ class PipelineEngine:
             `self.step_start`, a `time.perf_counter()` reading) in `self.timeline`,
             in the simulator's format.
         timeout: how long a receive waits before failing with the rank,
-            action and microbatch named.
+            action and microbatch named (None: PIPEKIT_TIMEOUT's seconds, else 300).
         clip_grad_norm: clip the gradients to this global L2 norm (over every
             parameter of the model, each counted once) before the step.
         lr_scheduler: stepped after every optimizer step that was not skipped.
@@ -174,7 +174,7 @@ class PipelineEngine:
         *,
         optimizer=None,
         record_timeline: bool = False,
-        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        timeout: datetime.timedelta | None = None,
         clip_grad_norm: float | None = None,
         lr_scheduler=None,
         recv_ahead: int = 4,
@@ -193,7 +193,7 @@ class PipelineEngine:
             self.optimizer.clip_grad_norm = clip_grad_norm
         self.clip_grad_norm = clip_grad_norm
         self.lr_scheduler = lr_scheduler
-        self.timeout = timeout
+        self.timeout = timeout if timeout is not None else default_timeout()  # PIPEKIT_TIMEOUT, else 300 s
         self.schedule: Schedule = module.schedule
         self.num_microbatches = self.schedule.microbatches
         self.actions = list(self.schedule.ranks[self.topo.pp_rank])

@@ -23,6 +23,7 @@ MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE set and `init_distributed()`).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 
 import torch
@@ -31,7 +32,25 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .rules import check_dp_shard, check_ep
 
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("PIPEKIT_TIMEOUT", 300)))
+TIMEOUT_ENV = "PIPEKIT_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+
+
+def default_timeout() -> datetime.timedelta:
+    """How long a receive or a collective waits for its peer: PIPEKIT_TIMEOUT's seconds (300 when
+    unset), read when a group or an engine is made, never at import (a bad value must not break
+    every subcommand); ValueError in one line naming it when it is not a finite number > 0."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or raw.strip() == "":
+        return datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a finite number of seconds > 0 (how long a receive waits "
+                         f"for its peer; default {DEFAULT_TIMEOUT_S:g}); unset it or give e.g. {TIMEOUT_ENV}=600")
+    return datetime.timedelta(seconds=seconds)
 
 
 def grid_sizes(world_size: int, pp: int, dp: int | None = None, tp: int = 1) -> tuple[int, int, int]:
@@ -133,7 +152,7 @@ def fell_back(requested: str, device: str) -> bool:
 
 
 def init_distributed(
-    backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT, device: str = "auto"
+    backend: str | None = None, timeout: datetime.timedelta | None = None, device: str = "auto"
 ) -> None:
     """Initialise the default process group from the environment if it is not up yet.
 
@@ -154,7 +173,7 @@ def init_distributed(
     The device comes from `resolve_device(device, workers on this node)` (see
     `local_rank_and_workers`): NCCL and `torch.cuda.set_device(local rank)` for CUDA,
     gloo for the CPU (`backend` overrides the backend; an explicit "nccl" still sets
-    the CUDA device).
+    the CUDA device). `timeout` None: PIPEKIT_TIMEOUT's seconds, else 300.
     """
     if dist.is_initialized():
         return
@@ -162,6 +181,7 @@ def init_distributed(
     if launched is None:
         return
     rank, world = launched
+    timeout = timeout if timeout is not None else default_timeout()  # PIPEKIT_TIMEOUT, else 300 s
     local_rank, workers = local_rank_and_workers(rank, world)
     kind, _ = resolve_device(device, workers)
     backend = backend or ("nccl" if kind == "cuda" else "gloo")

@@ -90,7 +90,28 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
     ("checkpoint-keep-zero", train("checkpoint.keep=0"), "checkpoint.keep=0 must be >= 1"),
     ("checkpoint-every-nowhere", train("logging.out_dir=null", "checkpoint.every=5"),
      "checkpoint.every=5 has nowhere to save"),
-    ("resume-blank", train("train.resume=' '"), "train.resume=' ' must be auto"),
+    ("resume-blank", train("train.resume=' '"), "train.resume=' ' is empty (an unset shell variable?); it must be"),
+    # ---- train: config and environment (issue 27): nothing silent
+    ("resume-empty-override", train("train.resume="), "train.resume= is empty (an unset shell variable?)"),
+    ("checkpoint-dir-empty-string", train("checkpoint.dir=''"), "checkpoint.dir='' is empty"),
+    ("data-source-empty-in-file", ["train", "{tmp}/empty_source.yaml"], "data.source='' is empty"),
+    ("out-dir-a-boolean", train("logging.out_dir=no"), "logging.out_dir=false (override 'logging.out_dir=no') is a"),
+    ("out-dir-a-boolean-in-file", ["train", "{tmp}/out_dir_no.yaml"],
+     ("logging.out_dir=false (", "out_dir_no.yaml) is a boolean, not text")),
+    ("model-init-a-number", train("model.init=2024"), "model.init=2024 (override 'model.init=2024') is a number"),
+    ("checkpoint-dir-in-another-run", train("checkpoint.dir={shared}/run/checkpoints"),
+     ("checkpoint.dir=", "lies in another run's directory", "(metrics.jsonl, model.pt, checkpoints")),
+    ("checkpoint-dir-in-another-run-via-dotdot", train("checkpoint.dir={shared}/run/../run/ck"),
+     "lies in another run's directory"),
+    ("override-names-no-key", train("=3"), "override '=3' names no key before =; write KEY=VALUE"),
+    ("override-empty-segment", train("train..steps=3"), "override 'train..steps=3' names no key"),
+    ("section-given-a-value", train("model=gpt2"), "model=gpt2 (override 'model=gpt2'): model is a section, not a"),
+    ("section-given-a-value-in-file", ["train", "{tmp}/model_str.yaml"], "model is a section, not a value"),
+    ("override-bad-yaml", train("train.steps=[1"), "override 'train.steps=[1': the value is not valid YAML"),
+    ("config-duplicate-key", ["train", "{tmp}/dup.yaml"], "is not valid YAML: found duplicate key steps (line 3"),
+    ("rope-theta-zero", ["train", "model.family=llama", "model.rope_theta=0", "parallel.pp=1"],
+     "rope_theta=0.0 must be a finite number > 0"),
+    ("norm-eps-negative", ["train", "model.family=gpt2", "model.norm_eps=-1", "parallel.pp=1"], "norm_eps"),
     ("resume-auto-nowhere", train("logging.out_dir=null", "train.resume=auto"),
      "train.resume=auto looks for the newest checkpoint"),
     ("trace-step-zero", train("logging.trace_step=0"), "logging.trace_step=0 must be a step in 1..train.steps=2"),
@@ -277,6 +298,10 @@ def tmp_files(tmp: Path, shared: Path) -> None:
     shard.write_bytes(shard.read_bytes()[:100])
     (tmp / "bad.yaml").write_text("model: [\n")
     (tmp / "list.yaml").write_text("- model\n- train\n")
+    (tmp / "dup.yaml").write_text("train:\n  steps: 3\n  steps: 4\n")
+    (tmp / "out_dir_no.yaml").write_text("logging:\n  out_dir: no\n")
+    (tmp / "empty_source.yaml").write_text("data:\n  source: ''\n")
+    (tmp / "model_str.yaml").write_text("model: gpt2\n")
     (tmp / "empty").mkdir()
     (tmp / "b").mkdir()
     (tmp / "b" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
@@ -405,3 +430,97 @@ def test_train_resume_takes_a_checkpoints_root(shared):
                                                        "parallel.pp=1", "train.steps=4"])
     assert resume_path(cfg) == str(run / "checkpoints" / "step_00000002")
     assert out_dir_taken(cfg) is None
+
+
+ENV_MISTAKES = [  # (id, environment, argv, what the one line must say): PIPEKIT_* variables, read when used
+    ("kernels-env-nonsense", {"PIPEKIT_KERNELS": "nonsense"}, train(), "PIPEKIT_KERNELS='nonsense' is not one of"),
+    ("kernels-env-triton-on-cpu", {"PIPEKIT_KERNELS": "triton", "TRITON_INTERPRET": "0"}, train("train.device=cpu"),
+     "PIPEKIT_KERNELS=triton "),
+    ("timeout-env-not-a-number", {"PIPEKIT_TIMEOUT": "abc"}, train(),
+     "PIPEKIT_TIMEOUT='abc' must be a finite number of seconds > 0"),
+    ("timeout-env-zero", {"PIPEKIT_TIMEOUT": "0"}, train(), "PIPEKIT_TIMEOUT='0' must be a finite number of seconds"),
+]
+
+
+@pytest.mark.parametrize("env, argv, said", [pytest.param(e, a, s, id=i) for i, e, a, s in ENV_MISTAKES])
+def test_a_bad_environment_variable_gets_one_line_status_2(env, argv, said, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("PIPEKIT_DEBUG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    before = snapshot(tmp_path)
+    assert main([a.format(root=ROOT) for a in argv]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("pipekit train: ") and "\n" not in line and said in line, line
+    assert snapshot(tmp_path) == before
+
+
+def test_a_bad_environment_variable_is_not_read_at_import():
+    """PIPEKIT_TIMEOUT is read when a group or an engine is made, not when pipekit is imported."""
+    import pipekit.topology as topology
+
+    assert not hasattr(topology, "DEFAULT_TIMEOUT")
+
+
+def test_pipekit_kernels_reaches_a_run_that_leaves_model_kernels_unset(monkeypatch):
+    from pipekit.config import load_run
+
+    monkeypatch.setenv("PIPEKIT_KERNELS", "torch")
+    assert load_run(str(ROOT / "configs/toy.yaml"), ["parallel.pp=1"]).config.model.kernels is None  # workers: env
+    assert load_run(str(ROOT / "configs/toy.yaml"), ["parallel.pp=1", "model.kernels=auto"]).config.model.kernels \
+        == "auto"  # the config's choice wins
+
+
+def test_a_checkpoint_dir_inside_a_live_run_is_refused_even_with_overwrite(shared, tmp_path, capsys, monkeypatch):
+    """The live run locks its out_dir; a newcomer whose checkpoint.dir lies inside it takes that same lock."""
+    import fcntl
+
+    monkeypatch.chdir(tmp_path)
+    live = tmp_path / "live"
+    (live / "checkpoints").mkdir(parents=True)
+    (live / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    with open(live / ".pipekit.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        before = snapshot(tmp_path)
+        for ck in (live / "checkpoints", tmp_path / "." / "live" / "checkpoints" / ".." / "checkpoints"):
+            argv = [a.format(root=ROOT) for a in train(f"checkpoint.dir={ck}", "logging.overwrite=true",
+                                                      f"logging.out_dir={tmp_path / 'newcomer'}")]
+            assert main(argv) == 2
+            line = capsys.readouterr().err.strip()
+            assert "another pipekit run is writing to checkpoint.dir=" in line and "\n" not in line, line
+        assert snapshot(tmp_path) == before
+
+
+NOTICES = [  # (overrides, the notice line): a key that does nothing in this run is said once, never refused
+    (["optimizer.momentum=0.9"], "optimizer.momentum=0.9 has no effect: momentum is SGD's; optimizer.name=adamw"),
+    (["optimizer.reshard_after_forward=true", "optimizer.zero_stage=1"],
+     "optimizer.reshard_after_forward=true has no effect: only ZeRO-3 gathers parameters, and optimizer.zero_stage=1"),
+    (["fp16.hysteresis=4"], "fp16.hysteresis=4 has no effect: loss scaling is for train.precision=fp16"),
+    (["fp16.loss_scale=128"], "fp16.loss_scale=128.0 has no effect: loss scaling is for train.precision=fp16"),
+    (["model.family=mixtral", "model.token_drop_policy=probs"],
+     "model.token_drop_policy=probs has no effect: tokens are dropped only over a capacity"),
+    (["model.family=gpt2", "model.global_balance=true"],
+     "model.global_balance=true has no effect: the gpt2 model here is dense (no model.n_experts)"),
+    (["model.family=gpt2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true has no effect"),
+    (["model.lora.alpha=32"], "model.lora.alpha=32.0 has no effect: model.lora.rank=0 adds no adapters"),
+    (["train.allow_changed=train.seed"], "train.allow_changed=train.seed has no effect: it applies on resume"),
+]
+
+
+@pytest.mark.parametrize("overrides, said", NOTICES)
+def test_a_key_without_effect_gets_one_notice_and_the_run_goes_on(overrides, said, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", *overrides, "parallel.pp=1", "--show"]
+    assert main(argv) == 0
+    notices = [line for line in capsys.readouterr().err.splitlines() if "notice:" in line]
+    assert len(notices) == 1 and notices[0].startswith(f"pipekit: notice: {said}"), notices
+
+
+def test_no_notice_for_keys_that_do_something_or_were_not_set(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for argv in (["train", str(ROOT / "configs/toy.yaml")],
+                 ["train", "optimizer.name=sgd", "optimizer.momentum=0.9", "parallel.pp=1"],
+                 ["train", "train.precision=fp16", "fp16.hysteresis=4", "parallel.pp=1"],
+                 ["train", "optimizer.zero_stage=3", "optimizer.reshard_after_forward=true", "parallel.pp=1"]):
+        assert main([*argv, "--show"]) == 0
+        assert "notice:" not in capsys.readouterr().err, argv

@@ -12,7 +12,9 @@ float64 always takes the reference, so the float64 layout-parity suites keep
 their meaning whatever the mode; so do meta tensors (no data: the engine runs the
 layers on them to learn the stages' shapes, at pp > 1, whatever the mode). The mode is process-wide: `set_kernels(mode)`
 (what `model.kernels` in a config does in every worker), else the environment
-variable PIPEKIT_KERNELS, else "auto"; `kernels(mode)` sets it for a block.
+variable PIPEKIT_KERNELS (read at each call; a config with model.kernels unset
+takes it, checked before any worker starts), else "auto"; `kernels(mode)` sets
+it for a block.
 Forcing "triton" where it cannot run raises, naming what is missing, instead of
 falling back silently.
 """
@@ -39,6 +41,12 @@ def _checked(mode: str, where: str) -> str:
     return mode
 
 
+def env_mode() -> str | None:
+    """PIPEKIT_KERNELS' mode, or None when it is unset; ValueError naming it when it is no mode."""
+    raw = os.environ.get(ENV)
+    return None if raw is None or raw == "" else _checked(raw, ENV)
+
+
 def set_kernels(mode: str | None) -> None:
     """Pick the kernels' side for this process ("auto", "triton", "torch"); None: back to
     the environment variable PIPEKIT_KERNELS (or "auto")."""
@@ -50,12 +58,12 @@ def kernels_mode() -> str:
     """The mode in force: set_kernels', else PIPEKIT_KERNELS', else "auto"."""
     if _mode is not None:
         return _mode
-    return _checked(os.environ.get(ENV, "auto"), ENV)
+    return env_mode() or "auto"
 
 
 @contextmanager
-def kernels(mode: str) -> Iterator[None]:
-    """`set_kernels(mode)` inside the block; the previous choice after it."""
+def kernels(mode: str | None) -> Iterator[None]:
+    """`set_kernels(mode)` inside the block (None: the environment's); the previous choice after it."""
     global _mode
     previous = _mode
     set_kernels(mode)

@@ -90,6 +90,14 @@ def check_positive(cfg, names: tuple[str, ...]) -> None:
             raise ValueError(f"{type(cfg).__name__}: {name} must be a positive int, got {value!r}")
 
 
+def check_finite_positive(cfg, names: tuple[str, ...]) -> None:
+    """Raise a ValueError naming the first field of `cfg` (a theta, an eps) that is not a finite number > 0."""
+    for name in names:
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{type(cfg).__name__}: {name}={value!r} must be a finite number > 0")
+
+
 def check_moe(cfg: MoEConfig) -> None:
     """The MoE fields of a model config (n_experts, top_k, n_shared_experts, capacity_factor, score,
     the balancing and routing settings, the drop policy)."""

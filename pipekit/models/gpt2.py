@@ -48,6 +48,7 @@ from .common import (  # noqa: F401 - the shared helpers, importable from here a
     FinalLayerNorm,
     MoEConfig,
     VocabParallelHead,
+    check_finite_positive,
     check_moe,
     check_positive,
     mask_padded_vocab,
@@ -80,6 +81,7 @@ class GPT2Config(MoEConfig):
 
     def __post_init__(self):
         check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "vocab_pad_multiple"))
+        check_finite_positive(self, ("norm_eps",))
         if self.dim % self.n_heads:
             raise ValueError(f"GPT2Config: dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_experts is not None:

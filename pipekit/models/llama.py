@@ -32,7 +32,7 @@ from typing import Optional
 
 from ..layers import CausalSelfAttention, RMSNorm, SwiGLUMLP, TransformerBlock
 from ..spec import LayerSpec
-from .common import FinalRMSNorm, check_positive, padded_vocab, vocab_table_and_head, zoo_loss
+from .common import FinalRMSNorm, check_finite_positive, check_positive, padded_vocab, vocab_table_and_head, zoo_loss
 
 
 @dataclass
@@ -61,6 +61,7 @@ class LlamaConfig:
     def __post_init__(self):
         check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden",
                               "vocab_pad_multiple"))
+        check_finite_positive(self, ("rope_theta", "norm_eps"))
         name = type(self).__name__  # MixtralConfig too
         if self.dim % self.n_heads:
             raise ValueError(f"{name}: dim={self.dim} is not divisible by n_heads={self.n_heads}")

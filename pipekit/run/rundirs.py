@@ -1,7 +1,12 @@
 """Which run owns a directory: a run's `logging.out_dir` (and `checkpoint.dir`) are locked by
 every process of the run for its whole life (`hold_run_dirs`), another run's files there are
 refused unless this run continues it (`out_dir_taken`), and a run that wrote nothing leaves
-nothing behind (`leave_no_trace`)."""
+nothing behind (`leave_no_trace`).
+
+One function decides whose a directory is, whatever path names it (`owner`): the real path's
+nearest enclosing run directory (one holding a run's lock or files), else the directory itself.
+So a checkpoint.dir inside another run's out_dir is locked by that out_dir's lock, and a
+run's own default {out_dir}/checkpoints by its out_dir's."""
 
 from __future__ import annotations
 
@@ -12,12 +17,51 @@ from .resume import checkpoint_root, is_own, resume_path
 RUN_FILES = ("metrics.jsonl", "model.pt", "checkpoints")
 
 
+OWNER_MARKS = (".pipekit.lock", "metrics.jsonl", "model.pt")  # what makes a directory a run's
+
+
+def _enclosing_run(path: str) -> str | None:
+    """The nearest directory strictly above `path`'s real path that holds a run (OWNER_MARKS), or None."""
+    d = os.path.realpath(path)
+    while os.path.dirname(d) != d:
+        d = os.path.dirname(d)
+        if any(os.path.exists(os.path.join(d, mark)) for mark in OWNER_MARKS):
+            return d
+    return None
+
+
+def owner(path: str) -> str:
+    """The directory whose lock guards `path`: its nearest enclosing run directory, else `path`
+    itself (real paths: a symlink or `..` names the same owner)."""
+    return _enclosing_run(path) or os.path.realpath(path)
+
+
+def _checkpoint_dir_taken(cfg) -> str | None:
+    """Why checkpoint.dir must not be written: it lies inside another run's directory (not this
+    run's out_dir), this run does not resume from a checkpoint there, and logging.overwrite is not set."""
+    ck, out = cfg.checkpoint.dir, cfg.logging.out_dir
+    if not ck or cfg.logging.overwrite:
+        return None
+    other = _enclosing_run(ck)
+    if other is None or (out and other == os.path.realpath(out)):
+        return None
+    chosen = resume_path(cfg) if cfg.train.resume is not None else None
+    if chosen is not None and os.path.realpath(chosen).startswith(other + os.sep):
+        return None  # continuing that run's checkpoints
+    found = [f for f in (*RUN_FILES, ".pipekit.lock") if os.path.exists(os.path.join(other, f))]
+    return (f"checkpoint.dir={ck} lies in another run's directory {other} ({', '.join(found)}); choose a "
+            f"checkpoint.dir outside it, continue that run with logging.out_dir={other} train.resume=auto, or pass "
+            "logging.overwrite=true to replace it")
+
+
 def out_dir_taken(cfg) -> str | None:
     """Why this run must not write into `logging.out_dir`: another run's files are there, this
     run does not continue that run (it starts fresh, `train.resume=auto` finds no checkpoint of
     it, or `train.resume` names another run's checkpoint) and `logging.overwrite` is not set;
     or None."""
     out = cfg.logging.out_dir
+    if (ck := _checkpoint_dir_taken(cfg)) is not None:
+        return ck
     if not out or cfg.logging.overwrite or not os.path.isdir(out):
         return None
     found = [f for f in RUN_FILES if os.path.exists(os.path.join(out, f))]
@@ -35,13 +79,18 @@ def out_dir_taken(cfg) -> str | None:
     return None
 
 
-def run_dirs(cfg) -> list[tuple[str, str]]:
-    """(key, path) of the directories a run locks: logging.out_dir, and checkpoint.dir when set
-    apart from it (the default {out_dir}/checkpoints is covered by out_dir's lock)."""
-    dirs = [("logging.out_dir", cfg.logging.out_dir)] if cfg.logging.out_dir else []
-    out = cfg.logging.out_dir and os.path.realpath(cfg.logging.out_dir)
-    if cfg.checkpoint.dir and os.path.realpath(cfg.checkpoint.dir) != out:
-        dirs.append(("checkpoint.dir", cfg.checkpoint.dir))
+def run_dirs(cfg) -> list[tuple[str, str, str]]:
+    """(key, path, owner) of the directories a run writes, logging.out_dir and checkpoint.dir,
+    each with the directory whose lock guards it (`owner`); a path whose owner an earlier one
+    already has (the default {out_dir}/checkpoints, a checkpoint.dir inside out_dir) is left out."""
+    dirs: list[tuple[str, str, str]] = []
+    for key, path in (("logging.out_dir", cfg.logging.out_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+        if not path:
+            continue
+        mine = [d for _, _, d in dirs]
+        lock = owner(path)
+        if lock not in mine and not any(lock.startswith(d + os.sep) for d in mine):
+            dirs.append((key, path, lock))
     return dirs
 
 
@@ -56,8 +105,8 @@ def held_by_a_live_run(cfg) -> str | None:
         import fcntl
     except ImportError:
         return None
-    for key, path in run_dirs(cfg):
-        lock = os.path.join(path, ".pipekit.lock")
+    for key, path, lock_dir in run_dirs(cfg):
+        lock = os.path.join(lock_dir, ".pipekit.lock")
         if os.path.isfile(lock):
             with open(lock) as handle:
                 try:
@@ -87,9 +136,9 @@ def hold_run_dirs(cfg) -> list | str:
         return []
     shares = ours or (cfg.world_size > 1 and "RANK" not in os.environ)
     held = []
-    for key, path in run_dirs(cfg):
+    for key, path, lock_dir in run_dirs(cfg):
         os.makedirs(path, exist_ok=True)
-        handle = open(os.path.join(path, ".pipekit.lock"), "a")
+        handle = open(os.path.join(lock_dir, ".pipekit.lock"), "a")
         held.append(handle)
         try:
             fcntl.flock(handle, (fcntl.LOCK_SH if ours else fcntl.LOCK_EX) | fcntl.LOCK_NB)
@@ -106,7 +155,7 @@ def dirs_to_make(cfg) -> list[str]:
     """The directories taking this run's locks will create (a run dir and its missing parents),
     deepest first."""
     made = []
-    for _, path in run_dirs(cfg):
+    for _, path, _ in run_dirs(cfg):
         d = os.path.abspath(path)
         while not os.path.exists(d):
             made.append(d)

@@ -42,6 +42,10 @@ def _train_command(args: argparse.Namespace) -> int:
         print(f"pipekit train: {e}", file=sys.stderr)
         return 2
     cfg = run.config
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if "PIPEKIT_ERROR_DIR" not in os.environ and os.environ.get("RANK", "0") == "0" and not restarted:
+        for notice in run.notices:  # once, from the launcher (or rank 0 of a user's torchrun)
+            print(f"pipekit: notice: {notice}", file=sys.stderr, flush=True)
     if args.show:
         print(OmegaConf.to_yaml(OmegaConf.create(asdict(cfg))), end="")
         return 0
