@@ -199,6 +199,8 @@ class TrainConfig:
     resume: Optional[str] = None  # auto: the newest complete checkpoint in checkpoint.dir (none: start fresh,
     #                               where out_dir holds no other run); or a checkpoint directory
     #                               (checkpoints/step_00000100; an older one of this run starts a branch)
+    max_skipped_steps: int = 5  # stop (diverged) after this many steps in a row skipped for a non-finite loss or
+    #                            gradients (fp16 overflows while the loss scale can still fall do not count)
     allow_changed: Optional[str] = None  # on resume, keys that make it another run which may differ from the
     #                                      checkpoint's anyway, comma-separated: model.KEY (as the checkpoint's
     #                                      model names it, e.g. model.aux_loss_coef), train.seed,
@@ -470,7 +472,8 @@ def _check_positive(cfg: Config) -> None:
         ("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.ep", p.ep),
         ("schedule.microbatches", s.microbatches), ("schedule.chunks_per_rank", s.chunks_per_rank),
         ("train.steps", t.steps), ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
-        ("logging.log_every", cfg.logging.log_every), ("checkpoint.keep", cfg.checkpoint.keep)]
+        ("logging.log_every", cfg.logging.log_every), ("checkpoint.keep", cfg.checkpoint.keep),
+        ("train.max_skipped_steps", t.max_skipped_steps)]
         if value is not None])
 
 

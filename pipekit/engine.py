@@ -14,7 +14,9 @@ One optimizer step (`train_batch`) is:
 3. wait for the posted sends and step the optimizer, always a
    `pipekit.optim.ZeroOptimizer` (a plain torch optimizer is wrapped at
    stage 0): it reduces the gradients over dp (during backward) and over the
-   pipeline ranks sharing a tied layer, unscales, checks for fp16 overflow,
+   pipeline ranks sharing a tied layer, unscales, checks that the losses,
+   inputs (marked by the engine) and gradients are finite on every rank,
+   skipping the step everywhere when not (one line says which, first),
    clips and updates; the engine has no gradient path of its own;
 4. return the loss (see "The loss" below).
 
@@ -53,10 +55,11 @@ torch.distributed.pipelining gives losses on the last stage only). With
 the whole global batch as a Python float on every rank (DeepSpeed's
 `train_batch`): one all-reduce over pp, one over dp and a host sync.
 
-Host syncs: none inside a step on a GPU beyond what the caller asks for. Loss
-weights and token counts stay on the device, so do the optimizer's norm and
-clipping; `reduce_loss=True` and reading `last_grad_norm` are reads the
-caller asks for. What is left is counted in tests/test_host_sync.py.
+Host syncs: one inside a step on a GPU beyond what the caller asks for: the
+optimizer's read of the world's non-finite marks, which decides whether it
+steps at all. Loss weights and token counts stay on the device, so do the
+optimizer's norm and clipping; `reduce_loss=True` and reading `last_grad_norm`
+are reads the caller asks for. What is left is counted in tests/test_host_sync.py.
 """
 
 from __future__ import annotations
@@ -74,7 +77,7 @@ import torch.distributed as dist
 from . import auxloss, comm, split_backward
 from .handshake import InputShapes
 from .microbatch import all_tensors, cast_floats, leaf, next_batch, rebuild, split_microbatches, to_device
-from .optim import ZeroOptimizer
+from .optim import Marks, Skip, ZeroOptimizer
 from .pipeline import PipelineModule
 from .rules import check_clip, check_overlap
 from .schedules import Action, Kind, Schedule, TimelineEvent
@@ -161,6 +164,10 @@ class PipelineEngine:
         clip_grad_norm: clip the gradients to this global L2 norm (over every
             parameter of the model, each counted once) before the step.
         lr_scheduler: stepped after every optimizer step that was not skipped.
+        say: where the one line about a skipped step goes, from global rank 0 (default:
+            printed; None: nowhere, the caller reports `last_skip` itself, as `pipekit
+            train` does with its own step numbers). A step is skipped on every rank when
+            any rank's loss, inputs or gradients are not finite (`pipekit.optim.finite`).
         recv_ahead: how many of this rank's next receives are kept posted
             ahead of their RECV actions (default 4; 0: each is posted when its
             action runs). A message whose receive is already posted is
@@ -178,6 +185,7 @@ class PipelineEngine:
         clip_grad_norm: float | None = None,
         lr_scheduler=None,
         recv_ahead: int = 4,
+        say: Callable[[str], None] | None = print,
         **removed,
     ):
         _refuse_removed(removed)
@@ -193,6 +201,8 @@ class PipelineEngine:
             self.optimizer.clip_grad_norm = clip_grad_norm
         self.clip_grad_norm = clip_grad_norm
         self.lr_scheduler = lr_scheduler
+        self.say = say
+        self.steps_run = 0  # train_batch calls so far: the step a skip's line names
         self.timeout = timeout if timeout is not None else default_timeout()  # PIPEKIT_TIMEOUT, else 300 s
         self.schedule: Schedule = module.schedule
         self.num_microbatches = self.schedule.microbatches
@@ -233,8 +243,14 @@ class PipelineEngine:
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the last step was skipped (an fp16 overflow anywhere)."""
-        return False if self.optimizer is None else self.optimizer.last_step_skipped
+        """Whether the last step was skipped on every rank (`last_skip` says why)."""
+        return self.last_skip is not None
+
+    @property
+    def last_skip(self) -> Skip | None:
+        """Why the last step was skipped (a non-finite loss, input or gradient anywhere, or an
+        fp16 overflow), or None."""
+        return None if self.optimizer is None else self.optimizer.last_skip
 
     def grad_norm(self) -> float | None:
         """`last_grad_norm`: the global L2 norm of the last step's reduced, unscaled
@@ -318,11 +334,27 @@ class PipelineEngine:
             with torch.no_grad(), auxloss.prepass(self._step_layers, self.topo.dp_group):
                 self._run(self.eval_actions, batch, training=False)
         step = self._run(self.actions, batch, training=True)
-        self.optimizer.step()  # reduction, unscaling, overflow check, clipping, update
+        self.optimizer.step(marks=self._marks(step))  # reduction, unscaling, finite check, clipping, update
+        self.steps_run += 1
         auxloss.end_step(self._step_layers, self.topo.dp_group)
-        if self.lr_scheduler is not None and not self.last_step_skipped:
+        skip = self.optimizer.last_skip
+        if skip is not None and self.say is not None and self.topo.rank == 0:
+            self.say(skip.line(self.steps_run))
+        if self.lr_scheduler is not None and skip is None:
             self.lr_scheduler.step()
         return self._step_loss(step, reduce_loss)
+
+    def _marks(self, st: Step) -> Marks:
+        """What this rank knows of the step that is not finite, for the optimizer's world-wide
+        check (`pipekit.optim.finite`): each microbatch's loss (last stage; one weighing
+        nothing is not marked) and floating-point inputs (stage 0). On the device: no sync."""
+        marks = Marks(self.topo.device, dp=self.topo.dp, microbatches=self.num_microbatches,
+                      dp_rank=self.topo.dp_rank)
+        if st.raw_losses:
+            marks.mark_losses(st.raw_losses, st.weights)
+        if st.micro_in is not None and 0 in self.module.local_stages:
+            marks.mark_inputs(st.micro_in)
+        return marks
 
     @torch.no_grad()
     def eval_batch(self, data=None, return_outputs: bool = False, *, reduce_loss: bool = False):

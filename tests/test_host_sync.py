@@ -23,7 +23,8 @@ ZeRO-1 in fp16 with a dynamic loss scaler and clipping. Before the change
 that made these counts (issue 15), a step read 1 value on the first pipeline
 rank and 4 on the last (token weights 3, clipping norm 1) with the plain
 optimizer, 3 and 6 with ZeRO-1 fp16 (overflow, norm, touched parameters);
-now 0 and 0, and 1 and 1 (the overflow flag). SGD keeps no step
+then 0 and 0, and 1 and 1 (the overflow flag); since issue 27 1 and 1 in both (the
+reduced non-finite marks of losses, inputs and gradients, which decide whether to step). SGD keeps no step
 counter (AdamW keeps its `step` on the host by design), so what is counted is
 pipekit's alone.
 """
@@ -91,16 +92,21 @@ def count_syncs() -> dict:
         counter.restore()
 
 
-def test_a_training_step_reads_nothing_back_from_the_device():
+VERDICT = "tolist at finite.py:verdict"  # whether any rank's loss, inputs or gradients are not finite
+
+
+def test_a_training_step_reads_back_only_whether_to_step():
     for rank, out in enumerate(run_distributed(count_syncs, 4, timeout=300)):
-        # loss weights, token counts, the gradient norm and clipping stay on the device
-        assert out["plain"]["per_step"] == 0, f"rank {rank}: host reads per step {out['plain']}"
-        # fp16: one read of one flag, whether any rank overflowed, which decides on the host whether
+        # loss weights, token counts, the gradient norm and clipping stay on the device; one read of the
+        # world's non-finite marks (losses, inputs, gradients: issue 27), which decides on the host whether
         # the optimizer steps at all (its step counts and an LR schedule live there), as
         # torch.amp.GradScaler's step does; the finite check itself runs on the device
-        assert out["zero_fp16"]["sites"] == {"item at zero.py:_overflow": STEPS}, f"rank {rank}: {out['zero_fp16']}"
+        assert out["plain"]["sites"] == {VERDICT: STEPS}, f"rank {rank}: host reads per step {out['plain']}"
+        # fp16: the same one read (an overflow is a non-finite gradient)
+        assert out["zero_fp16"]["sites"] == {VERDICT: STEPS}, f"rank {rank}: {out['zero_fp16']}"
         # reduce_loss=True: the caller asks for a float, one read on every rank
-        assert out["reduce_loss"]["sites"] == {"item at engine.py:_mean_loss": STEPS}, f"rank {rank}: {out}"
+        assert out["reduce_loss"]["sites"] == {VERDICT: STEPS, "item at engine.py:_mean_loss": STEPS}, \
+            f"rank {rank}: {out}"
 
 
 # ---- MoE: the named reads of dispatch, per MoE layer per microbatch ------------------------
@@ -152,10 +158,10 @@ def count_moe_syncs() -> dict:
         counter.restore()
 
 
-def test_moe_dispatch_reads_back_only_its_named_sizes():
+def test_moe_dispatch_reads_back_only_its_named_sizes_and_the_step_verdict():
     for rank, out in enumerate(run_distributed(count_moe_syncs, 2, timeout=300)):
         for name, (_, _, per_call) in MOE_CASES.items():
-            want = {site: n * MOE_LAYERS * MICROBATCHES * STEPS for site, n in per_call.items()}
+            want = {VERDICT: STEPS, **{site: n * MOE_LAYERS * MICROBATCHES * STEPS for site, n in per_call.items()}}
             assert out[name]["sites"] == want, f"rank {rank}, {name}: host reads {out[name]}"
 
 

@@ -168,8 +168,9 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
     ("allow-changed-not-needed", train("train.allow_changed=optimizer.lr"),
      "train.allow_changed: 'optimizer.lr' is not a key that needs allowing"),
     ("loss-not-finite", train("optimizer.lr=1e6", "optimizer.warmup_steps=1", "optimizer.clip_grad_norm=null",
-                              "logging.out_dir=null", "data.val_every=0"),
-     "step 2: the loss is nan (training diverged)"),
+                              "logging.out_dir=null", "data.val_every=0", "train.max_skipped_steps=1"),
+     "step 2: the loss is nan (training diverged): step 2 skipped, 1 in a row (train.max_skipped_steps=1)"),
+    ("max-skipped-steps-zero", train("train.max_skipped_steps=0"), "train.max_skipped_steps=0 must be >= 1"),
     # ---- generate
     ("generate-missing", ["generate", "{tmp}/missing.pt", "--prompt", "x"], "no such pipekit file"),
     ("generate-corrupt", ["generate", "{tmp}/corrupt.pt", "--prompt", "x"], "not a readable pipekit model file"),

@@ -15,8 +15,9 @@
                stage shards them (1, 2) all-gathered: a big bucket into its own
                buffer, small ones packed into messages of up to a bucket
 
-The overflow check and the host's decision whether to step at all are the façade's
-(`ZeroOptimizer.step`); fused AdamW's first pass is `fused_first_pass`.
+The check for non-finite values and the host's decision whether to step at all are the
+façade's (`ZeroOptimizer.step`, over `pipekit.optim.finite.Marks`); fused AdamW's first
+pass is `fused_first_pass`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 from ..kernels.adamw import unscale_and_check_
 from .buckets import Bucket, state_device
 from .collectives import Collectives, size
+from .finite import Marks
 from .stage import Stage
 
 
@@ -191,13 +193,12 @@ def clip_coef(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
 
 
-def fused_first_pass(grads: list[torch.Tensor], unscales: list[float], found_inf: torch.Tensor | None,
-                     clip: bool) -> None:
-    """Fused AdamW's pass 1 (pipekit/kernels/adamw.py): check for an overflow (into
-    `found_inf`, with a loss scaler) and, when clipping, unscale in place (the norm needs
-    the unscaled values); the flag is all-reduced over the world, on the device."""
-    if clip or found_inf is not None:
-        for g, unscale in zip(grads, unscales):
-            unscale_and_check_(g, unscale, found_inf, in_place=clip)
-    if found_inf is not None and dist.is_initialized():
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+def fused_first_pass(grads: list[torch.Tensor], unscales: list[float], marks: Marks, clip: bool) -> torch.Tensor:
+    """Fused AdamW's pass 1 (pipekit/kernels/adamw.py): mark non-finite gradients (into
+    `marks.grads`) and, when clipping, unscale in place (the norm needs the unscaled values);
+    the marks are all-reduced over the world, on the device. Returns pass 2's `found_inf`:
+    whether any mark is set, a 0-dim tensor on the device."""
+    for g, unscale in zip(grads, unscales):
+        unscale_and_check_(g, unscale, marks.grads, in_place=clip)
+    marks.reduce()
+    return marks.any()

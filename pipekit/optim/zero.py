@@ -49,18 +49,21 @@ Communication per optimizer step, per bucket, over its dp group:
                start of the step (`fsdp.reduce_gradients`).
     step       (reducer.py) tied segments are summed over their pipeline owners
                and sequence-parallel parameters over tp, on shards; (step.py)
-               gradients are unscaled (1 / (N * loss scale)), an fp16 overflow
-               anywhere (all-reduce over the world) skips the step on every rank,
+               gradients are unscaled (1 / (N * loss scale)), a non-finite
+               gradient, loss or input anywhere (finite.py: one all-reduce of a
+               few flags over the world) skips the step on every rank,
                the global norm (each parameter once over dp, pp and tp) is
                clipped, one small all-reduce per dp group agrees on which
                parameters got a gradient, the wrapped optimizer steps the master
                shards, and stages 1/2 all-gather the updated parameters.
 
-Host syncs per step: none without a loss scaler (the norm and the clipping
-factor stay on the device; `last_grad_norm` is read when read). With one, one
-read of the overflow flag (`_overflow`), since whether the wrapped optimizer
-steps at all is decided on the host (as torch.amp.GradScaler does). A rank
-where some parameter got no gradient reads which ones got one elsewhere.
+Host syncs per step: one, the read of the reduced non-finite marks
+(`finite.Marks.verdict`), since whether the wrapped optimizer steps at all is
+decided on the host (as torch.amp.GradScaler does), with or without a loss
+scaler: a NaN born in the data or in backward never reaches the weights (the
+norm and the clipping factor stay on the device; `last_grad_norm` is read when
+read). A rank where some parameter got no gradient reads which ones got one
+elsewhere.
 
 Fused AdamW (`fused=True`, or "auto" on CUDA float32 masters): the wrapped
 optimizer is `pipekit.kernels.adamw.FusedAdamW`, whose state per piece is torch
@@ -97,16 +100,17 @@ that received no tokens) is skipped by the wrapped optimizer, as torch's skip a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..kernels.adamw import FusedAdamW
-from .buckets import Bucket, Layout, is_view_of, make_buckets, module_device, state_device, widest
+from .buckets import Bucket, Layout, is_view_of, make_buckets, module_device, widest
 from .collectives import Collectives
 from .collectives import is_gloo as _is_gloo  # looked up here when an optimizer is made: a test replaces it
+from .finite import Marks, Skip
 from .fsdp import autograd_params, gathered_for, reduce_gradients, shard_groups
 from .hyper import OPTIMIZERS, check_hyper, choose_fused, fused_by_default, optimizer_class, param_groups
 from .reducer import Reducer
@@ -185,7 +189,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         device = all_params[0].device if all_params else module_device(self.module)
         self.fused = choose_fused(fused, optimizer, self.master_dtype, device)
         self._grad_norm: torch.Tensor | None = None  # the last step's, on the device until read
-        self.last_step_skipped = False
+        self.last_skip: Skip | None = None  # why the last step was skipped (None: it was not)
         layout = Layout(self.sharding, self.bucket_numel, grad_dtype=self.grad_dtype, master_dtype=self.master_dtype,
                         fused=self.fused, module=self.module, default_dp_group=dp_group)
         self.buckets = make_buckets(self.param_groups, layout)
@@ -289,28 +293,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return None if self._grad_norm is None else self._grad_norm.item()
 
     @torch.no_grad()
-    def step(self, closure: Callable | None = None):
-        """Reduce, unscale, check overflow, clip, update the master weights, share them.
+    def step(self, closure: Callable | None = None, *, marks: Marks | None = None):
+        """Reduce, unscale, check for non-finite values, clip, update the master weights, share them.
 
-        Host syncs: none, except with a loss scaler, which reads one flag (did any rank
-        overflow?) to decide whether to step at all, as torch.amp.GradScaler does: the
-        wrapped optimizer, its host-side step counts and an LR schedule need that
-        decision on the host (fused AdamW reads it too, but only once every update is
-        queued: `_fused_step`). Where a parameter got no gradient on this rank, one more
-        read (of which parameters got one anywhere; see `Updater.touched_anywhere`)."""
+        The check (`pipekit.optim.finite`): a non-finite gradient on any rank, or anything
+        `marks` holds (the engine's: each microbatch's loss and inputs), skips the step on
+        every rank; `last_skip` says why. Host syncs: that one read of the reduced marks,
+        which decides on the host whether the wrapped optimizer steps at all, as
+        torch.amp.GradScaler does: the wrapped optimizer, its host-side step counts and an
+        LR schedule need that decision there (fused AdamW reads it too, but only once every
+        update is queued: `_fused_step`). Where a parameter got no gradient on this rank, one
+        more read (of which parameters got one anywhere; see `Updater.touched_anywhere`)."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
         self._reduce()
         self._reducer.arm(self._params())  # a gradient before zero_grad is refused by its hook
         grads, unscales = self._updater.grads(self._reducer.owned_grad, self.loss_scale)
         self._grad_norm = None
+        marks = marks if marks is not None else Marks(self._updater.device())
         if self.fused:
-            self._fused_step(grads, unscales)
+            self._fused_step(grads, unscales, marks)
             return None
-        self.last_step_skipped = self._overflow(grads)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(self.last_step_skipped)
-        if self.last_step_skipped:
+        marks.mark_grads(grads)
+        marks.reduce()
+        if self._skipped(marks):
             self._updater.drop_grads()
             return None
         if self.clip_grad_norm is not None:
@@ -319,6 +325,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._inner_step(grads)
         self._finish_step()
         return None
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped on every rank (`last_skip` says why)."""
+        return self.last_skip is not None
+
+    def _skipped(self, marks: Marks) -> bool:
+        """Read the reduced marks (the host read) into `last_skip`; the loss scaler counts a
+        skip as an overflow. True when the step is skipped."""
+        scaler = self.loss_scaler
+        recoverable = scaler is not None and scaler.dynamic and scaler.scale > scaler.min_scale
+        skip = marks.verdict()
+        if scaler is not None:
+            scaler.update(skip is not None)
+        if skip is not None:
+            fp16_overflow = recoverable and not (skip.losses or skip.inputs)
+            skip = replace(skip, loss_scale=scaler.scale if scaler is not None else None, overflow=fp16_overflow)
+        self.last_skip = skip
+        return skip is not None
 
     def _inner_step(self, grads: list[torch.Tensor], **fused: Any) -> None:
         """The wrapped optimizer's step over the pieces of the master shards, those of the
@@ -332,27 +357,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._updater.share_params()
         self._updater.drop_grads()  # a converted (bf16 -> fp32) gradient copy is not kept between steps
 
-    def _fused_step(self, grads: list[torch.Tensor], unscales: list[float]) -> None:
+    def _fused_step(self, grads: list[torch.Tensor], unscales: list[float], marks: Marks) -> None:
         """`step` with FusedAdamW, in two passes over the gradients (pipekit/kernels/adamw.py
-        says why): pass 1 (`fused_first_pass`) checks for an overflow and, when clipping,
+        says why): pass 1 (`fused_first_pass`) marks non-finite gradients and, when clipping,
         unscales in place; the clipping coefficient is made on the device; pass 2, the
         update, multiplies each gradient by what is left of its scale (1 / (N * loss
-        scale), or the clipping coefficient) as it loads it and writes nothing where the
-        flag is set. The one host read of the flag (loss scaler, `last_step_skipped`)
+        scale), or the clipping coefficient) as it loads it and writes nothing where any
+        reduced mark is set. The one host read of the marks (loss scaler, `last_skip`)
         comes after every update is queued."""
-        found_inf = None
-        if self.loss_scaler is not None:
-            found_inf = torch.zeros((), dtype=torch.float32, device=self._updater.device())
-        fused_first_pass(grads, unscales, found_inf, clip=self.clip_grad_norm is not None)
+        found_inf = fused_first_pass(grads, unscales, marks, clip=self.clip_grad_norm is not None)
         scales: list[float | torch.Tensor] = list(unscales)
         if self.clip_grad_norm is not None:
             scales = [self._clip_coef(self.clip_grad_norm)] * len(grads)
         if self.inner is not None:
             self._inner_step(grads, found_inf=found_inf, grad_scales=scales)
-        self.last_step_skipped = found_inf is not None and bool(found_inf.item())
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(self.last_step_skipped)
-        if self.last_step_skipped:
+        if self._skipped(marks):
             self._grad_norm = None
             self._updater.drop_grads()
             return
@@ -369,19 +388,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         kept for `last_grad_norm`."""
         norm = self._grad_norm = self._updater.norm()
         return clip_coef(norm, max_norm)
-
-    def _overflow(self, grads: list[torch.Tensor]) -> bool:
-        """True when any rank of the job holds an inf/NaN gradient (checked only with a loss
-        scaler): the one host read of a step with one."""
-        if self.loss_scaler is None:
-            return False
-        device = state_device(self.buckets, self.module)
-        bad = torch.zeros((), dtype=torch.float32, device=device)
-        for g in grads:
-            bad = torch.maximum(bad, (~torch.isfinite(g)).any().float())
-        if dist.is_initialized():
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        return bool(bad.item())
 
     def grad_norm(self) -> float:
         """Global L2 norm of the unscaled, reduced gradients (during `step`), read on the

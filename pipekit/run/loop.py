@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import math
 import os
 import signal
 import threading
@@ -29,7 +28,7 @@ import torch.distributed as dist
 
 from .. import auxloss
 from ..atomic import torch_save_atomic, write_atomic
-from ..checkpoint import full_state_dict, latest_checkpoint
+from ..checkpoint import full_state_dict
 from ..config import Config, Run, resolve
 from ..data import BatchSampler, TokenDataset, default_corpus_dir
 from ..data import read_meta as read_data_meta
@@ -38,6 +37,7 @@ from ..interchange import load_pretrained
 from ..kernels import kernels
 from ..layers.parallel import skip_init
 from ..models import model_loss, model_specs, model_vocab, synthetic_batches
+from ..optim import Skip
 from ..optim.factory import lr_lambda, make_optimizer
 from ..pipeline import PipelineModule
 from ..plan.planner import profile_boundaries
@@ -59,7 +59,8 @@ def build(run: Run, topo: Topology) -> PipelineEngine:
     o = run.config.optimizer
     opt = make_optimizer(module, o, run.precision)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o, run.config.train.steps))
-    return PipelineEngine(module, optimizer=opt, clip_grad_norm=o.clip_grad_norm, lr_scheduler=sched)
+    # say=None: the Logger says a skipped step's line, with the run's step numbers
+    return PipelineEngine(module, optimizer=opt, clip_grad_norm=o.clip_grad_norm, lr_scheduler=sched, say=None)
 
 
 def build_module(run: Run, topo: Topology) -> PipelineModule:
@@ -186,7 +187,7 @@ def _train(run: Run) -> dict:
         save_weights(run, topo, engine, path)
         return {"steps": 0, "resumed_from": start}
     log = Logger(run, topo, engine, notice=notice, start_step=start, continues=own)
-    summary = _steps(run, topo, engine, log, path, start)
+    summary = _steps(run, topo, engine, log, path, start, resumed_from)
     if "stopped_by" not in summary:
         save_weights(run, topo, engine, path)
     return summary
@@ -206,12 +207,16 @@ def _join(run: Run) -> tuple[Topology, str | None]:
     return topo, reason if fell_back(run.config.train.device, device) else None
 
 
-def _steps(run: Run, topo: Topology, engine: PipelineEngine, log: Logger, path: str | None, start: int) -> dict:
+def _steps(run: Run, topo: Topology, engine: PipelineEngine, log: Logger, path: str | None, start: int,
+           resumed_from: str | None = None) -> dict:
     """Steps start+1 .. train.steps: train, validate, log, checkpoint, and stop early (after
-    a checkpoint) when any rank got SIGTERM/SIGINT. Returns the logger's summary."""
+    a checkpoint) when any rank got SIGTERM/SIGINT, or (`Divergence`) after
+    train.max_skipped_steps steps in a row skipped for non-finite values. Returns the
+    logger's summary."""
     cfg = run.config
     train_data = batches(run, topo, "train", path, start_step=start)
     root, saved_at = checkpoint_root(cfg), None
+    divergence = Divergence(cfg.train.max_skipped_steps, start, resumed_from)
     has_moe = getattr(run.model, "n_experts", None) is not None
     auxloss.metrics.pop()
     optimizer = engine.optimizer
@@ -222,7 +227,7 @@ def _steps(run: Run, topo: Topology, engine: PipelineEngine, log: Logger, path: 
             engine.record_timeline = step == cfg.logging.trace_step
             loss = engine.train_batch(train_data, reduce_loss=True)
             routed = auxloss.metrics.pop()  # MoE layers' counts of this step's forward passes
-            check_finite(loss, step, engine, root)
+            divergence.step(step, engine.last_skip, loss)
             if engine.record_timeline:
                 write_trace(run, topo, engine, step)
             val = None
@@ -234,11 +239,13 @@ def _steps(run: Run, topo: Topology, engine: PipelineEngine, log: Logger, path: 
             log.step(step, loss, lr, val, moe)
             _injected_fault(step, topo)
             stopping = stop.requested(topo)
-            if root and (_due(step, cfg.checkpoint.every, -1) or stopping
-                         or (step == cfg.train.steps and cfg.checkpoint.at_end)):
+            due = _due(step, cfg.checkpoint.every, -1) or (step == cfg.train.steps and cfg.checkpoint.at_end)
+            if root and (stopping or (due and not divergence.streak)):  # a skipped step's weights: saved already
                 with log.paused():
                     began = time.perf_counter()
+                    divergence.check_weights(step, engine, topo)
                     saved_at = save(run, topo, engine, root, step)
+                    divergence.saved(step, saved_at)
                     log.saved(step, saved_at, time.perf_counter() - began)
             if stopping:
                 now = saved_at if saved_at and saved_at.endswith(f"{step:08d}") else None
@@ -270,15 +277,69 @@ SLOW_S = 6.0  # PIPEKIT_TEST_FAULT=slow: a step this much longer
 
 
 class NonFiniteLoss(ValueError):
-    """The training loss became inf or NaN (the same on every rank: the loss is all-reduced)."""
+    """Training diverged: too many steps in a row skipped for a non-finite loss or gradients, or
+    weights gone non-finite (the same on every rank: what decides is all-reduced)."""
 
 
-def check_finite(loss: float, step: int, engine: PipelineEngine, root: str | None) -> None:
-    if math.isfinite(loss) or engine.last_step_skipped:  # fp16: the loss scaler skipped the step
-        return
-    last = latest_checkpoint(root) if root else None
-    raise NonFiniteLoss(f"step {step}: the loss is {loss} (training diverged); lower optimizer.lr or raise "
-                        f"optimizer.warmup_steps" + (f", and resume from {last}" if last else ""))
+class Divergence:
+    """Steps skipped in a row for non-finite values (`pipekit.optim.finite`), and which
+    checkpoints hold weights known to be good, for the advice when the run stops.
+
+    A skipped step leaves the weights as they were, so a checkpoint saved at step s holds the
+    weights that step s + 1 (and any skipped after it) ran on: when a streak of skips begins
+    at step f, the checkpoints of steps >= f - 1 hold the very weights that keep failing, and
+    the good one is the newest from before (a step that then trained cleanly ran on it). A
+    checkpoint is saved only with finite weights (`check_weights`), none during a streak (its
+    weights are the streak's, and keeping it would push a good one out of checkpoint.keep).
+    fp16 overflows while the loss scale can still fall do not count: that is the scaler's work."""
+
+    def __init__(self, limit: int, start: int, resumed_from: str | None):
+        self.limit, self.streak, self.first = limit, 0, 0
+        self.checkpoints: list[tuple[int, str]] = [(start, resumed_from)] if resumed_from else []
+        self.cause = ""
+
+    def step(self, step: int, skip: Skip | None, loss: float) -> None:
+        """Count step `step`'s skip (or the end of a streak); raise after `limit` in a row."""
+        if skip is None or skip.overflow:
+            self.streak = 0
+            return
+        if not self.streak:  # what went wrong first
+            self.first = step
+            self.cause = f"the loss is {loss}" if skip.losses or skip.inputs else "the gradients are not finite"
+        self.streak += 1
+        if self.streak >= self.limit:
+            span = f"step {step}" if step == self.first else f"steps {self.first}-{step}"
+            raise NonFiniteLoss(
+                f"step {self.first}: {self.cause} (training diverged): {span} skipped, {self.streak} in a row "
+                f"(train.max_skipped_steps={self.limit}); lower optimizer.lr or raise "
+                f"optimizer.warmup_steps{self.advice()}")
+
+    def saved(self, step: int, path: str) -> None:
+        self.checkpoints.append((step, path))
+
+    def good(self) -> str | None:
+        """The newest checkpoint still on disk whose weights are not the failing ones."""
+        before = self.first - 1 if self.streak else None
+        ok = [path for step, path in self.checkpoints if (before is None or step < before) and os.path.isdir(path)]
+        return ok[-1] if ok else None
+
+    def advice(self) -> str:
+        good = self.good()
+        if good:
+            return f", and resume from {good} (the newest checkpoint whose weights trained a step cleanly)"
+        return "; no checkpoint of this run holds weights known to be good"
+
+    def check_weights(self, step: int, engine: PipelineEngine, topo: Topology) -> None:
+        """Refuse to save non-finite weights (collective: one all-reduce, one read)."""
+        bad = torch.zeros((), dtype=torch.float32, device=topo.device)
+        for p in engine.module.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p  # ZeRO-3: this rank's shard
+            bad = torch.maximum(bad, (~torch.isfinite(local.detach())).any().float())
+        if dist.is_initialized() and topo.world_size > 1:
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            raise NonFiniteLoss(f"step {step}: the weights are not finite (training diverged), so no checkpoint "
+                                f"was saved; lower optimizer.lr or raise optimizer.warmup_steps{self.advice()}")
 
 
 class StopRequests:

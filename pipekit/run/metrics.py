@@ -261,9 +261,9 @@ class Logger:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}", mfu=_percent(rec["mfu"]))
-        if rec["skipped"]:
-            self._print(f"step {step}: fp16 gradient overflow on some rank; the step was skipped on every rank, "
-                        f"loss scale now {rec['loss_scale']:g}")
+        skip = self.engine.last_skip
+        if skip is not None:
+            self._print(skip.line(step))
         if self.logged(step, val) or rec["skipped"]:
             self._record(rec)
 
@@ -350,7 +350,7 @@ def summary_table(s: dict) -> str:
     rows = [
         ("layout", f"pp={s['pp']} dp={s['dp']} tp={s['tp']} ({s['schedule']})"),
         ("precision", f"{s['precision']}, ZeRO stage {s['zero_stage']}"
-                      + (f", {s['skipped_steps']} steps skipped (fp16 overflow)" if s["skipped_steps"] else "")),
+                      + (f", {s['skipped_steps']} steps skipped (not finite)" if s["skipped_steps"] else "")),
         ("parameters", f"{s['params'] / 1e6:.2f} M"),
         ("steps", f"{s['steps']} ({s['tokens']:,} tokens)"),
         ("time", f"{s['seconds']:.1f} s training (validation not counted)"),

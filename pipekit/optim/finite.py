@@ -1,0 +1,118 @@
+"""Whether a step may be applied: the one check for non-finite values, agreed by the whole world.
+
+Before the update every rank marks what it holds that is not finite in one small float
+vector (`Marks`):
+
+    slot 0                     its reduced gradients (ZeroOptimizer: each bucket's owned part)
+    1 + r * M + m              the loss of microbatch m of dp replica r (the last stage's ranks)
+    1 + (dp + r) * M + m       the inputs of microbatch m of dp replica r (stage 0's ranks)
+
+(the engine marks the losses and inputs; a plain `ZeroOptimizer.step()` only the gradients).
+One all-reduce (MAX) over the world and one host read later every rank holds the same
+verdict, so no rank steps while another skips. A step with any mark set is skipped: no
+update, the weights, optimizer state and step counts untouched (with an fp16 loss scaler it
+counts as an overflow), and `Skip` says why, in one line naming the step and whether the
+loss (which comes first, in forward) or only the gradients went non-finite, and which
+microbatches' losses or inputs did. A microbatch whose loss weighs nothing (no valid token)
+is not marked: its NaN loss is expected and counts 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..microbatch import all_tensors
+
+
+class Marks:
+    """One step's non-finite marks (module docstring), on the device until `verdict` reads them."""
+
+    def __init__(self, device: torch.device | str | None = None, *, dp: int = 1, microbatches: int = 0,
+                 dp_rank: int = 0):
+        self.dp, self.microbatches, self.dp_rank = dp, microbatches, dp_rank
+        self.values = torch.zeros(1 + 2 * dp * microbatches, dtype=torch.float32, device=device)
+
+    @property
+    def grads(self) -> torch.Tensor:
+        """The gradients' mark: a 0-dim view, which fused AdamW's first pass writes into."""
+        return self.values[0]
+
+    def _row(self, kind: int) -> torch.Tensor:
+        start = 1 + (kind * self.dp + self.dp_rank) * self.microbatches
+        return self.values[start:start + self.microbatches]
+
+    def mark_grads(self, grads: list[torch.Tensor]) -> None:
+        for g in grads:
+            self.grads.copy_(torch.maximum(self.grads, (~torch.isfinite(g)).any().float()))
+
+    def mark_losses(self, losses: list[torch.Tensor], weights: torch.Tensor) -> None:
+        """Each microbatch's loss (`weights`: what it counts for; 0: not at all, not marked)."""
+        bad = torch.stack([~torch.isfinite(loss.detach()).all() for loss in losses])
+        self._row(0).copy_((bad & (weights.to(bad.device) != 0)).float())
+
+    def mark_inputs(self, micro_in: list) -> None:
+        """Each microbatch's floating-point inputs (token ids are never marked)."""
+        row = self._row(1)
+        for m, x in enumerate(micro_in):
+            for t in all_tensors(x):
+                if t.is_floating_point():
+                    row[m].copy_(torch.maximum(row[m], (~torch.isfinite(t)).any().float()))
+
+    def reduce(self) -> None:
+        """Every rank's marks on every rank (one all-reduce over the world)."""
+        if dist.is_initialized():
+            dist.all_reduce(self.values, op=dist.ReduceOp.MAX)
+
+    def any(self) -> torch.Tensor:
+        """Whether any mark is set: a 0-dim float32 on the device (fused AdamW's `found_inf`)."""
+        return self.values.amax()
+
+    def verdict(self, loss_scale: float | None = None) -> Skip | None:
+        """The reduced marks read on the host (the one read): None, or why the step is skipped."""
+        values = self.values.tolist()
+        if not any(values):
+            return None
+        m = self.microbatches
+
+        def where(kind: int) -> tuple[tuple[int, int], ...]:
+            start = 1 + kind * self.dp * m
+            return tuple(divmod(i, m) for i, v in enumerate(values[start:start + self.dp * m]) if v)
+
+        return Skip(grads=bool(values[0]), losses=where(0), inputs=where(1), loss_scale=loss_scale)
+
+
+@dataclass(frozen=True)
+class Skip:
+    """Why a step was skipped on every rank. `losses`, `inputs`: (dp rank, microbatch) of the
+    microbatches whose loss or inputs were not finite; `loss_scale`: the fp16 loss scale after
+    the skip (None without a scaler). `overflow`: only gradients went non-finite with a dynamic
+    loss scaler that can still lower its scale (fp16's ordinary skip, not a divergence)."""
+
+    grads: bool
+    losses: tuple[tuple[int, int], ...] = ()
+    inputs: tuple[tuple[int, int], ...] = ()
+    loss_scale: float | None = None
+    overflow: bool = False
+
+    def line(self, step: int) -> str:
+        """The one line that says so."""
+        if self.overflow:
+            return (f"step {step}: fp16 gradient overflow on some rank; the step was skipped on every rank, "
+                    f"loss scale now {self.loss_scale:g}")
+        if self.losses or self.inputs:
+            what = "the loss went non-finite first" if self.losses else "the inputs are not finite"
+            detail = [f"loss of {_microbatches(self.losses)}" if self.losses else "",
+                      f"inputs of {_microbatches(self.inputs)} hold a NaN or inf" if self.inputs else ""]
+            what += f" ({'; '.join(d for d in detail if d)})"
+        else:
+            what = "the gradients went non-finite (the loss was finite)"
+        scale = f", loss scale now {self.loss_scale:g}" if self.loss_scale is not None else ""
+        return (f"step {step}: skipped on every rank, {what}; the weights and optimizer state are unchanged"
+                f"{scale}")
+
+
+def _microbatches(where: tuple[tuple[int, int], ...]) -> str:
+    return ", ".join(f"microbatch {m} of dp rank {r}" for r, m in where)
