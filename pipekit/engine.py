@@ -189,6 +189,9 @@ class PipelineEngine:
         **removed,
     ):
         _refuse_removed(removed)
+        if not isinstance(module, PipelineModule):
+            raise TypeError(f"PipelineEngine takes a pipekit.PipelineModule (its first argument), got "
+                            f"{type(module).__name__}; build one with PipelineModule(specs, topology, loss_fn=...)")
         if isinstance(recv_ahead, bool) or not isinstance(recv_ahead, int) or recv_ahead < 0:
             raise ValueError(f"recv_ahead must be an int >= 0 (receives posted before they are needed; 0: each "
                              f"when its RECV action runs), got {recv_ahead!r}")

@@ -158,6 +158,9 @@ class PipelineModule(nn.Module):
         self.specs = list(specs)
         self.loss_fn = loss_fn
         self.has_loss = loss_fn is not None  # on every rank, also where a loss module is not built
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"PipelineModule(topology=...) takes a pipekit.Topology (e.g. Topology(pp=2, dp=2)) or "
+                            f"None for one process, got {type(topology).__name__} {topology!r}")
         self.topology = topology if topology is not None else Topology(pp=1, dp=1)
         self.seed = seed
         _check_same_seed(seed, self.topology)

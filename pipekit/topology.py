@@ -53,6 +53,18 @@ def default_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def _check_sizes(**sizes) -> None:
+    """Topology's sizes are ints >= 1 (dp and dp_shard may be None), before anything else: a
+    string or a float would otherwise surface as a distributed error far from its cause."""
+    for name, value in sizes.items():
+        if value is None and name in ("dp", "dp_shard"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Topology({name}={value!r}): {name} must be an int >= 1"
+                             + (" (or None: what the world size leaves)" if name == "dp" else
+                                " (or None: all of dp)" if name == "dp_shard" else ""))
+
+
 def grid_sizes(world_size: int, pp: int, dp: int | None = None, tp: int = 1) -> tuple[int, int, int]:
     """Check and complete (pp, dp, tp) for `world_size` ranks; raise naming the bad value."""
     for name, value in (("pp", pp), ("tp", tp)):
@@ -248,6 +260,10 @@ class Topology:
     def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1, device_type: str | None = None,
                  device: str | None = None, ep: int = 1, expert_tp: bool = False,
                  sequence_parallel: bool = False, dp_shard: int | None = None, alone: bool = False):
+        _check_sizes(pp=pp, dp=dp, tp=tp, ep=ep, dp_shard=dp_shard)
+        for name, flag in (("expert_tp", expert_tp), ("alone", alone)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"Topology({name}=...) must be True or False, got {flag!r}")
         device = _one_device_arg(device, device_type)
         self.dp_shard = dp_shard
         if not isinstance(sequence_parallel, bool):

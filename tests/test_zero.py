@@ -314,7 +314,7 @@ def test_loss_scaler_follows_deepspeed_hysteresis_and_window():
 
 def test_bad_stage_and_optimizer_are_named():
     model = torch.nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="ZeRO stage must be 0, 1, 2 or 3, got 4"):
+    with pytest.raises(ValueError, match=r"ZeRO stage must be 0, 1, 2 or 3 \(an int\), got 4"):
         ZeroOptimizer(model, stage=4)
     with pytest.raises(ValueError, match="ZeRO stage 3 shards the layers of a PipelineModule"):
         ZeroOptimizer(model, stage=3)

@@ -42,8 +42,9 @@ class Stage:
     number: int
 
     def __post_init__(self) -> None:
-        if self.number not in (0, 1, 2, 3):
-            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {self.number}")
+        if isinstance(self.number, bool) or self.number not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3 (an int), got {self.number!r}"
+                             + (f" (a {type(self.number).__name__})" if not isinstance(self.number, int) else ""))
 
     @property
     def fsdp(self) -> bool:

@@ -163,6 +163,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_mb: float = 25.0, clip_grad_norm: float | None = None,
                  loss_scaler: LossScaler | None = None, module: nn.Module | None = None, max_inflight: int = 2,
                  fused: bool | str = False, reshard_after_forward: bool = False, **defaults):
+        if params is None or isinstance(params, (str, torch.Tensor)):
+            raise TypeError(f"ZeroOptimizer takes the parameters to train (module.parameters(), a PipelineModule, "
+                            f"or param groups), got {type(params).__name__}")
         self.sharding = Stage(stage)
         optimizer = optimizer_class(optimizer)
         self.module = params if isinstance(params, nn.Module) else module

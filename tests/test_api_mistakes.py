@@ -1,0 +1,57 @@
+"""A new user's mistakes in the Python API: one error naming the argument and what would be valid.
+
+The command line's table is tests/test_mistakes.py; this is the API's. Each row is a call as
+a user would write it, the exception type, and a piece of the one line it must say. No row
+may surface as an error from deep inside (an AttributeError on a string, torch.distributed's
+words for a size that was never an int).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pipekit
+from pipekit.models import get_model, model_loss, model_specs
+from pipekit.optim import ZeroOptimizer
+
+CFG = get_model("gpt2", "tiny", n_layers=2, dim=16, n_heads=2, vocab_size=64, max_seq_len=16)
+SPECS = model_specs(CFG)
+
+
+@pytest.fixture(scope="module")
+def module():
+    return pipekit.PipelineModule(SPECS, loss_fn=model_loss(CFG))
+
+
+API_MISTAKES = [  # (id, call(module), exception, a piece of the one line)
+    ("topology-as-a-string", lambda m: pipekit.PipelineModule(SPECS, topology="pp=2"), TypeError,
+     "PipelineModule(topology=...) takes a pipekit.Topology"),
+    ("pp-zero", lambda m: pipekit.Topology(pp=0), ValueError, "Topology(pp=0): pp must be an int >= 1"),
+    ("pp-a-string", lambda m: pipekit.Topology(pp="2"), ValueError, "Topology(pp='2'): pp must be an int >= 1"),
+    ("tp-a-float", lambda m: pipekit.Topology(tp=2.0), ValueError, "Topology(tp=2.0): tp must be an int >= 1"),
+    ("dp-zero", lambda m: pipekit.Topology(dp=0), ValueError, "Topology(dp=0): dp must be an int >= 1 (or None"),
+    ("expert-tp-a-string", lambda m: pipekit.Topology(expert_tp="yes"), TypeError,
+     "Topology(expert_tp=...) must be True or False"),
+    ("engine-of-a-string", lambda m: pipekit.PipelineEngine("model"), TypeError,
+     "PipelineEngine takes a pipekit.PipelineModule"),
+    ("zero-optimizer-of-none", lambda m: ZeroOptimizer(None), TypeError,
+     "ZeroOptimizer takes the parameters to train"),
+    ("zero-stage-a-string", lambda m: ZeroOptimizer(m.parameters(), stage="1", module=m), ValueError,
+     "ZeRO stage must be 0, 1, 2 or 3 (an int), got '1' (a str)"),
+    ("zero-stage-four", lambda m: ZeroOptimizer(m.parameters(), stage=4, module=m), ValueError,
+     "ZeRO stage must be 0, 1, 2 or 3 (an int), got 4"),
+    ("negative-clip", lambda m: pipekit.PipelineEngine(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                                       clip_grad_norm=-1.0), ValueError, "clip"),
+    ("unknown-schedule", lambda m: pipekit.PipelineModule(SPECS, schedule="bogus"), Exception,
+     "unknown schedule 'bogus'"),
+]
+
+
+@pytest.mark.parametrize("call, kind, said", [r[1:] for r in API_MISTAKES], ids=[r[0] for r in API_MISTAKES])
+def test_an_api_mistake_gets_one_clear_error(module, call, kind, said):
+    with pytest.raises(kind) as e:
+        call(module)
+    text = str(e.value)
+    assert said in text, text
+    assert len(text.splitlines()) == 1, text
