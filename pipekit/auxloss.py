@@ -143,6 +143,10 @@ class MetricsTracker:
         if in_backward() or _prepassing:
             return  # a recomputed forward (already recorded), or a pre-pass (recorded by the step's own)
         value = value.detach().float()
+        if name in self._sums and self._sums[name].shape != value.shape:
+            # another model under the same layer name (the sums of one never popped, e.g. forward
+            # passes outside an engine): its sums are not this one's to add to
+            del self._sums[name], self._counts[name]
         if name in self._sums:
             self._sums[name] = self._sums[name] + value
             self._counts[name] += 1

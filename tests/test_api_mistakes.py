@@ -55,3 +55,16 @@ def test_an_api_mistake_gets_one_clear_error(module, call, kind, said):
     text = str(e.value)
     assert said in text, text
     assert len(text.splitlines()) == 1, text
+
+
+def test_metrics_left_by_another_model_do_not_break_the_next_one():
+    """Forward passes outside an engine record MoE metrics that nobody pops; a model of another
+    size under the same layer name then starts its own sums instead of failing on a shape."""
+    from pipekit import auxloss
+
+    tracker = auxloss.MetricsTracker()
+    tracker.record("moe/1/tokens_per_expert", torch.ones(8))
+    tracker.record("moe/1/tokens_per_expert", torch.full((4,), 2.0))
+    tracker.record("moe/1/tokens_per_expert", torch.full((4,), 3.0))
+    total, n = tracker.pop()["moe/1/tokens_per_expert"]
+    assert n == 2 and torch.equal(total, torch.full((4,), 5.0))

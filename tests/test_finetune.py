@@ -227,6 +227,7 @@ def test_lora_equals_one_process_and_the_frozen_weights_stay_bitwise(results, ca
 def test_expert_adapters_merge_into_their_experts_exactly(float64):
     """Every expert's own adapter (A (E, in, r), B (E, r, out)) folds into its grouped weight:
     the merged model's logits are the adapted model's."""
+    from pipekit import auxloss
     from pipekit.checkpoint import full_state_dict, load_full_state_dict
     from pipekit.layers.lora import add_adapters, merge_adapters
     from pipekit.models import get_model, model_specs
@@ -248,6 +249,7 @@ def test_expert_adapters_merge_into_their_experts_exactly(float64):
     plain = PipelineModule(specs, seed=3).eval()
     assert (merged(x) - adapted(x)).abs().max().item() < 1e-12
     assert (plain(x) - adapted(x)).abs().max().item() > 1e-3  # the adapters changed the model
+    auxloss.metrics.pop()  # the forwards' MoE metrics: not for the tests that run after this one
 
 
 def test_what_expert_adapters_refuse():

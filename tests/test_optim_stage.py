@@ -31,7 +31,7 @@ def test_each_stage_says_what_it_shards(number, shards_master, shards_grads, rep
 
 @pytest.mark.parametrize("number", [-1, 4, 5])
 def test_a_stage_outside_0_to_3_is_refused_with_the_number_given(number):
-    with pytest.raises(ValueError, match=f"ZeRO stage must be 0, 1, 2 or 3, got {number}"):
+    with pytest.raises(ValueError, match=rf"ZeRO stage must be 0, 1, 2 or 3 \(an int\), got {number}"):
         Stage(number)
 
 
