@@ -268,3 +268,25 @@ class HostReads:
 def _pipekit_site() -> str:
     frames = [f for f in traceback.extract_stack()[:-2] if "/pipekit/" in f.filename.replace("\\", "/")]
     return f"{frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].name}" if frames else "?"
+
+
+# ---- a tokenizer for chat tests ------------------------------------------------------
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # ChatML
+
+
+def chatml_tokenizer(path, texts: list[str], vocab_size: int) -> int:
+    """A small byte-level BPE with ChatML specials, trained offline on `texts` and saved as
+    `path`/tokenizer.json (the caller writes tokenizer_config.json: `CHAT_TEMPLATE` and what
+    else it needs); its vocabulary size. Needs the `tokenizers` package."""
+    import tokenizers
+
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["[UNK]", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    return tok.get_vocab_size()

@@ -22,6 +22,7 @@ from pipekit.data import (
     prepare_data,
     token_dtype,
 )
+from pipekit.testing import CHAT_TEMPLATE, chatml_tokenizer
 
 DOCS = {f"doc{i:02d}.txt": f"document {i}: " + "héllo wörld ✓ " * (i + 3) + "\n" for i in range(20)}
 
@@ -312,23 +313,12 @@ def test_hf_tokenizer_file(corpus, tmp_path):
 
 
 # ---- JSONL: text, prompt/response and chat lines, the loss mask, and malformed lines ----------------------------
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 @pytest.fixture(scope="module")
 def chat_tokenizer(tmp_path_factory):
     """A Hugging Face tokenizer directory built offline: a small byte-level BPE with ChatML specials."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["[UNK]", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["what is two plus two", "it is four", "be brief", "hello there"] * 5, trainer)
+    pytest.importorskip("tokenizers")
     d = tmp_path_factory.mktemp("tok")
-    tok.save(str(d / "tokenizer.json"))
+    chatml_tokenizer(d, ["what is two plus two", "it is four", "be brief", "hello there"] * 5, vocab_size=320)
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE,
                                                          "tokenizer_class": "PreTrainedTokenizerFast"}))
     return d

@@ -24,7 +24,7 @@ from pipekit.layers.kv_cache import kv_cache
 from pipekit.models import get_model, model_specs
 from pipekit.precision import default_dtype
 from pipekit.run.generate import has_attention, load_model, sample
-from pipekit.testing import reference_model
+from pipekit.testing import CHAT_TEMPLATE, chatml_tokenizer, reference_model
 
 FAMILIES = ("gpt2", "llama", "mixtral")
 PROMPT = [3, 7, 1, 9, 40]
@@ -87,22 +87,10 @@ def test_the_toy_model_has_no_attention_and_reruns_itself():
 
 
 # ---- Hugging Face model dirs ----------------------------------------------------------------------
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 def _tokenizer(path) -> int:
     """A small byte-level BPE with ChatML specials saved as `path`/tokenizer.json; its vocab size."""
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["[UNK]", "<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["what is two plus two", "it is four", "hello there"] * 5, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    return tok.get_vocab_size()
+    pytest.importorskip("tokenizers")
+    return chatml_tokenizer(path, ["what is two plus two", "it is four", "hello there"] * 5, vocab_size=300)
 
 
 @pytest.fixture(scope="module")
