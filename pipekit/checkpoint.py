@@ -171,6 +171,20 @@ def latest_checkpoint(root: str) -> str | None:
     return found[-1][1] if found else None
 
 
+def skipped_note(root: str, chosen: str | None) -> str | None:
+    """One line when "the newest complete checkpoint" under `root` (`chosen`) passed over newer
+    step directories that are damaged (a deleted .metadata or pipekit.json), naming them and
+    what each lacks; None when nothing was passed over."""
+    m = _STEP_DIR.match(os.path.basename(chosen)) if chosen else None
+    skipped = incomplete_after(root, int(m.group(1)) if m else None)
+    if not skipped:
+        return None
+    shown = ", ".join(f"{os.path.basename(p)} (it lacks {_lacks(p)})" for p in skipped[:3])
+    more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+    then = f"using {chosen}, the newest complete one" if chosen else "no complete checkpoint is left"
+    return f"pipekit: passing over newer checkpoints that are not complete: {shown}{more}; {then}"
+
+
 def read_meta(path: str) -> dict:
     """The `pipekit.json` of checkpoint `path`; CheckpointError naming what is wrong."""
     if not os.path.exists(path):
@@ -179,13 +193,37 @@ def read_meta(path: str) -> dict:
         raise CheckpointError(f"{path} is not a checkpoint directory (a checkpoint is a directory such as "
                               f"checkpoints/step_00000100)")
     if not is_complete(path):
-        raise CheckpointError(f"{path} is not a complete pipekit checkpoint (it lacks .metadata or {META}; "
-                              f"an interrupted save leaves such a directory)")
+        raise CheckpointError(f"{path} is not a complete pipekit checkpoint (it lacks {_lacks(path)}; an "
+                              f"interrupted save leaves such a directory); {_previous_hint(path)}")
     try:
         with open(os.path.join(path, META)) as f:
-            return json.load(f)
+            meta = json.load(f)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}/{META} is unreadable ({e})") from e
+        raise CheckpointError(f"{path}/{META} is unreadable ({e}); {_previous_hint(path)}") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}/{META} holds a {type(meta).__name__}, not a checkpoint's record; "
+                              f"{_previous_hint(path)}")
+    return meta
+
+
+def _lacks(path: str) -> str:
+    missing = [n for n in (".metadata", META) if not os.path.isfile(os.path.join(path, n))]
+    return " and ".join(missing) or f".metadata or {META}"
+
+
+def incomplete_after(root: str, step: int | None) -> list[str]:
+    """Published step directories under `root` newer than `step` (None: any) that are not
+    complete checkpoints (a deleted .metadata or pipekit.json: damage, not an interrupted
+    save, which stays `step_N.tmp`), newest first: what "the newest checkpoint" skipped."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        full = os.path.join(root, name)
+        if m and os.path.isdir(full) and (step is None or int(m.group(1)) > step) and not is_complete(full):
+            found.append((int(m.group(1)), full))
+    return [p for _, p in sorted(found, reverse=True)]
 
 
 def prune_checkpoints(root: str, keep: int) -> None:
@@ -376,18 +414,31 @@ def _file_digests(directory: str, rank: int) -> dict[str, dict]:
             for n in sorted(mine)}
 
 
+def _data_files(path: str) -> list[str]:
+    """The files of checkpoint `path` that DCP reads (`.metadata`, `*.distcp`)."""
+    return sorted(n for n in os.listdir(path) if n == ".metadata" or n.endswith(".distcp"))
+
+
 def verify_checkpoint(path: str, meta: dict, share: tuple[int, int] = (0, 1)) -> list[str]:
     """What is wrong with the files of checkpoint `path` against the sizes and sha256 sums its
     `pipekit.json` recorded when they were written ([] when nothing is); `share=(i, n)`
-    checks only every n-th file from the i-th (n ranks share the reading). A checkpoint
-    saved before pipekit recorded digests has nothing to check."""
-    problems = []
-    for i, (name, want) in enumerate(sorted(meta.get("files", {}).items())):
+    checks only every n-th file from the i-th (n ranks share the reading). Every file DCP
+    would read must have its digest: a manifest that lost its list (or an entry of it) is
+    damaged, not a checkpoint without checks."""
+    recorded = meta.get("files")
+    if not isinstance(recorded, dict) or not recorded:
+        return [f"{META} records no file digests (its \"files\" list is missing or empty: the manifest was edited "
+                f"or damaged), so its shards cannot be checked"]
+    problems = [f"{name} has no recorded digest in {META} (a file added after the save, or an edited manifest)"
+                for name in _data_files(path) if name not in recorded]
+    for i, (name, want) in enumerate(sorted(recorded.items())):
         if i % share[1] != share[0]:
             continue
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             problems.append(f"{name} is missing")
+        elif not isinstance(want, dict) or not {"bytes", "sha256"} <= set(want):
+            problems.append(f"{META} records no size and sha256 for {name}")
         elif os.path.getsize(file) != want["bytes"]:
             problems.append(f"{name} holds {os.path.getsize(file)} bytes but {want['bytes']} were written (truncated "
                             f"or overwritten)")
@@ -396,17 +447,26 @@ def verify_checkpoint(path: str, meta: dict, share: tuple[int, int] = (0, 1)) ->
     return problems
 
 
+def previous_complete(path: str) -> str | None:
+    """The newest complete checkpoint beside checkpoint `path` with an earlier step, or None."""
+    path = os.path.abspath(path)
+    m = _STEP_DIR.match(os.path.basename(path))
+    earlier = [p for step, p in list_checkpoints(os.path.dirname(path)) if m and step < int(m.group(1))]
+    return earlier[-1] if earlier else None
+
+
+def _previous_hint(path: str) -> str:
+    earlier = previous_complete(path)
+    return (f"the previous complete checkpoint is {earlier}: continue from it with train.resume={earlier}"
+            if earlier else "there is no earlier checkpoint beside it")
+
+
 def _refuse_damaged(path: str, problems: list[str]) -> None:
     """Raise CheckpointError naming the first problem and the previous complete checkpoint."""
     if not problems:
         return
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    path = os.path.abspath(path)
-    m = _STEP_DIR.match(os.path.basename(path))
-    earlier = [p for step, p in list_checkpoints(os.path.dirname(path)) if m and step < int(m.group(1))]
-    hint = (f"the previous complete checkpoint is {earlier[-1]}: continue from it with train.resume={earlier[-1]}"
-            if earlier else "there is no earlier checkpoint beside it")
-    raise CheckpointError(f"checkpoint {path} is damaged: {problems[0]}{more}; {hint}")
+    raise CheckpointError(f"checkpoint {os.path.abspath(path)} is damaged: {problems[0]}{more}; {_previous_hint(path)}")
 
 
 def _jsonable(x):

@@ -487,7 +487,8 @@ class PipelineEngine:
         loss_fn, labels = self.module.loss_fn, st.micro_labels
         assert loss_fn is not None and labels is not None  # built on the last stage's rank; labels checked
         upcast = self.module.param_dtype and not getattr(loss_fn, "keeps_output_dtype", False)
-        loss = loss_fn(cast_floats(out, torch.float32 if upcast else None), labels[m])
+        loss = checked_loss(loss_fn, loss_fn(cast_floats(out, torch.float32 if upcast else None), labels[m]),
+                            st.training)
         st.losses.append(loss.detach() * st.weights[m].to(loss.dtype))
         st.raw_losses.append(loss.detach())
         if st.training:
@@ -695,6 +696,23 @@ for _kind, _fn in {
     Kind.OVERLAP: PipelineEngine._overlap,
 }.items():
     register_action(_kind, _fn)
+
+
+def checked_loss(loss_fn, loss, training: bool) -> torch.Tensor:
+    """`loss_fn`'s value if it is one number as a tensor (that has a grad, in training); else a
+    TypeError/RuntimeError naming `loss_fn` and what it returned, not autograd's words later."""
+    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn {name} returned {type(loss).__name__} ({loss!r:.40}); it must return the loss as "
+                        f"a one-element torch.Tensor (keep it a tensor: no .item() or float())")
+    if loss.numel() != 1:
+        raise TypeError(f"loss_fn {name} returned a tensor of shape {tuple(loss.shape)}; it must return one "
+                        f"number (reduce it, e.g. with .mean() or reduction='mean')")
+    if training and not loss.requires_grad:
+        raise RuntimeError(f"loss_fn {name} returned a loss that does not require grad: it does not depend on any "
+                           f"trainable weight (a .detach(), .item() or torch.no_grad() in the loss, or every weight "
+                           f"frozen)")
+    return loss.reshape(())
 
 
 def as_zero_optimizer(optimizer, module: PipelineModule) -> ZeroOptimizer | None:

@@ -29,6 +29,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict
 
@@ -37,7 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .atomic import publish, publish_dir, remove, torch_save_atomic, write_atomic
-from .checkpoint import META, CheckpointError, latest_checkpoint, load_full_weights, read_meta
+from .checkpoint import META, CheckpointError, latest_checkpoint, load_full_weights, read_meta, skipped_note
 from .layers.lora import merge_adapters
 from .models import config_from_dict, family_of
 from .models.hf import (
@@ -258,10 +259,11 @@ def _check_model_record(meta: dict, ckpt: str) -> None:
                               f"written by pipekit train)")
 
 
-def checkpoint_dir(path: str) -> str:
+def checkpoint_dir(path: str, say: bool = True) -> str:
     """The checkpoint the directory `path` names: itself, when it is one (an incomplete one
     is a CheckpointError saying what it lacks), or the newest complete checkpoint in it,
-    when it is a checkpoints root. Any other directory is an IsADirectoryError."""
+    when it is a checkpoints root (`say`: a line on stderr naming newer, damaged step
+    directories it passed over). Any other directory is an IsADirectoryError."""
     names = os.listdir(path)
     if META in names or ".metadata" in names or re.match(r"step_\d+", os.path.basename(os.path.normpath(path))):
         read_meta(path)  # raises for an incomplete or unreadable one
@@ -269,6 +271,9 @@ def checkpoint_dir(path: str) -> str:
     steps = [n for n in names if n.startswith("step_")]
     if steps:
         newest = latest_checkpoint(path)
+        note = skipped_note(path, newest) if newest and say else None
+        if note:
+            print(note, file=sys.stderr, flush=True)
         if newest is None:
             raise CheckpointError(f"{path} holds no complete checkpoint ({len(steps)} incomplete: "
                                   f"{', '.join(sorted(steps)[:3])}); an interrupted save leaves such a directory")

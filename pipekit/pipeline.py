@@ -55,6 +55,25 @@ def check_activation(value: Any, where: str) -> None:
         raise TypeError(f"{where} returned {got}; every layer must return a Tensor or a tuple of Tensors")
 
 
+def _float_entries(value) -> list[torch.Tensor]:
+    return [v for v in (value if isinstance(value, tuple) else (value,)) if v.is_floating_point()]
+
+
+def check_gradient_flows(x, out, where: str, layer: Any) -> None:
+    """Raise when a layer cuts the gradient (its float input needs a grad, none of its
+    float outputs has one: a `.detach()`, `.data`, `torch.no_grad()` or a new tensor
+    inside), so the layers before it would never train, in any layout. A layer that stops
+    the gradient on purpose says so with the attribute `stops_gradient = True`."""
+    if getattr(layer, "stops_gradient", False):
+        return
+    outs = _float_entries(out)
+    if outs and any(t.requires_grad for t in _float_entries(x)) and not any(t.requires_grad for t in outs):
+        raise RuntimeError(f"{where} returned a tensor that does not require grad though its input does (a "
+                           f".detach(), .data, torch.no_grad() or a new tensor inside it): the layers before it "
+                           f"would never train; keep the output attached, or set stops_gradient = True on the "
+                           f"layer if cutting the gradient there is intended")
+
+
 def check_interleaving(name: str, chunks_per_rank: int | None) -> None:
     """Raise unless a registered schedule runs `chunks_per_rank` chunks (None: its own);
     interleaved_1f1b needs at least 2 (with one it is plain 1F1B, which would be a silent
@@ -304,7 +323,10 @@ class PipelineModule(nn.Module):
 
     def _run_run(self, run: list[int], x):
         for i in run:
-            x = self.run_layer(i, x)
+            y = self.run_layer(i, x)
+            if self.training and torch.is_grad_enabled():
+                check_gradient_flows(x, y, f"layer {i} ({spec_name(self.specs[i])})", self.layer(i))
+            x = y
         return x
 
     def forward_stage(self, stage: int, x):

@@ -57,6 +57,56 @@ def test_an_api_mistake_gets_one_clear_error(module, call, kind, said):
     assert len(text.splitlines()) == 1, text
 
 
+class _Detach(torch.nn.Module):
+    def forward(self, x):
+        return x.detach()
+
+
+class _Stop(_Detach):
+    stops_gradient = True
+
+
+def _cross_entropy(out, labels):
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten())
+
+
+TRAINING_MISTAKES = [  # (id, loss_fn, a layer inserted after layer 1 or None, exception, a piece of the line)
+    ("loss-a-python-float", lambda o, y: _cross_entropy(o, y).item(), None, TypeError,
+     "loss_fn <lambda> returned float ("),
+    ("loss-per-token", lambda o, y: torch.nn.functional.cross_entropy(o.flatten(0, 1), y.flatten(), reduction="none"),
+     None, TypeError, "returned a tensor of shape (16,); it must return one number"),
+    ("loss-detached", lambda o, y: _cross_entropy(o, y).detach(), None, RuntimeError,
+     "loss_fn <lambda> returned a loss that does not require grad"),
+    ("layer-detaches", _cross_entropy, _Detach, RuntimeError,
+     "layer 2 (_Detach) returned a tensor that does not require grad though its input does"),
+]
+
+
+@pytest.mark.parametrize("loss_fn, layer, kind, said", [r[1:] for r in TRAINING_MISTAKES],
+                         ids=[r[0] for r in TRAINING_MISTAKES])
+def test_a_training_mistake_names_the_loss_fn_or_layer(loss_fn, layer, kind, said):
+    specs = SPECS[:2] + [pipekit.LayerSpec(layer)] + SPECS[2:] if layer else SPECS
+    m = pipekit.PipelineModule(specs, loss_fn=loss_fn)
+    before = [p.detach().clone() for p in m.parameters()]
+    engine = pipekit.PipelineEngine(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+    x, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    with pytest.raises(pipekit.PipelineError) as e:
+        engine.train_batch((x, y))
+    first = str(e.value).splitlines()[0]
+    assert f"{kind.__name__}: " in first and said in first, first
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))  # no step was taken
+
+
+def test_a_layer_that_stops_the_gradient_on_purpose_trains_the_rest():
+    m = pipekit.PipelineModule(SPECS[:2] + [pipekit.LayerSpec(_Stop)] + SPECS[2:], loss_fn=_cross_entropy)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    engine = pipekit.PipelineEngine(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+    engine.train_batch((torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))))
+    moved = {n.split(".")[1] for n, p in m.named_parameters() if n.startswith("layers.") and
+             not torch.equal(before[n], p)}
+    assert moved == {"3", "4"}  # the block after the cut and the final norm; the block before it stays
+
+
 def test_metrics_left_by_another_model_do_not_break_the_next_one():
     """Forward passes outside an engine record MoE metrics that nobody pops; a model of another
     size under the same layer name then starts its own sums instead of failing on a shape."""

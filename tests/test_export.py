@@ -151,7 +151,7 @@ def test_a_non_empty_out_dir_without_overwrite_is_refused_and_left_as_it_was(run
 # ---- sources that are not a model pipekit can export -------------------------------------
 NOT_EXPORTABLE = [  # (id, source: under the runs or this test's dir, what the one line must say)
     ("toy", "runs/toy/" + STEP2, "holds a 'toy' model, which has no Hugging Face form"),
-    ("incomplete", "incomplete", "is not a complete pipekit checkpoint (it lacks .metadata or pipekit.json"),
+    ("incomplete", "incomplete", "is not a complete pipekit checkpoint (it lacks pipekit.json;"),
     ("incomplete-step-dir", "interrupted/step_00000003", "is not a complete pipekit checkpoint"),
     ("root-without-a-complete-one", "interrupted", "holds no complete checkpoint (1 incomplete: step_00000003)"),
     ("random-dir", "random", "is a directory, but neither a pipekit checkpoint"),

@@ -143,6 +143,10 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
     # ---- train: checkpoints (the shared run saved one at step 2) and a diverging run
     ("resume-incomplete", train("train.resume={tmp}/ckpt_nometa"), "is not a complete pipekit checkpoint"),
     ("resume-bad-json", train("train.resume={tmp}/ckpt_badjson"), "pipekit.json is unreadable"),
+    ("resume-manifest-without-files", train("train.resume={tmp}/ckpt_nofiles", "logging.out_dir=null"),
+     ("ckpt_nofiles is damaged: pipekit.json records no file digests", "cannot be checked")),
+    ("resume-manifest-missing-an-entry", train("train.resume={tmp}/ckpt_unlisted", "logging.out_dir=null"),
+     ("ckpt_unlisted is damaged: __", ".distcp has no recorded digest in pipekit.json")),
     ("resume-truncated", train("train.resume={tmp}/ckpt_truncated", "logging.out_dir=null"),
      ("ckpt_truncated is damaged: __", ".distcp holds 100 bytes but", "(truncated or overwritten)")),
     ("resume-other-model", train("train.resume={shared}/run/checkpoints/step_00000002", "model.dim=32"),
@@ -291,8 +295,13 @@ def tmp_files(tmp: Path, shared: Path) -> None:
     (tmp / "cut_early.pt").write_bytes(model[:5000])  # torch.load: OSError EINVAL, not a RuntimeError
     torch.save([1, 2, 3], tmp / "list.pt")
     ckpt = shared / "run" / "checkpoints" / "step_00000002"
-    for name in ("ckpt_nometa", "ckpt_badjson", "ckpt_truncated"):
+    for name in ("ckpt_nometa", "ckpt_badjson", "ckpt_truncated", "ckpt_nofiles", "ckpt_unlisted"):
         shutil.copytree(ckpt, tmp / name)
+    meta = json.loads((ckpt / "pipekit.json").read_text())
+    unlisted = {k: v for k, v in meta["files"].items() if not k.endswith(".distcp")}  # lost its shards' entries
+    (tmp / "ckpt_unlisted" / "pipekit.json").write_text(json.dumps({**meta, "files": unlisted}))
+    del meta["files"]  # lost its list: no longer "nothing to check"
+    (tmp / "ckpt_nofiles" / "pipekit.json").write_text(json.dumps(meta))
     (tmp / "ckpt_nometa" / "pipekit.json").unlink()
     (tmp / "ckpt_badjson" / "pipekit.json").write_text("{not json")
     shard = next((tmp / "ckpt_truncated").glob("*.distcp"))
@@ -431,6 +440,67 @@ def test_train_resume_takes_a_checkpoints_root(shared):
                                                        "parallel.pp=1", "train.steps=4"])
     assert resume_path(cfg) == str(run / "checkpoints" / "step_00000002")
     assert out_dir_taken(cfg) is None
+
+
+def _toy_run_with_checkpoints(shared: Path, tmp_path: Path, *steps: int) -> Path:
+    """A copy of the shared run whose checkpoints are step_2's bytes under the names of `steps`."""
+    run = tmp_path / "run"
+    shutil.copytree(shared / "run", run)
+    for step in steps:
+        if step != 2:
+            shutil.copytree(run / "checkpoints" / "step_00000002", run / "checkpoints" / f"step_{step:08d}")
+    return run
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_in_one_line_naming_what_it_lacks(shared, tmp_path, capsys):
+    run = _toy_run_with_checkpoints(shared, tmp_path, 2, 4, 6)
+    (run / "checkpoints" / "step_00000006" / "pipekit.json").unlink()
+    (run / "checkpoints" / "step_00000004" / ".metadata").unlink()
+    argv = [a.format(root=ROOT) for a in train(f"logging.out_dir={run}", "train.resume=auto", "train.steps=3",
+                                               "data.val_every=0", "logging.tensorboard=false")]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    ckpts = run / "checkpoints"
+    said = [line for line in out.err.splitlines() if "passing over" in line]
+    assert said == [f"pipekit: passing over newer checkpoints that are not complete: step_00000006 (it lacks "
+                    f"pipekit.json), step_00000004 (it lacks .metadata); using {ckpts / 'step_00000002'}, the newest "
+                    f"complete one"], out.err
+    assert f"resuming from {ckpts / 'step_00000002'} (step 2)" in out.out
+
+
+def test_a_damaged_checkpoint_names_the_previous_complete_one(shared, tmp_path):
+    from pipekit.checkpoint import CheckpointError, read_meta
+
+    ckpts = _toy_run_with_checkpoints(shared, tmp_path, 2, 4) / "checkpoints"
+    (ckpts / "step_00000004" / "pipekit.json").write_text('{"step": 4, "fam')  # cut short
+    with pytest.raises(CheckpointError, match=f"unreadable .*; the previous complete checkpoint is "
+                                              f"{ckpts / 'step_00000002'}: continue from it"):
+        read_meta(str(ckpts / "step_00000004"))
+    (ckpts / "step_00000004" / "pipekit.json").unlink()
+    with pytest.raises(CheckpointError, match="it lacks pipekit.json; an interrupted save .*; the previous complete "
+                                              "checkpoint is"):
+        read_meta(str(ckpts / "step_00000004"))
+
+
+def test_a_restart_continues_what_this_launch_saved_else_where_it_started(shared, tmp_path, monkeypatch):
+    """A rollback (train.resume=<an older step>) whose workers die before the first save: the
+    restart starts from that older step again, never from the newest checkpoint of the branch
+    being left; once this launch has saved, from its newest save."""
+    from pipekit.config import load_config
+    from pipekit.run.resume import resume_path
+
+    run = _toy_run_with_checkpoints(shared, tmp_path, 2, 4, 6)
+    ckpts = run / "checkpoints"
+    cfg = load_config(str(ROOT / "configs/toy.yaml"), [f"train.resume={ckpts / 'step_00000002'}",
+                                                       f"logging.out_dir={run}", "parallel.pp=1"])
+    monkeypatch.setenv("PIPEKIT_LAUNCH", "rollback")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resume_path(cfg) == str(ckpts / "step_00000002")  # 4 and 6 are the old branch's
+    meta = json.loads((ckpts / "step_00000004" / "pipekit.json").read_text())
+    (ckpts / "step_00000004" / "pipekit.json").write_text(json.dumps({**meta, "launch": "rollback"}))
+    assert resume_path(cfg) == str(ckpts / "step_00000004")  # this launch's own save
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert resume_path(cfg) == str(ckpts / "step_00000002")  # a first attempt: where it was told
 
 
 ENV_MISTAKES = [  # (id, environment, argv, what the one line must say): PIPEKIT_* variables, read when used

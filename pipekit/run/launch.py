@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 from typing import NoReturn
 
 import torch.distributed as dist
@@ -140,6 +141,7 @@ def launch(nproc: int, argv: list[str], grace: int, max_restarts: int = 0, check
     with tempfile.TemporaryDirectory(prefix="pipekit-errors-") as reports:
         os.environ["PIPEKIT_ERROR_DIR"] = reports
         os.environ["PIPEKIT_LAUNCHER_PID"] = str(os.getpid())
+        os.environ["PIPEKIT_LAUNCH"] = uuid.uuid4().hex  # one identity for every restart (resume.launch_id)
         try:
             with _noting_forwards(reports):
                 torchrun(parse_args(["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
@@ -152,6 +154,7 @@ def launch(nproc: int, argv: list[str], grace: int, max_restarts: int = 0, check
         finally:
             os.environ.pop("PIPEKIT_ERROR_DIR", None)
             os.environ.pop("PIPEKIT_LAUNCHER_PID", None)
+            os.environ.pop("PIPEKIT_LAUNCH", None)
         return _stop_status(reports) or 0
 
 

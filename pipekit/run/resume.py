@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict
 
@@ -38,6 +39,7 @@ from ..checkpoint import (
     load_checkpoint,
     read_meta,
     save_checkpoint,
+    skipped_note,
     step_dir,
 )
 from ..config import RUN_DEFINING, Config, Run
@@ -78,23 +80,46 @@ def is_own(cfg: Config, path: str) -> bool:
     return root is not None and os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(root)
 
 
+def launch_id() -> str | None:
+    """This launch's identity, the same on every rank and every restart of it: the pipekit
+    launcher's PIPEKIT_LAUNCH, else torchrun's run id (None when neither names one)."""
+    found = os.environ.get("PIPEKIT_LAUNCH") or os.environ.get("TORCHELASTIC_RUN_ID")
+    return found if found and found != "none" else None
+
+
+def _saved_by_this_launch(root: str) -> str | None:
+    """The newest complete checkpoint under `root` that this launch saved (any newest one when
+    the launch has no identity), or None."""
+    me = launch_id()
+    for _, path in reversed(list_checkpoints(root)):
+        try:
+            if me is None or read_meta(path).get("launch") == me:
+                return path
+        except CheckpointError:
+            continue
+    return None
+
+
 def resume_path(cfg: Config) -> str | None:
     """The checkpoint this run continues from: `train.resume` (a checkpoint, a checkpoints
     root: its newest complete one, or "auto": the newest complete one under checkpoint_root,
-    or none). After a torchrun restart: the newest
-    complete one under checkpoint_root, or `train.resume` while this run has saved none."""
+    or none). After a torchrun restart: the newest checkpoint this launch saved (its
+    identity is in each checkpoint, `launch_id`), else where this launch started: the
+    same choice as its first attempt, so a restart of a rollback to an older step never
+    continues on the branch being left."""
     wanted = cfg.train.resume
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if wanted is None and not restarted:
-        return None
     root = checkpoint_root(cfg)
-    newest = latest_checkpoint(root) if root else None
-    if wanted in (None, "auto"):
-        return newest
-    if restarted and newest:
-        return newest
+    if restarted and root:
+        own = _saved_by_this_launch(root)
+        if own:
+            return own
+    if wanted is None:
+        return None
+    if wanted == "auto":
+        return latest_checkpoint(root) if root else None
     try:  # a checkpoints root (as generate and convert take it): its newest complete checkpoint
-        return checkpoint_dir(wanted) if os.path.isdir(wanted) else wanted
+        return checkpoint_dir(wanted, say=False) if os.path.isdir(wanted) else wanted
     except (OSError, CheckpointError):
         return wanted  # not a checkpoint: the pre-launch check says what it is
 
@@ -122,6 +147,11 @@ def resume(run: Run, topo: Topology, engine: PipelineEngine) -> tuple[int, str |
         raise CheckpointError(f"checkpoint {path} is at step {step}, past train.steps={cfg.train.steps}; "
                               f"raise train.steps to train on")
     if topo.rank == 0:
+        wanted = cfg.train.resume
+        if wanted in (None, "auto") or os.path.abspath(wanted) != os.path.abspath(path):  # "the newest" was chosen
+            note = skipped_note(os.path.dirname(os.path.abspath(path)), path)
+            if note:
+                print(note, file=sys.stderr, flush=True)
         print(f"resuming from {path} (step {step})", flush=True)
         if changed:
             print(f"pipekit: changed since the checkpoint: {', '.join(changed)}", flush=True)
@@ -240,5 +270,5 @@ def save(run: Run, topo: Topology, engine: PipelineEngine, root: str, step: int)
             "loss_scaler": scaler.state_dict() if scaler is not None else None,
             "data": {"source": cfg.data.source, "seed": cfg.train.seed, "global_batch": cfg.train.global_batch,
                      "seq_len": cfg.train.seq_len, "next_step": step, "files": fingerprint(cfg.data.source)},
-            "config": json.loads(json.dumps(asdict(cfg)))}
+            "config": json.loads(json.dumps(asdict(cfg))), "launch": launch_id()}
     return save_checkpoint(step_dir(root, step), engine.module, engine.optimizer, meta=meta, keep=cfg.checkpoint.keep)
