@@ -14,6 +14,7 @@ form the error took on its way up (torch.save reports a short write as
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -46,6 +47,20 @@ def write_atomic(path: str, data: bytes | str | Callable[[BinaryIO], None], *, r
         raise
     finally:
         remove(tmp)
+
+
+@contextlib.contextmanager
+def naming_the_file(path: str):
+    """Inside: a write to an open file `path` that fails for want of space (which Python
+    reports without a file name) is an OSError naming `path` and the space left there."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) and path not in str(e):
+            parent = os.path.dirname(os.path.abspath(path))
+            raise OSError(e.errno, f"no space left on device to write {path} ({free_space(parent)} free there); "
+                                   f"free some, or point logging.out_dir elsewhere") from e
+        raise
 
 
 def no_space_left(e: BaseException, directory: str, needed: int = 0) -> bool:

@@ -70,6 +70,11 @@ def test_a_killed_worker_is_restarted_and_the_run_finishes_as_if_undisturbed(tmp
     for step, loss in got.items():
         assert loss == pytest.approx(undisturbed[step], abs=1e-5), step
     assert (out / "model.pt").exists()
+    # The summary is the run's, across the restart: 6 steps from step 1's loss, 4 of them in this attempt.
+    summary = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["summary"]
+    assert (summary["steps"], summary["steps_this_attempt"], summary["attempts"]) == (6, 4, 2)
+    assert summary["first_loss"] == got[1]
+    assert "6 (" in done.stdout and ", in 2 attempts (4 in this one)" in done.stdout
 
 
 def test_an_error_in_one_worker_is_reported_once_from_its_rank(tmp_path):

@@ -15,6 +15,7 @@ fails quickly in this process instead of launching workers.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -501,6 +502,35 @@ def test_a_restart_continues_what_this_launch_saved_else_where_it_started(shared
     assert resume_path(cfg) == str(ckpts / "step_00000004")  # this launch's own save
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert resume_path(cfg) == str(ckpts / "step_00000002")  # a first attempt: where it was told
+
+
+def test_a_disk_that_fills_after_launch_is_one_line_naming_the_file(shared, tmp_path, monkeypatch, capsys):
+    """Python reports a failed write to an open file without its name; the metrics file's says it."""
+    import errno
+
+    from pipekit.run import metrics
+
+    class Full:  # a metrics.jsonl whose disk fills after the first record
+        def __init__(self, file):
+            self.file, self.writes = file, 0
+
+        def write(self, text):
+            self.writes += 1
+            if self.writes > 1:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.file.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    opened = metrics._metrics_file
+    monkeypatch.setattr(metrics, "_metrics_file", lambda path, start: (Full(opened(path, start)[0]), []))
+    out = tmp_path / "run"
+    argv = [a.format(root=ROOT) for a in train(f"logging.out_dir={out}", "train.steps=3", "logging.log_every=1",
+                                               "data.val_every=0", "logging.tensorboard=false")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"no space left on device to write {out / 'metrics.jsonl'} (" in err, err
 
 
 ENV_MISTAKES = [  # (id, environment, argv, what the one line must say): PIPEKIT_* variables, read when used

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..atomic import write_atomic
+from ..atomic import naming_the_file, write_atomic
 from ..config import Run
 from ..engine import PipelineEngine
 from ..models import flops_per_token as zoo_flops_per_token
@@ -189,6 +189,8 @@ class Logger:
         self.peak = self.device_peak * self.devices if self.device_peak else None
         self.n_params = n_params
         self.history: list[dict] = []
+        self.earlier: list[dict] = []  # the records of this run's earlier attempts (restarts, resumes) it keeps
+        self.metrics_path = ""
         self.start = time.perf_counter()
         self.bar = self.file = self.tb = None
         if self.active:
@@ -198,7 +200,8 @@ class Logger:
         out = self.cfg.logging.out_dir
         if out:
             os.makedirs(out, exist_ok=True)
-            self.file = _metrics_file(os.path.join(out, "metrics.jsonl"), self.start_step if self.continues else 0)
+            self.metrics_path = os.path.join(out, "metrics.jsonl")
+            self.file, self.earlier = _metrics_file(self.metrics_path, self.start_step if self.continues else 0)
             if self.cfg.logging.tensorboard:
                 self.tb = _tensorboard(out)
         if self.cfg.logging.progress:
@@ -273,8 +276,9 @@ class Logger:
             self._print(f"step {rec['step']:5d}  loss {rec['loss']:.4f}{val}  lr {rec['lr']:.2e}  "
                         f"{rec['tokens_per_s']:,.0f} tok/s  mfu {_percent(rec['mfu'])}{_moe_text(rec.get('moe'))}")
         if self.file:
-            self.file.write(json.dumps(rec) + "\n")
-            self.file.flush()
+            with naming_the_file(self.metrics_path):
+                self.file.write(json.dumps(rec) + "\n")
+                self.file.flush()
         if self.tb:
             for key in ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
                 if rec.get(key) is not None:
@@ -295,15 +299,19 @@ class Logger:
             print(f"pipekit: stopped after step {step} on {why}: {where}", flush=True)
 
     def finish(self) -> dict:
-        h = self.history
-        vals = [r["val_loss"] for r in h if "val_loss" in r]
+        h, before = self.history, self.earlier
+        vals = [r["val_loss"] for r in before + h if "val_loss" in r]
+        attempts = _attempts(before)
+        steps = len(h) + (self.start_step if before else 0)
         summary = {
-            "steps": len(h), "seconds": h[-1]["elapsed_s"], "tokens": self.tokens_per_step * len(h),
-            "first_loss": h[0]["loss"], "final_loss": h[-1]["loss"], "final_val_loss": vals[-1] if vals else None,
+            "steps": steps, "steps_this_attempt": len(h), "attempts": len(attempts) + 1,
+            "seconds": sum(a[-1]["elapsed_s"] for a in attempts) + h[-1]["elapsed_s"],
+            "tokens": self.tokens_per_step * steps, "first_loss": (before or h)[0]["loss"],
+            "final_loss": h[-1]["loss"], "final_val_loss": vals[-1] if vals else None,
             "tokens_per_s": h[-1]["tokens_per_s"], "mfu": h[-1]["mfu"], "params": self.n_params,
             "peak_flops_per_device": self.device_peak, "peak_source": self.peak_source, "devices": self.devices,
             "pp": self.cfg.parallel.pp, "dp": self.cfg.parallel.dp, "tp": self.cfg.parallel.tp,
-            "schedule": self.run.schedule.name, "skipped_steps": sum(bool(r["skipped"]) for r in h),
+            "schedule": self.run.schedule.name, "skipped_steps": sum(bool(r.get("skipped")) for r in before + h),
             "precision": self.run.precision.name, "zero_stage": self.cfg.optimizer.zero_stage,
         }
         if self.active:
@@ -311,8 +319,9 @@ class Logger:
                 self.bar.close()
             print(summary_table(summary), flush=True)
             if self.file:
-                self.file.write(json.dumps({"summary": summary}) + "\n")
-                self.file.close()
+                with naming_the_file(self.metrics_path):
+                    self.file.write(json.dumps({"summary": summary}) + "\n")
+                    self.file.close()
             if self.tb:
                 self.tb.close()
         return summary
@@ -327,13 +336,23 @@ def _moe_text(moe: dict | None) -> str:
     return f"  moe load max/mean {moe[worst]['imbalance'] or 0:.2f} ({worst}), dropped {dropped}"
 
 
-def _metrics_file(path: str, start_step: int):
-    """metrics.jsonl opened for this run: a fresh run starts it empty; a resumed run keeps the
-    records of the steps before `start_step` (dropping later ones and any summary, which the
-    interrupted run may have written) and appends."""
+def _attempts(records: list[dict]) -> list[list[dict]]:
+    """Records of earlier attempts split where one ended: its clock (elapsed_s) starts over."""
+    found: list[list[dict]] = []
+    for rec in records:
+        if not found or rec.get("elapsed_s", 0.0) < found[-1][-1].get("elapsed_s", 0.0):
+            found.append([])
+        found[-1].append(rec)
+    return found
+
+
+def _metrics_file(path: str, start_step: int) -> tuple[Any, list[dict]]:
+    """metrics.jsonl opened for this run, and the records it keeps: a fresh run starts it
+    empty; a resumed run keeps the records of the steps before `start_step` (dropping later
+    ones and any summary, which the interrupted run may have written) and appends."""
     if start_step == 0 or not os.path.exists(path):
-        return open(path, "w")
-    kept = []
+        return open(path, "w"), []
+    kept, records = [], []
     with open(path) as f:
         for line in f:
             try:
@@ -342,8 +361,9 @@ def _metrics_file(path: str, start_step: int):
                 continue  # a line cut short by a crash
             if "step" in rec and rec["step"] <= start_step:
                 kept.append(line if line.endswith("\n") else line + "\n")
+                records.append(rec)
     write_atomic(path, "".join(kept))
-    return open(path, "a")
+    return open(path, "a"), records
 
 
 def summary_table(s: dict) -> str:
@@ -352,7 +372,9 @@ def summary_table(s: dict) -> str:
         ("precision", f"{s['precision']}, ZeRO stage {s['zero_stage']}"
                       + (f", {s['skipped_steps']} steps skipped (not finite)" if s["skipped_steps"] else "")),
         ("parameters", f"{s['params'] / 1e6:.2f} M"),
-        ("steps", f"{s['steps']} ({s['tokens']:,} tokens)"),
+        ("steps", f"{s['steps']} ({s['tokens']:,} tokens)" + (
+            f", in {s['attempts']} attempts ({s['steps_this_attempt']} in this one)" if s.get("attempts", 1) > 1
+            else "")),
         ("time", f"{s['seconds']:.1f} s training (validation not counted)"),
         ("train loss", f"{s['first_loss']:.4f} -> {s['final_loss']:.4f}"),
         ("val loss", "-" if s["final_val_loss"] is None else f"{s['final_val_loss']:.4f}"),
