@@ -87,3 +87,17 @@ def test_ep_that_does_not_divide_the_experts_is_refused_before_launch():
         load_config(None, ["parallel.dp=2", "parallel.ep=2"])
     with pytest.raises(ConfigError, match=r"top_k=9 exceeds n_experts=8"):
         load_config(None, ["model.family=mixtral", "model.top_k=9"])
+
+
+def test_experts_without_tokens_are_said_once_per_layer_and_ep_shows_in_the_layout(tmp_path, capsys):
+    """8 tokens a step for 16 top-1 experts: at least 8 of each layer's get none, said at step 1."""
+    from pipekit.run.metrics import summary_table
+
+    summary = train(load_config(None, [*BASE, "train.seq_len=4", f"logging.out_dir={tmp_path}"]))
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "got no tokens" in line]
+    assert [line.split(":")[1].strip() for line in said] == ["moe/1", "moe/2"], said
+    recs = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if '"step": 1,' in line]
+    idle = [i for i, t in enumerate(recs[0]["moe"]["moe/1"]["tokens_per_expert"]) if t == 0]
+    assert len(idle) >= 8 and f"experts {', '.join(map(str, idle[:8]))}" in said[0] and "at step 1 " in said[0]
+    assert " ep=" not in out and "ep=2 (" in summary_table({**summary, "ep": 2})

@@ -189,6 +189,7 @@ class Logger:
         self.peak = self.device_peak * self.devices if self.device_peak else None
         self.n_params = n_params
         self.history: list[dict] = []
+        self.idle_said: set[str] = set()  # MoE layers whose idle experts were said
         self.earlier: list[dict] = []  # the records of this run's earlier attempts (restarts, resumes) it keeps
         self.metrics_path = ""
         self.start = time.perf_counter()
@@ -208,7 +209,8 @@ class Logger:
             self.bar = tqdm(total=self.cfg.train.steps, desc="train", unit="step", dynamic_ncols=True)
         p = self.cfg.parallel
         self._print(f"{self.cfg.model.family}/{self.cfg.model.flavour}: {self.n_params / 1e6:.2f} M parameters, "
-                    f"pp={p.pp} dp={p.dp} tp={p.tp}, schedule {self.run.schedule.name}, "
+                    f"pp={p.pp} dp={p.dp} tp={p.tp}{f' ep={p.ep}' if p.ep > 1 else ''}, "
+                    f"schedule {self.run.schedule.name}, "
                     f"{self.tokens_per_step:,} tokens per step, on {self.device}")
         nowhere = (None if self.cfg.logging.out_dir else
                    "logging.out_dir is not set: no metrics.jsonl, checkpoints or model.pt will be written "
@@ -222,6 +224,19 @@ class Logger:
             self.bar.write(text)
         else:
             print(text, flush=True)
+
+    def _say_idle_experts(self, step: int, moe: dict) -> None:
+        """Once per MoE layer, the first logged step in which some of its experts got no token
+        (their weights do not train while that lasts; metrics.jsonl has the counts each step)."""
+        for layer, m in moe.items():
+            idle = [i for i, t in enumerate(m["tokens_per_expert"]) if t == 0]
+            if idle and layer not in self.idle_said:
+                self.idle_said.add(layer)
+                shown = ", ".join(map(str, idle[:8])) + (f" and {len(idle) - 8} more" if len(idle) > 8 else "")
+                self.say(f"pipekit: {layer}: expert{'s' if len(idle) > 1 else ''} {shown} of "
+                         f"{len(m['tokens_per_expert'])} got no tokens at step {step} (they do not train while "
+                         f"that lasts; model.aux_loss_coef spreads the load; tokens_per_expert in metrics.jsonl "
+                         f"each logged step)")
 
     def say(self, text: str) -> None:
         """Print a line from rank 0 (above the progress bar), nothing elsewhere."""
@@ -258,6 +273,7 @@ class Logger:
             rec["val_loss"] = val
         if moe:
             rec["moe"] = moe
+            self._say_idle_experts(step, moe)
         self.history.append(rec)
         if not self.active:
             return
@@ -311,6 +327,7 @@ class Logger:
             "tokens_per_s": h[-1]["tokens_per_s"], "mfu": h[-1]["mfu"], "params": self.n_params,
             "peak_flops_per_device": self.device_peak, "peak_source": self.peak_source, "devices": self.devices,
             "pp": self.cfg.parallel.pp, "dp": self.cfg.parallel.dp, "tp": self.cfg.parallel.tp,
+            "ep": self.cfg.parallel.ep,
             "schedule": self.run.schedule.name, "skipped_steps": sum(bool(r.get("skipped")) for r in before + h),
             "precision": self.run.precision.name, "zero_stage": self.cfg.optimizer.zero_stage,
         }
@@ -367,8 +384,9 @@ def _metrics_file(path: str, start_step: int) -> tuple[Any, list[dict]]:
 
 
 def summary_table(s: dict) -> str:
+    ep = f" ep={s['ep']}" if s.get("ep", 1) > 1 else ""
     rows = [
-        ("layout", f"pp={s['pp']} dp={s['dp']} tp={s['tp']} ({s['schedule']})"),
+        ("layout", f"pp={s['pp']} dp={s['dp']} tp={s['tp']}{ep} ({s['schedule']})"),
         ("precision", f"{s['precision']}, ZeRO stage {s['zero_stage']}"
                       + (f", {s['skipped_steps']} steps skipped (not finite)" if s["skipped_steps"] else "")),
         ("parameters", f"{s['params'] / 1e6:.2f} M"),
