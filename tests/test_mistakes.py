@@ -617,6 +617,19 @@ def test_a_key_without_effect_gets_one_notice_and_the_run_goes_on(overrides, sai
     assert len(notices) == 1 and notices[0].startswith(f"pipekit: notice: {said}"), notices
 
 
+def test_a_key_without_effect_is_said_once_to_a_python_caller_and_once_by_the_command(tmp_path, capsys):
+    from pipekit.config import load_config
+    from pipekit.run.loop import train as train_in_process
+
+    quick = [a.format(root=ROOT) for a in train("optimizer.momentum=0.9", "train.steps=1", "data.val_every=0",
+                                                "logging.tensorboard=false")]
+    train_in_process(load_config(quick[1], [*quick[2:], f"logging.out_dir={tmp_path / 'api'}"]))
+    assert main([*quick, f"logging.out_dir={tmp_path / 'cli'}"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "notice:" in line]
+    assert said == ["pipekit: notice: optimizer.momentum=0.9 has no effect: momentum is SGD's; optimizer.name=adamw "
+                    "uses optimizer.beta1"] * 2, said
+
+
 def test_no_notice_for_keys_that_do_something_or_were_not_set(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for argv in (["train", str(ROOT / "configs/toy.yaml")],

@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import asdict
@@ -173,6 +174,9 @@ def train(run: Run) -> dict:
 def _train(run: Run) -> dict:
     cfg = run.config
     topo, notice = _join(run)
+    if topo.rank == 0:
+        for line in run.notices:  # a Python caller's (the command says them before it launches)
+            print(f"pipekit: notice: {line}", file=sys.stderr, flush=True)
     path = data_dir(cfg)
     check_vocab(run, path)
     engine = build(run, topo)

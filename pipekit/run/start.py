@@ -9,6 +9,7 @@ device. Then either this process launches `world_size` workers through
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -46,6 +47,7 @@ def _train_command(args: argparse.Namespace) -> int:
     if "PIPEKIT_ERROR_DIR" not in os.environ and os.environ.get("RANK", "0") == "0" and not restarted:
         for notice in run.notices:  # once, from the launcher (or rank 0 of a user's torchrun)
             print(f"pipekit: notice: {notice}", file=sys.stderr, flush=True)
+    run = dataclasses.replace(run, notices=())  # said here (or not again: workers, restarts), not by train()
     if args.show:
         print(OmegaConf.to_yaml(OmegaConf.create(asdict(cfg))), end="")
         return 0
