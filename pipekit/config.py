@@ -858,7 +858,8 @@ def pretrained(path: str):
     try:
         return pretrained_config(path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"model.init={path}: {e}") from None
+        said = str(e)
+        raise ConfigError(said if said.startswith(f"model.init={path}") else f"model.init={path}: {said}") from None
 
 
 def _from_weights(model: ModelConfig, overrides: dict):

@@ -107,10 +107,10 @@ class HFTokenizer:
         file = os.path.join(path, "tokenizer.json") if self.dir else path
         if self.dir and not os.path.isfile(file):
             raise FileNotFoundError(f"tokenizer directory {path!r} has no tokenizer.json (want a HuggingFace "
-                                    "tokenizer.json, a directory holding one, or None)")
+                                    "tokenizer.json, or a directory holding one; without one, byte tokens)")
         if not os.path.isfile(file):
             raise FileNotFoundError(f"tokenizer file {path!r} does not exist (want a HuggingFace tokenizer.json, "
-                                    "a directory holding one, or None)")
+                                    "or a directory holding one; without one, byte tokens)")
         self.name = os.path.abspath(path)
         try:
             self.tok = Tokenizer.from_file(file)
