@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import importlib
 import importlib.util
 import math
@@ -369,7 +370,21 @@ def _check_given_types(where: str, given: dict[str, Any]) -> None:
 def _merge_error(e: OmegaConfBaseException, where: str) -> ConfigError:
     """OmegaConf's error as one line naming the key and the file or override."""
     key, msg = getattr(e, "full_key", None) or "", str(getattr(e, "msg", None) or e).strip().splitlines()[0]
-    return ConfigError(f"bad config ({where}): {f'{key}: ' if key else ''}{msg}")
+    return ConfigError(f"bad config ({where}): {f'{key}: ' if key else ''}{msg}{_did_you_mean(key, msg)}")
+
+
+def _did_you_mean(key: str, msg: str) -> str:
+    """"; did you mean optimizer.lr?" for an unknown key that another section has, or that is
+    close to one of its section's; "" when nothing is near."""
+    if not re.match(r"Key '[^']+' not in ", msg) or "." not in key:
+        return ""
+    section, name = key.rsplit(".", 1)
+    known = sorted(_TYPES)
+    elsewhere = [k for k in known if k.rsplit(".", 1)[1] == name and k != key]
+    near = elsewhere or ([] if "Did you mean" in msg else  # OmegaConf's own, within the section
+                         [k for k in difflib.get_close_matches(key, known, n=3, cutoff=0.75)
+                          if k.startswith(f"{section}.")])
+    return f"; did you mean {' or '.join(near[:3])}?" if near else ""
 
 
 def _merged(path: str | None, overrides: list[str] | None) -> tuple[Config, set[str]]:

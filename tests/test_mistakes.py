@@ -139,6 +139,10 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
     ("out-dir-is-a-file", train("logging.out_dir={tmp}/afile"), ("logging.out_dir=", "afile is a file; give a dir")),
     ("out-dir-under-a-file", train("logging.out_dir={tmp}/afile/run"), ("logging.out_dir=", "afile is a file, not a")),
     ("checkpoint-dir-is-a-file", train("checkpoint.dir={tmp}/afile"), ("checkpoint.dir=", "afile is a file; give a")),
+    ("key-of-another-section", train("train.lr=0.1"), "train.lr: Key 'lr' not in 'TrainConfig'; did you mean optimizer.lr?"),
+    ("zero-stage-under-train", train("train.zero_stage=1"), "did you mean optimizer.zero_stage?"),
+    ("out-dir-unwritable", train("logging.out_dir=/proc/pipekit-nowhere/run"),
+     "logging.out_dir=/proc/pipekit-nowhere/run cannot be written: No such file or directory"),
     ("resume-missing", train("train.resume={tmp}/nothing-here"), "does not exist; give a checkpoint directory"),
     ("resume-is-a-file", train("train.resume={tmp}/afile"), "is a file, not a checkpoint directory"),
     # ---- train: checkpoints (the shared run saved one at step 2) and a diverging run

@@ -137,8 +137,14 @@ def hold_run_dirs(cfg) -> list | str:
     shares = ours or (cfg.world_size > 1 and "RANK" not in os.environ)
     held = []
     for key, path, lock_dir in run_dirs(cfg):
-        os.makedirs(path, exist_ok=True)
-        handle = open(os.path.join(lock_dir, ".pipekit.lock"), "a")
+        try:
+            os.makedirs(path, exist_ok=True)
+            handle = open(os.path.join(lock_dir, ".pipekit.lock"), "a")
+        except OSError as e:  # a read-only or special file system, no permission
+            for h in held:
+                h.close()
+            return (f"{key}={path} cannot be written: {e.strerror or e} ({e.filename or path}); give a directory "
+                    f"this user can create and write")
         held.append(handle)
         try:
             fcntl.flock(handle, (fcntl.LOCK_SH if ours else fcntl.LOCK_EX) | fcntl.LOCK_NB)
