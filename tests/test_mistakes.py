@@ -473,6 +473,15 @@ def test_a_damaged_newest_checkpoint_is_passed_over_in_one_line_naming_what_it_l
     assert f"resuming from {ckpts / 'step_00000002'} (step 2)" in out.out
 
 
+def test_resume_auto_without_a_checkpoint_says_it_starts_at_step_0(tmp_path, capsys):
+    argv = [a.format(root=ROOT) for a in train(f"logging.out_dir={tmp_path / 'run'}", "train.resume=auto",
+                                               "train.steps=1", "data.val_every=0", "logging.tensorboard=false")]
+    assert main(argv) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "train.resume=auto" in line]
+    assert said == [f"pipekit: train.resume=auto: no checkpoint under {tmp_path / 'run' / 'checkpoints'} yet; "
+                    f"starting at step 0"], said
+
+
 def test_a_damaged_checkpoint_names_the_previous_complete_one(shared, tmp_path):
     from pipekit.checkpoint import CheckpointError, read_meta
 

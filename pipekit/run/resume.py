@@ -134,6 +134,9 @@ def resume(run: Run, topo: Topology, engine: PipelineEngine) -> tuple[int, str |
         dist.broadcast_object_list(chosen, src=0)
     path = chosen[0]
     if path is None:
+        if cfg.train.resume == "auto" and topo.rank == 0:  # the usual first launch of a resumable job
+            print(f"pipekit: train.resume=auto: no checkpoint under {checkpoint_root(cfg)} yet; starting at step 0",
+                  flush=True)
         return 0, None
     changed = compare_settings(read_meta(path), run, path)
     meta = load_checkpoint(path, engine.module, engine.optimizer)
