@@ -248,29 +248,35 @@ def _documents(files: list[str], val_fraction: float, seed: int, stats: dict, en
     counts = [_count_lines(f) if _is_jsonl(f) else 1 for f in files]
     single_text = len(files) == 1 and not _is_jsonl(files[0]) and val_fraction > 0
     is_val = None if single_text else split_documents(sum(counts), val_fraction, seed)
-    at = 0
+    at = empty = undecodable = 0
     for path, count in zip(files, counts):
         if _is_jsonl(path):
             stats["n_files"] += 1
+            lines = 0
             for i, (lineno, obj) in enumerate(_jsonl_lines(path)):
+                lines += 1
                 ids, mask, kind = encoder.line(obj, f"{path}:{lineno}")
                 stats.setdefault("jsonl_lines", {"text": 0, "prompt_response": 0, "chat": 0})[kind] += 1
                 assert is_val is not None  # only a single text file has no split drawn
                 yield ids, mask, bool(is_val[at + i])
             at += count
+            empty += lines == 0
             continue
         text = _read_text(path)
-        stats["n_files" if text is not None else "n_skipped"] += 1
+        empty += text == ""  # nothing to learn from: skipped as an undecodable file is
+        undecodable += text is None
+        stats["n_files" if text else "n_skipped"] += 1
         at += 1
-        if text is None:
+        if not text:
             continue
         if is_val is None:
             for part, held_out in zip(*_split_single(text, val_fraction)):
                 yield encoder.text(part), None, held_out
         else:
             yield encoder.text(text), None, bool(is_val[at - 1])
-    if not stats["n_files"]:
-        raise ValueError(f"no UTF-8 text among {len(files)} files ({stats['n_skipped']} undecodable)")
+    if not stats["n_files"] or empty == len(files):
+        raise ValueError(f"no UTF-8 text among {len(files)} file{'s' if len(files) > 1 else ''} "
+                         f"({undecodable} undecodable, {empty} empty): nothing to prepare")
 
 
 def _count_lines(path: str) -> int:

@@ -183,7 +183,7 @@ def test_prepare_data_errors(tmp_path):
     with pytest.raises(ValueError, match=r"no input files .* \*\.py, \*\.txt, \*\.md"):
         prepare_data([str(tmp_path)], str(tmp_path / "d"))
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
-    with pytest.raises(ValueError, match=r"no UTF-8 text among 1 files \(1 undecodable\)"):
+    with pytest.raises(ValueError, match=r"no UTF-8 text among 1 file \(1 undecodable, 0 empty\)"):
         prepare_data([str(tmp_path)], str(tmp_path / "d"))
     assert not (tmp_path / "d").exists()  # temp files removed, nothing published, the new out_dir removed again
     (tmp_path / "d").mkdir()

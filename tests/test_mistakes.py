@@ -139,7 +139,8 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
     ("out-dir-is-a-file", train("logging.out_dir={tmp}/afile"), ("logging.out_dir=", "afile is a file; give a dir")),
     ("out-dir-under-a-file", train("logging.out_dir={tmp}/afile/run"), ("logging.out_dir=", "afile is a file, not a")),
     ("checkpoint-dir-is-a-file", train("checkpoint.dir={tmp}/afile"), ("checkpoint.dir=", "afile is a file; give a")),
-    ("key-of-another-section", train("train.lr=0.1"), "train.lr: Key 'lr' not in 'TrainConfig'; did you mean optimizer.lr?"),
+    ("key-of-another-section", train("train.lr=0.1"),
+     "train.lr: Key 'lr' not in 'TrainConfig'; did you mean optimizer.lr?"),
     ("zero-stage-under-train", train("train.zero_stage=1"), "did you mean optimizer.zero_stage?"),
     ("out-dir-unwritable", train("logging.out_dir=/proc/pipekit-nowhere/run"),
      "logging.out_dir=/proc/pipekit-nowhere/run cannot be written: No such file or directory"),
@@ -200,7 +201,12 @@ MISTAKES = [  # (id, argv, what the one line must say: a piece, or a tuple of pi
     ("prepare-missing-input", ["prepare-data", "{tmp}/nothing-here", "--out", "{tmp}/data"],
      "neither a file nor a directory"),
     ("prepare-empty-dir", ["prepare-data", "{tmp}/empty", "--out", "{tmp}/data"], "no input files in"),
-    ("prepare-undecodable", ["prepare-data", "{tmp}/binary", "--out", "{tmp}/new/data"], "no UTF-8 text among 1 files"),
+    ("prepare-undecodable", ["prepare-data", "{tmp}/binary", "--out", "{tmp}/new/data"],
+     "no UTF-8 text among 1 file (1 undecodable"),
+    ("prepare-empty-text", ["prepare-data", "{tmp}/empty.txt", "--out", "{tmp}/data"],
+     "no UTF-8 text among 1 file (0 undecodable, 1 empty): nothing to prepare"),
+    ("prepare-empty-jsonl", ["prepare-data", "{tmp}/empty.jsonl", "--out", "{tmp}/data"],
+     "(0 undecodable, 1 empty): nothing to prepare"),
     ("prepare-out-is-a-file", ["prepare-data", "{tmp}/texts", "--out", "{tmp}/afile"], "is a file; give a directory"),
     ("prepare-out-under-a-file", ["prepare-data", "{tmp}/texts", "--out", "{tmp}/afile/data"], "cannot be created"),
     ("prepare-val-fraction", ["prepare-data", "{tmp}/texts", "--out", "{tmp}/data", "--val-fraction", "1.5"],
@@ -318,6 +324,8 @@ def tmp_files(tmp: Path, shared: Path) -> None:
     (tmp / "empty_source.yaml").write_text("data:\n  source: ''\n")
     (tmp / "model_str.yaml").write_text("model: gpt2\n")
     (tmp / "empty").mkdir()
+    (tmp / "empty.txt").write_text("")
+    (tmp / "empty.jsonl").write_text("")
     (tmp / "b").mkdir()
     (tmp / "b" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
     (tmp / "texts").mkdir()
