@@ -198,3 +198,61 @@ def test_a_worker_killed_without_a_word_is_named_with_its_signal(tmp_path, capsy
     assert err == ("pipekit train: worker rank 1 was killed by SIGKILL (sent from outside, or by the kernel's "
                    "out-of-memory killer) and left no error of its own; rank 0 stopped with it; continue from "
                    "the newest checkpoint with train.resume=auto (--max-restarts N restarts by itself)"), err
+
+
+# ---- the device a launched run gets: said before its workers start ------------------------
+GPT2_124M = str(ROOT / "configs/gpt2_124m.yaml")
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
+                 "PIPEKIT_ERROR_DIR")
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """How many GPUs this process sees (`pipekit.topology.count_visible_gpus`), outside torchrun;
+    and the workers `pipekit train` would launch, recorded instead of started."""
+    import pipekit.run.launch
+    import pipekit.topology
+
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    launched: list[tuple[int, list[str]]] = []
+    monkeypatch.setattr(pipekit.run.launch, "launch", lambda nproc, argv, **kw: launched.append((nproc, argv)) or 0)
+
+    def visible(n: int) -> list[tuple[int, list[str]]]:
+        monkeypatch.setattr(pipekit.topology, "count_visible_gpus", lambda: n)
+        return launched
+
+    return visible
+
+
+def test_a_gpu_config_without_a_gpu_says_once_before_launch_that_it_trains_on_the_cpu(gpus, tmp_path, capsys):
+    """Issue 27: configs/gpt2_124m.yaml on a machine without a GPU launched 8 workers for 20,000
+    steps without a word about the missing GPU."""
+    launched = gpus(0)
+    assert main(["train", GPT2_124M, f"logging.out_dir={tmp_path}"]) == 0
+    out, err = capsys.readouterr()
+    (nproc, argv), = launched
+    assert nproc == 8 and argv[-1] == "train.device=cpu"
+    assert err.splitlines() == ["pipekit: notice: train.device=auto: no GPU is visible (CUDA is not available), so "
+                                "this run trains on the CPU with gloo: 8 workers for 20,000 steps; set "
+                                "train.device=cpu to run on the CPU without this notice"], err
+
+
+@pytest.mark.parametrize("visible, device", [(8, "cuda"), (0, "cpu")])
+def test_no_device_notice_where_the_run_gets_what_it_asked_for(gpus, tmp_path, capsys, visible, device):
+    """A GPU per worker under auto, or train.device=cpu asked for: nothing to say."""
+    launched = gpus(visible)
+    asked = "train.device=auto" if device == "cuda" else "train.device=cpu"
+    assert main(["train", GPT2_124M, asked, f"logging.out_dir={tmp_path}"]) == 0
+    (_, argv), = launched
+    assert argv[-1] == f"train.device={device}"
+    assert "notice" not in capsys.readouterr().err
+
+
+def test_train_device_cuda_without_a_gpu_is_one_line_and_status_2(gpus, tmp_path, capsys):
+    launched = gpus(0)
+    assert main(["train", GPT2_124M, "train.device=cuda", f"logging.out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["pipekit train: train.device=cuda needs a GPU per local worker, but 0 GPUs visible "
+                                "for 8 local workers; set train.device=cpu, or run on nodes with GPUs"], err
+    assert launched == [] and list(tmp_path.iterdir()) == []

@@ -223,3 +223,69 @@ def test_engine_runs_the_recommended_plan_in_the_planned_order():
             assert got["actions"] == [str(a) for a in schedule.ranks[r]]
             planned = [e.action for e in sorted((e for e in cand.timeline if e.rank == r), key=lambda e: e.start)]
             assert [a for a in got["actions"] if a in set(planned)] == planned
+
+
+# ---- one memory count: the candidate table and the memory plan ---------------------------
+LLAMA8B = str(ROOT / "configs" / "llama3_8b.yaml")
+# Llama-3 8B at pp=4 x tp=8 x dp=2 (FLOP-counted on meta), checkpointing off so that the memory
+# plan's recommended row (the fastest: ZeRO-0, SP off, AC off) has the config's own settings
+LLAMA_ZBV = [LLAMA8B, "schedule.activation_checkpoint_interval=0", "--schedule", "zbv", "--microbatches", "16",
+             "--memory-budget-gb", "80"]
+
+
+def _key(c: dict) -> tuple:
+    return (*(c[k] for k in ("schedule", "chunks_per_rank", "microbatches", "micro_batch", "partition")),
+            tuple(c["boundaries"]))
+
+
+def test_every_memory_figure_of_a_candidate_is_the_memory_plans_count(capsys):
+    """Issue 27: the candidate table printed 136 GiB per rank and the memory plan 39.21 GiB for
+    the same recommended candidate (tp=1 bytes against one tp rank's). One count now: each
+    candidate's bytes per rank at the config's settings are the memory plan's row of it."""
+    assert main(["plan", *LLAMA_ZBV, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows, mine = report["memory_plan"]["rows"], (0, False, False)  # the config's ZeRO stage, SP, AC
+    assert "ZeRO-0, SP off, AC off" in report["candidates_memory"]
+    by = {_key(c): c["memory_bytes"] for c in report["candidates"]}
+    same = [r for r in rows if (r["zero_stage"], r["sequence_parallel"], r["activation_checkpointing"]) == mine]
+    assert same and all(by[_key(r)] == pytest.approx(r["per_rank_total_bytes"]) for r in same)
+    best = report["memory_plan"]["recommended"]
+    assert (best["zero_stage"], best["sequence_parallel"], best["activation_checkpointing"]) == mine
+    assert report["recommended"]["memory_bytes"] == pytest.approx(best["per_rank_total_bytes"])
+    # and as printed: the candidate table's figure is the recommendation's
+    assert main(["plan", *LLAMA_ZBV]) == 0
+    out = capsys.readouterr().out
+    said = out.split("\nrecommended: ")[1].split(" GiB of 80 per rank")[0].rsplit(" ", 1)[1]
+    bounds = ",".join(map(str, best["boundaries"]))
+    row = next(line.split() for line in out.splitlines() if f" {bounds} " in line and line.split()[0] == "zbv")
+    assert row[-1] == said == f"{best['bytes']['total'] / 2**30:.2f}"
+    assert "peak GiB/rank: the worst rank at the config's ZeRO-0, SP off, AC off" in out
+
+
+@pytest.mark.parametrize("settings", [[], ["optimizer.zero_stage=1", "parallel.sequence_parallel=true",
+                                           "schedule.activation_checkpoint_interval=1"]])
+def test_run_memory_counts_the_configs_own_settings_as_the_memory_plan_does(settings):
+    from pipekit.plan import memory as memplan
+
+    run = load_run(GPT, [*SMALL, "parallel.tp=2", "parallel.dp=2", *settings])
+    option = memplan.run_option(run)
+    assert option == memplan.Option(1, True, True) if settings else memplan.Option(0, False, False)
+    prof, comm = profiler.flop_layers(run, flops_per_second=1e9), profiler.CommModel()
+    cands = planner.plan(run, prof, comm, schedules=["1f1b", "zbv"])
+    memory, sources = memplan.run_memory(run, prof, cands)
+    assert sources == {"counted on the meta device at tp=2"}
+    mine = {id(c): m for c, m in zip(cands, memory)}
+    rows = [r for r in memplan.memory_plan(run, prof, comm, cands, 2**30) if r.option == option]
+    assert {r.candidate.schedule for r in rows} == {"1f1b", "zbv"}
+    assert all(mine[id(r.candidate)] == pytest.approx(r.per_rank) for r in rows)
+
+
+def test_checkpointing_the_memory_model_does_not_count_is_said():
+    from pipekit.plan import memory as memplan
+
+    run = load_run(GPT, [*SMALL, "schedule.activation_checkpoint_interval=2"])
+    assert not memplan.run_option(run).ac
+    assert memplan.unmodelled_checkpointing(run) == ("schedule.activation_checkpoint_interval=2 is not modelled: "
+                                                    "counted without checkpointing")
+    blocks = load_run(GPT, [*SMALL, "schedule.checkpoint_layers=Block$"])
+    assert memplan.run_option(blocks).ac and memplan.unmodelled_checkpointing(blocks) is None

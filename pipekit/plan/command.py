@@ -85,7 +85,8 @@ def _plan_config(args: argparse.Namespace) -> int:
                          f"({counts[-1]} rows); valid: {counts}")
     profile, comm = _plan_costs(run, args)
     budget = args.memory_gb * 2**30 if args.memory_gb else None
-    # with a budget the memory plan decides what fits (the candidates' own column keeps the config's settings)
+    # with a budget the memory plan decides what fits (the candidates' own column keeps the config's settings,
+    # counted by the same memory model: memplan.run_memory)
     candidates = planner.plan(run, profile, comm, schedules=args.schedule and [args.schedule],
                               microbatches=args.microbatches and [args.microbatches])
     if not candidates:
@@ -93,6 +94,8 @@ def _plan_config(args: argparse.Namespace) -> int:
                                                       ("--microbatches", args.microbatches)) if v is not None)
         raise ValueError(f"no schedule runs pp={run.pp} with this model's {len(profile.layers)} layers{only}")
     best, tokens = candidates[0], run.config.train.seq_len * run.dp
+    memory, sources = memplan.run_memory(run, profile, candidates)
+    memory_of = {id(c): m for c, m in zip(candidates, memory)}
     command = _recommended_command(args.config, overrides, best)
     rows = memplan.memory_plan(run, profile, comm, candidates, budget) if budget is not None else None
     if rows:
@@ -104,11 +107,13 @@ def _plan_config(args: argparse.Namespace) -> int:
                                                                ("latency", "bandwidth", "collective",
                                                                 "action_overhead", "send_overhead", "source")},
                           "layers": [vars(c) for c in profile.at(profile.rows)],
-                          "candidates": [planner.candidate_record(c, tokens) for c in candidates],
-                          "recommended": planner.candidate_record(best, tokens), "command": command,
+                          "candidates": [planner.candidate_record(c, tokens, m) for c, m in zip(candidates, memory)],
+                          "candidates_memory": _settings(run),
+                          "recommended": planner.candidate_record(best, tokens, memory_of[id(best)]),
+                          "command": command,
                           **({"memory_plan": _memory_record(rows, args.memory_gb)} if rows else {})}))
     else:
-        _print_plan(run, profile, comm, candidates, args, command, rows)
+        _print_plan(run, profile, comm, candidates, memory, sources, args, command, rows)
     title = (f"{best.schedule}, pp={run.pp}, {best.microbatches} x {best.micro_batch} rows, "
              f"predicted {best.step_seconds * 1e3:.1f} ms, bubble {best.bubble_fraction:.3f}")
     if args.trace:
@@ -203,8 +208,14 @@ def _print_memory(run: Run, rows: list[memplan.MemoryRow], budget_gb: float, com
     print(f"  {command}\n")
 
 
-def _print_plan(run: Run, profile, comm, candidates, args: argparse.Namespace, command: str,
-                rows: list[memplan.MemoryRow] | None = None) -> None:
+def _settings(run: Run) -> str:
+    """What the candidates' memory column counts: the run's own settings (`memplan.run_option`)."""
+    note = memplan.unmodelled_checkpointing(run)
+    return f"the worst rank at the config's {memplan.run_option(run).label()}" + (f" ({note})" if note else "")
+
+
+def _print_plan(run: Run, profile, comm, candidates, memory: list[list[float]], sources: set[str],
+                args: argparse.Namespace, command: str, rows: list[memplan.MemoryRow] | None = None) -> None:
     """The plan as text: the layer table, the message costs, the candidates, the recommendation."""
     best, cfg = candidates[0], run.config
     print(f"layers ({profile.source}; {profile.rows} rows x {cfg.train.seq_len} tokens per microbatch):")
@@ -214,7 +225,9 @@ def _print_plan(run: Run, profile, comm, candidates, args: argparse.Namespace, c
           f"per action ({comm.source})")
     print(f"\npredicted steps, pp={run.pp} dp={run.dp} tp={run.tp}, "
           f"{cfg.train.micro_batch * cfg.schedule.microbatches} rows per dp replica (fastest first):")
-    print(planner.candidate_table(candidates, cfg.train.seq_len * run.dp, args.top))
+    print(planner.candidate_table(candidates, cfg.train.seq_len * run.dp, args.top, memory))
+    print(f"peak GiB/rank: {_settings(run)}; activations {'; '.join(sorted(sources))}"
+          + ("" if rows else f" (every setting, component by component: {args.memory_flag} N)"))
     if rows:
         _print_memory(run, rows, args.memory_gb, command, args.top)
         print(render_text(rows[0].timeline))

@@ -73,6 +73,7 @@ ZeRO-2 buckets in flight, the allocator's fragmentation, CUDA context and worksp
 
 from __future__ import annotations
 
+import re
 from dataclasses import astuple, dataclass, field, replace
 from typing import cast
 
@@ -81,7 +82,7 @@ from omegaconf import OmegaConf
 from ..config import Config, ConfigError, Run, check_config, resolve
 from ..layers.parallel import FakeGroup
 from ..models import model_specs
-from ..schedules import build_schedule
+from ..schedules import Schedule, build_schedule
 from ..spec import TiedLayerSpec
 from .planner import Candidate, activation_peaks, predict
 from .profiler import (
@@ -350,6 +351,61 @@ def adjusted_layers(run: Run, layers: list[LayerCost], splits: list[Params], com
     return out
 
 
+# ---- one candidate's bytes ---------------------------------------------------------------
+def rank_memory(run: Run, schedule: Schedule, boundaries: list[int], zero: int, held: list[float],
+                recompute: list[float], splits: list[Params], keys: list[str | None]) -> list[Memory]:
+    """Per pipeline rank, what it holds running `schedule` cut at `boundaries` at ZeRO stage
+    `zero`: the model state of its layers (a tied weight once) and its activations' peak
+    (`held` per layer and microbatch in flight, plus its largest block recomputed in backward,
+    from `planned_activations`). The one count behind every memory figure the plan prints."""
+    stages = list(zip(boundaries, boundaries[1:]))
+    peaks = activation_peaks(schedule, [round(sum(held[lo:hi])) for lo, hi in stages])
+    mems = []
+    for r in range(schedule.pp):
+        mine = [i for s in schedule.local_stages(r) for i in range(*stages[s])]
+        once = held_once(mine, keys)
+        mem = state_memory(rank_params(run, [splits[i] for i in once]), run, zero, gathered_params(run, splits, once))
+        mem.activations = peaks[r] + max((recompute[i] for i in mine), default=0.0)
+        mems.append(mem)
+    return mems
+
+
+def run_option(run: Run) -> Option:
+    """The run's own memory setting: its ZeRO stage, its sequence parallelism (at tp > 1), and
+    activation checkpointing when every transformer block is recomputed
+    (schedule.activation_checkpoint_interval=1, or schedule.checkpoint_layers matching the
+    blocks); a longer interval is not modelled and counts as off (`unmodelled_checkpointing`)."""
+    s = run.config.schedule
+    ac = s.activation_checkpoint_interval == 1 or bool(s.checkpoint_layers and re.search(s.checkpoint_layers, BLOCK))
+    return Option(run.config.optimizer.zero_stage, run.config.parallel.sequence_parallel and run.tp > 1, ac)
+
+
+def unmodelled_checkpointing(run: Run) -> str | None:
+    """Why the run's activation checkpointing is counted as off (`run_option`), or None."""
+    k = run.config.schedule.activation_checkpoint_interval
+    if k > 1:
+        return f"schedule.activation_checkpoint_interval={k} is not modelled: counted without checkpointing"
+    return None
+
+
+def run_memory(run: Run, profile: Profile, candidates: list[Candidate]) -> tuple[list[list[float]], set[str]]:
+    """Each candidate's total bytes per pipeline rank at the run's own settings (`run_option`),
+    counted as `memory_plan` counts its rows (`rank_memory`), so the candidate table and the
+    memory plan's row of the same candidate and option print the same figure; and where the
+    activation bytes come from."""
+    option, splits, keys = run_option(run), layer_params(run), tied_keys(run)
+    activations: dict = {}
+    out, sources = [], set()
+    for cand in candidates:
+        schedule = build_schedule(cand.schedule, run.pp, cand.microbatches, cand.chunks_per_rank)
+        held, recompute, source = planned_activations(run, profile.at(cand.micro_batch), cand.micro_batch,
+                                                      option.sp, option.ac, activations)
+        mems = rank_memory(run, schedule, cand.boundaries, option.zero, held, recompute, splits, keys)
+        out.append([m.total for m in mems])
+        sources.add(source)
+    return out, sources
+
+
 # ---- the plan --------------------------------------------------------------------------
 def options(run: Run) -> list[Option]:
     """Every (ZeRO stage, SP, AC); SP only where tp > 1, ZeRO stages 1-3 only where dp > 1
@@ -388,23 +444,14 @@ def memory_plan(run: Run, profile: Profile, comm: CommModel, candidates: list[Ca
         layers = [replace(c, **{k: getattr(c, k) / run.tp for k in KINDS}) for c in profile.at(cand.micro_batch)]
         schedule = build_schedule(cand.schedule, run.pp, cand.microbatches, cand.chunks_per_rank)
         for option in options(run):
-            stages = list(zip(cand.boundaries, cand.boundaries[1:]))
             held, recompute, source = planned_activations(run, layers, cand.micro_batch, option.sp, option.ac,
                                                           activations)
-            peaks = activation_peaks(schedule, [round(sum(held[lo:hi])) for lo, hi in stages])
-            mems = []
-            for r in range(schedule.pp):
-                mine = [i for s in schedule.local_stages(r) for i in range(*stages[s])]
-                once = held_once(mine, keys)
-                mem = state_memory(rank_params(run, [splits[i] for i in once]), run, option.zero,
-                                   gathered_params(run, splits, once))
-                mem.activations = peaks[r] + max((recompute[i] for i in mine), default=0.0)
-                mems.append(mem)
+            mems = rank_memory(run, schedule, cand.boundaries, option.zero, held, recompute, splits, keys)
             worst = max(mems, key=lambda m: m.total)
             key = (id(cand), option.ac, option.zero >= 3)
             if key not in cache:
                 cache[key] = predict(schedule, adjusted_layers(run, layers, splits, comm, option), cand.boundaries,
-                                     comm, profile.optimizer_seconds_per_param, run)
+                                     comm, profile.optimizer_seconds_per_param)
             p = cache[key]
             row = MemoryRow(cand, option, worst, [m.total for m in mems], p["step"], worst.total <= budget,
                             timeline=p["timeline"], activations_source=source)

@@ -15,10 +15,11 @@ How a prediction is made
    (gradient norm, loss), so the step ends at the slowest rank's last action plus
    those collectives plus the slowest rank's optimizer step (timed on the real
    optimizer, shared out by parameters).
-5. **Memory per rank**: weights, gradients and optimizer state (ZeRO sharding and
-   mixed precision counted; a frozen weight, model.lora's or model.freeze's, its
-   bytes alone), plus the activations in flight, walking the rank's
-   actions: a stage's microbatch holds its saved activations from its `F` until
+5. **Memory per rank** is not predicted here: `pipekit.plan.memory` counts it, for the
+   candidate table (`run_memory`, at the run's own settings) and the memory plan alike.
+   `profile_boundaries` with a budget keeps its own estimate from the layer costs it is
+   given: weights and optimizer state, plus the activations in flight, walking the
+   rank's actions: a stage's microbatch holds its saved activations from its `F` until
    its `B` or `W`.
 
 Not modelled: tensor parallelism's collectives (a tp>1 config is profiled at
@@ -56,8 +57,6 @@ class Candidate:
     makespan: float
     bubble_fraction: float
     tail_seconds: float
-    memory_bytes: list[int]
-    fits: bool = True
     timeline: list = field(default_factory=list, repr=False)
     same_as: list[str] = field(default_factory=list)  # other partition methods that cut the same way
 
@@ -118,8 +117,9 @@ def state_bytes(params: int, run: Run, frozen: int = 0) -> int:
 
 
 def predict(schedule: Schedule, layers: list[LayerCost], boundaries: list[int], comm: CommModel,
-            optimizer_seconds_per_param: float, run: Run | None = None) -> dict:
-    """The predicted step of `schedule` with these layer costs cut at `boundaries`."""
+            optimizer_seconds_per_param: float) -> dict:
+    """The predicted step of `schedule` with these layer costs cut at `boundaries` (its time;
+    its memory is `pipekit.plan.memory`'s)."""
     stages = stage_costs(layers, boundaries)
     over = comm.action_overhead
 
@@ -142,17 +142,12 @@ def predict(schedule: Schedule, layers: list[LayerCost], boundaries: list[int], 
     sim = simulate(schedule, duration=duration, comm_latency=latency)
     ends = [max((e.end for e in sim.timeline if e.rank == r), default=0.0) for r in range(schedule.pp)]
     params = [sum(stages[s].params for s in schedule.local_stages(r)) for r in range(schedule.pp)]
-    frozen = [sum(stages[s].frozen for s in schedule.local_stages(r)) for r in range(schedule.pp)]
     optimizer = max(params) * optimizer_seconds_per_param
     # pipekit train's per step, over the pipeline ranks: the gradient norm, the loss, the stop-request check
     collectives = 3 if schedule.pp > 1 else 0
     tail = collectives * comm.collective + optimizer
-    saved = [s.saved_bytes for s in stages]
-    acts = activation_peaks(schedule, saved)
-    memory = [acts[r] + (state_bytes(params[r], run, frozen[r]) if run is not None else 0)
-              for r in range(schedule.pp)]
     return {"step": max(ends) + tail, "makespan": sim.makespan, "bubble": sim.bubble_fraction, "tail": tail,
-            "memory": memory, "timeline": sim.timeline}
+            "timeline": sim.timeline}
 
 
 # ---- partitions ----------------------------------------------------------------
@@ -245,10 +240,10 @@ def microbatch_options(run: Run) -> list[tuple[int, int]]:
     return [(m, rows // m) for m in range(1, rows + 1) if rows % m == 0]
 
 
-def plan(run: Run, profile: Profile, comm: CommModel, *, schedules=None, partitions=None, microbatches=None,
-         budget: float | None = None) -> list[Candidate]:
-    """Every candidate the config allows, fastest predicted step first (those over the
-    memory `budget`, bytes per rank, last)."""
+def plan(run: Run, profile: Profile, comm: CommModel, *, schedules=None, partitions=None,
+         microbatches=None) -> list[Candidate]:
+    """Every candidate the config allows, fastest predicted step first. What each holds per
+    rank is `pipekit.plan.memory`'s to count (`run_memory`, `memory_plan`)."""
     pp = run.pp
     names = list(schedules or SCHEDULES)
     parts = list(partitions or dict.fromkeys(["profile", "parameters", "uniform", run.config.schedule.partition]))
@@ -269,19 +264,17 @@ def plan(run: Run, profile: Profile, comm: CommModel, *, schedules=None, partiti
             seen: dict[tuple, Candidate] = {}
             for method in parts:
                 try:
-                    bounds = boundaries_for(method, run, layers, schedule, budget if method == "profile" else None,
-                                            profile.optimizer_seconds_per_param)
+                    bounds = boundaries_for(method, run, layers, schedule, None, profile.optimizer_seconds_per_param)
                 except ValueError:
                     continue
                 if tuple(bounds) in seen:
                     seen[tuple(bounds)].same_as.append(method)
                     continue
-                p = predict(schedule, layers, bounds, comm, profile.optimizer_seconds_per_param, run)
+                p = predict(schedule, layers, bounds, comm, profile.optimizer_seconds_per_param)
                 out.append(Candidate(name, schedule.chunks_per_rank, m, rows, method, bounds, p["step"],
-                                     p["makespan"], p["bubble"], p["tail"], p["memory"],
-                                     budget is None or max(p["memory"]) <= budget, p["timeline"]))
+                                     p["makespan"], p["bubble"], p["tail"], p["timeline"]))
                 seen[tuple(bounds)] = out[-1]
-    out.sort(key=lambda c: (not c.fits, c.step_seconds))
+    out.sort(key=lambda c: c.step_seconds)
     return out
 
 
@@ -298,10 +291,13 @@ def _schedule_options(names, run: Run) -> list[tuple[str, int | None]]:
     return out
 
 
-def candidate_record(c: Candidate, tokens_per_row: int) -> dict:
-    """A JSON-able summary of a candidate."""
+def candidate_record(c: Candidate, tokens_per_row: int, memory_bytes: list[float] | None = None) -> dict:
+    """A JSON-able summary of a candidate; `memory_bytes`: its bytes per pipeline rank
+    (`pipekit.plan.memory.run_memory`)."""
     rec = {k: v for k, v in asdict(c).items() if k != "timeline"}
     rec["tokens_per_second"] = c.micro_batch * c.microbatches * tokens_per_row / c.step_seconds
+    if memory_bytes is not None:
+        rec["memory_bytes"] = memory_bytes
     return rec
 
 
@@ -312,6 +308,10 @@ def _ms(seconds: float) -> str:
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f}"
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f}"
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -331,13 +331,16 @@ def layer_table(profile: Profile) -> str:
     return _table(rows)
 
 
-def candidate_table(candidates: list[Candidate], tokens_per_row: int, top: int) -> str:
+def candidate_table(candidates: list[Candidate], tokens_per_row: int, top: int,
+                    memory: list[list[float]] | None = None) -> str:
+    """The candidates, and with `memory` (each one's bytes per pipeline rank,
+    `pipekit.plan.memory.run_memory`) the worst rank's total, in GiB as the memory plan prints it."""
     rows = [["schedule", "chunks", "microbatches", "x rows", "partition", "boundaries", "step ms", "tokens/s",
-             "bubble", "peak MiB/rank", ""]]
-    for c in candidates[:top]:
+             "bubble", *(["peak GiB/rank"] if memory is not None else [])]]
+    for i, c in enumerate(candidates[:top]):
         tps = c.micro_batch * c.microbatches * tokens_per_row / c.step_seconds
         rows.append([c.schedule, str(c.chunks_per_rank), str(c.microbatches), str(c.micro_batch),
                      "=".join([c.partition, *c.same_as]),
                      ",".join(map(str, c.boundaries)), _ms(c.step_seconds), f"{tps:,.0f}",
-                     f"{c.bubble_fraction:.3f}", _mib(max(c.memory_bytes)), "" if c.fits else "over budget"])
+                     f"{c.bubble_fraction:.3f}", *([_gib(max(memory[i]))] if memory is not None else [])])
     return _table(rows)

@@ -17,8 +17,9 @@ from dataclasses import asdict
 
 from omegaconf import OmegaConf
 
+from .. import topology
 from ..config import ConfigError, Run, config_and_overrides, load_run
-from ..topology import fell_back, local_workers, resolve_device
+from ..topology import local_workers, resolve_device
 from . import launch, rundirs
 from .loop import partition_of
 from .preflight import check_before_launch
@@ -55,7 +56,8 @@ def _train_command(args: argparse.Namespace) -> int:
         check_before_launch(run)  # the data, out_dir, checkpoint dir and the checkpoint to resume from
     except ConfigError as e:
         return _refuse(str(e))
-    device = _device(cfg)
+    gpus = topology.count_visible_gpus()
+    device = _device(cfg, gpus)
     if device is None:
         return 2
     # Checked here, or by every worker a user's own torchrun started (before the first collective,
@@ -72,6 +74,8 @@ def _train_command(args: argparse.Namespace) -> int:
         return _refuse(locks)
     try:
         if cfg.world_size > 1 and "RANK" not in os.environ:
+            if on_cpu := cpu_notice(cfg, device, gpus):  # once, before any worker starts
+                print(f"pipekit: notice: {on_cpu}", file=sys.stderr, flush=True)
             # The workers take this process's answer: after auto -> cpu with a GPU visible they must
             # not resolve again (each would call set_device on an ordinal that is not there).
             argv = ["train", *([args.config] if args.config else []), *args.overrides, f"train.device={device}"]
@@ -111,15 +115,27 @@ def _profiled_partition(run: Run, device: str) -> list[str]:
     return [f"schedule.partition={','.join(map(str, bounds))}", "schedule.memory_budget_gb=null"]
 
 
-def _device(cfg) -> str | None:
-    """"cuda" or "cpu" for this node's workers, or None after printing why the requested device
-    cannot be had. Prints the notice when auto fell back to the CPU although a GPU is visible
-    (here, once, for workers this command launches; `train()` prints it otherwise)."""
+def _device(cfg, gpus: int) -> str | None:
+    """"cuda" or "cpu" for this node's workers on a node with `gpus` visible GPUs, or None after
+    printing why the requested device cannot be had (train.device=cuda without a GPU per worker,
+    which the config's own check has normally refused already)."""
     try:
-        device, reason = resolve_device(cfg.train.device, local_workers(cfg.world_size))
+        device, _ = resolve_device(cfg.train.device, local_workers(cfg.world_size), gpus)
     except ValueError as e:
         print(f"pipekit train: {e}", file=sys.stderr)
         return None
-    if fell_back(cfg.train.device, device) and cfg.world_size > 1 and "RANK" not in os.environ:
-        print(f"pipekit: {reason}", flush=True)
     return device
+
+
+def cpu_notice(cfg, device: str, gpus: int) -> str | None:
+    """The one line for a run that train.device=auto puts on the CPU (`device`), on a node
+    with `gpus` visible GPUs: none, or fewer than its workers; what the CPU is then given
+    (workers and steps) and how to say it is meant. None when the device was asked for, or
+    is a GPU. Said by the launcher before its workers start (`train()` says its own)."""
+    if cfg.train.device != "auto" or device != "cpu":
+        return None
+    workers = local_workers(cfg.world_size)
+    why = ("no GPU is visible (CUDA is not available)" if gpus == 0 else
+           f"{gpus} GPU{'s are' if gpus > 1 else ' is'} visible for {workers} local workers (one each is needed)")
+    return (f"train.device=auto: {why}, so this run trains on the CPU with gloo: {cfg.world_size} workers for "
+            f"{cfg.train.steps:,} steps; set train.device=cpu to run on the CPU without this notice")
