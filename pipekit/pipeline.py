@@ -175,6 +175,15 @@ class PipelineModule(nn.Module):
     ):
         super().__init__()
         self.specs = list(specs)
+        if loss_fn is not None and not callable(loss_fn) and not isinstance(loss_fn, LayerSpec):
+            raise TypeError(f"PipelineModule(loss_fn=...) takes a function (output, labels) -> a scalar tensor, such "
+                            f"as torch.nn.functional.cross_entropy, a LayerSpec of one, or None; got {type(loss_fn).__name__} {loss_fn!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"PipelineModule(seed=...) must be an int (every layer is seeded by seed and its index), "
+                            f"got {type(seed).__name__} {seed!r}")
+        if not isinstance(compile, bool):
+            raise TypeError(f"PipelineModule(compile=...) must be True or False, got {type(compile).__name__} "
+                            f"{compile!r}")
         self.loss_fn = loss_fn
         self.has_loss = loss_fn is not None  # on every rank, also where a loss module is not built
         if topology is not None and not isinstance(topology, Topology):

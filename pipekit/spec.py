@@ -63,6 +63,10 @@ class LayerSpec:
     """
 
     def __init__(self, module_cls: Callable[..., nn.Module], *args: Any, **kwargs: Any):
+        if isinstance(module_cls, nn.Module):  # callable too, but its call is its forward
+            raise TypeError(f"LayerSpec takes the layer's class and its arguments (e.g. LayerSpec(nn.Linear, 64, "
+                            f"64)), got a {type(module_cls).__name__} already built; give the class, so that each "
+                            f"rank builds only its own stages' layers")
         if not callable(module_cls):
             raise TypeError(f"LayerSpec needs a module class or factory, got {module_cls!r}")
         self.module_cls = module_cls

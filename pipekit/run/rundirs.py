@@ -135,7 +135,7 @@ def hold_run_dirs(cfg) -> list | str:
     if "RANK" in os.environ and not ours and os.environ["RANK"] != "0":
         return []
     shares = ours or (cfg.world_size > 1 and "RANK" not in os.environ)
-    held = []
+    held: list = []
     for key, path, lock_dir in run_dirs(cfg):
         try:
             os.makedirs(path, exist_ok=True)
