@@ -177,7 +177,8 @@ class PipelineModule(nn.Module):
         self.specs = list(specs)
         if loss_fn is not None and not callable(loss_fn) and not isinstance(loss_fn, LayerSpec):
             raise TypeError(f"PipelineModule(loss_fn=...) takes a function (output, labels) -> a scalar tensor, such "
-                            f"as torch.nn.functional.cross_entropy, a LayerSpec of one, or None; got {type(loss_fn).__name__} {loss_fn!r}")
+                            f"as torch.nn.functional.cross_entropy, a LayerSpec of one, or None; got "
+                            f"{type(loss_fn).__name__} {loss_fn!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"PipelineModule(seed=...) must be an int (every layer is seeded by seed and its index), "
                             f"got {type(seed).__name__} {seed!r}")
