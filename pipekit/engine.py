@@ -30,7 +30,7 @@ of batches. A rank that holds no stage reading the inputs (stage 0) may pass
 None for them, a rank without the last stage None for the labels, a middle
 rank None for the whole batch (`train_batch()`). Receive buffers are sized
 from the shapes of a microbatch's inputs, agreed once, at the first step
-(train or eval; see `_InputShapes`): the rank of stage 0 posts its shapes to
+(train or eval; see `pipekit.handshake.InputShapes`): the rank of stage 0 posts its shapes to
 the other pipeline ranks and each tells it whether it was given inputs, so
 all ranks always agree on what is exchanged and later steps exchange nothing.
 If every rank was given its inputs then, shapes may change from step to step
@@ -44,7 +44,7 @@ the rank, its stages and what is missing.
 The loss of each microbatch is weighted before its backward so that the
 gradients are those of the loss of the whole batch, as in one process: by
 1/M, or, for a token-level loss (one with an `ignore_index`), by its share
-of the valid tokens of the global batch (see `_loss_weights`).
+of the valid tokens of the global batch (see `StepLoss.weigh`).
 
 The loss returned costs no communication and no host sync by default: on the
 ranks holding the last stage, a detached 0-dim float64 tensor, the loss of this
@@ -83,7 +83,7 @@ from .rules import check_clip, check_overlap
 from .schedules import Action, Kind, Schedule, TimelineEvent
 from .schedules.ir import WEIGHT_GRAD_KINDS
 from .spec import TiedLayerSpec
-from .topology import default_timeout
+from .topology import Topology, default_timeout
 
 
 class PipelineError(RuntimeError):
@@ -104,16 +104,13 @@ class Step:
     micro_in: list | None  # this rank's microbatch inputs (None: not given)
     micro_labels: list | None  # its microbatch labels (None: not given)
     io: list = field(default_factory=list)  # per virtual stage: (input, output) as meta tensors
-    weights: torch.Tensor = field(init=False)  # (M,) float64 on the device: loss weights for the global batch
-    local_weights: torch.Tensor = field(init=False)  # (M,): the same for this replica's own loss
+    loss: StepLoss = field(init=False)  # the microbatches' loss weights and losses
     posted: list = field(default_factory=list)  # sends in flight: (work, tensor)
     stash: dict = field(default_factory=dict)  # -> (stage input, stage output or weighted loss)
     inbox: dict = field(default_factory=dict)  # -> stage input (received, or from a local stage)
     grads: dict = field(default_factory=dict)  # -> grads of the stage's float outputs
     weight_work: dict = field(default_factory=dict)  # -> what W still has to do after I
     outbox: dict = field(default_factory=dict)  # (stage, kind, mb) -> tensors waiting for their SEND
-    losses: list = field(default_factory=list)  # each microbatch's loss, weighted for the global batch
-    raw_losses: list = field(default_factory=list)  # each microbatch's loss as computed
     outputs: list = field(default_factory=list)  # the last stage's outputs (eval)
     recv_due: collections.deque = field(default_factory=collections.deque)  # RECV actions not yet posted
     recv_posted: collections.deque = field(default_factory=collections.deque)  # (action, comm.PostedRecv)
@@ -218,8 +215,7 @@ class PipelineEngine:
         self.handlers: dict[Kind, Handler] = dict(_HANDLERS)
         self.step_state: Step | None = None
         self.tie_groups = module.tie_groups
-        self._stage_params = {s: self._params_of_stage(s) for s in module.local_stages}
-        self._final_params = self._params_final_after()
+        self.backward_passes = Backward(module, self.actions)  # B, I, W: their parameters and passes
         self._io: dict[bool, tuple] = {}  # module.training -> (input shapes, `stage_io_meta` for them)
         self._shapes = InputShapes(self.topo, self.timeout, module.local_stages, module.stage_rank(0))
         self._step_layers = auxloss.step_layers(module)  # layers with work around a step (auxloss.StepStatistic)
@@ -268,36 +264,6 @@ class PipelineEngine:
         return self.optimizer
 
     # ---- set-up -------------------------------------------------------
-    def _params_of_stage(self, stage: int) -> list:
-        """The parameters a backward pass over `stage` gives gradients to (tied layers included)."""
-        params = []
-        for i in self.module.stage_layers(stage):
-            spec = self.module.specs[i]
-            if isinstance(spec, TiedLayerSpec):
-                params += list(self.module.tied[spec.key].parameters())
-            elif str(i) in self.module.layers:
-                params += list(self.module.layers[str(i)].parameters())
-        return params
-
-    def _params_final_after(self) -> dict[tuple[int, int], list]:
-        """(stage, microbatch) of a backward action -> the parameters whose gradients are
-        complete for the step once it has run (its stage's last backward, or for a layer
-        used by two local stages, the later of theirs)."""
-        last = {a.stage: (i, a.microbatch) for i, whole in enumerate(self.actions) for a in whole.parts
-                if a.kind in WEIGHT_GRAD_KINDS}
-        final: dict[int, tuple] = {}  # id(p) -> (action index, stage, microbatch, p)
-        for s, params in self._stage_params.items():
-            if s not in last:
-                continue
-            i, mb = last[s]
-            for p in params:
-                if id(p) not in final or i > final[id(p)][0]:
-                    final[id(p)] = (i, s, mb, p)
-        out: dict[tuple[int, int], list] = {}
-        for _, s, mb, p in final.values():
-            out.setdefault((s, mb), []).append(p)
-        return out
-
     def _stage_io(self, example_input) -> list:
         """Every stage's (input, output) meta tensors, kept per mode (training, eval) for the
         input shapes last seen in it: a layer may give other shapes in eval (a fused loss's head)."""
@@ -345,7 +311,7 @@ class PipelineEngine:
             self.say(skip.line(self.steps_run))
         if self.lr_scheduler is not None and skip is None:
             self.lr_scheduler.step()
-        return self._step_loss(step, reduce_loss)
+        return step.loss.value(reduce_loss, self.topo, self.timeout)
 
     def _marks(self, st: Step) -> Marks:
         """What this rank knows of the step that is not finite, for the optimizer's world-wide
@@ -353,8 +319,8 @@ class PipelineEngine:
         nothing is not marked) and floating-point inputs (stage 0). On the device: no sync."""
         marks = Marks(self.topo.device, dp=self.topo.dp, microbatches=self.num_microbatches,
                       dp_rank=self.topo.dp_rank)
-        if st.raw_losses:
-            marks.mark_losses(st.raw_losses, st.weights)
+        if st.loss.raw:
+            marks.mark_losses(st.loss.raw, st.loss.weights)
         if st.micro_in is not None and 0 in self.module.local_stages:
             marks.mark_inputs(st.micro_in)
         return marks
@@ -366,7 +332,7 @@ class PipelineEngine:
         with the last stage's outputs concatenated over microbatches (None off the last stage)."""
         self.module.eval()
         step = self._run(self.eval_actions, next_batch(data), training=False)
-        loss = self._step_loss(step, reduce_loss) if self.module.has_loss else None
+        loss = step.loss.value(reduce_loss, self.topo, self.timeout) if self.module.has_loss else None
         if not return_outputs:
             return loss
         outs: torch.Tensor | tuple[torch.Tensor, ...] | None = None
@@ -416,7 +382,7 @@ class PipelineEngine:
         step = self.step_state = Step(actions, training, micro_in, micro_labels)
         example = self._shapes.example(None if micro_in is None else micro_in[0], step.posted)
         step.io = self._stage_io(example)
-        step.weights, step.local_weights = self._loss_weights(micro_labels)
+        step.loss = StepLoss.weigh(self.module, micro_labels, self.topo)
         step.recv_due.extend(a for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B))
         self.timeline = []
         self.step_start = t0 = time.perf_counter()  # timeline times are relative to this (a machine-wide clock)
@@ -489,10 +455,9 @@ class PipelineEngine:
         upcast = self.module.param_dtype and not getattr(loss_fn, "keeps_output_dtype", False)
         loss = checked_loss(loss_fn, loss_fn(cast_floats(out, torch.float32 if upcast else None), labels[m]),
                             st.training)
-        st.losses.append(loss.detach() * st.weights[m].to(loss.dtype))
-        st.raw_losses.append(loss.detach())
+        st.loss.add(loss, m)
         if st.training:
-            weight = (st.weights[m] * self._trainer.loss_scale).to(loss.dtype)  # on the device: no sync
+            weight = (st.loss.weights[m] * self._trainer.loss_scale).to(loss.dtype)  # on the device: no sync
             st.stash[(self.last_stage, m)] = (x, loss * weight)
         else:
             st.outputs.append(out)
@@ -525,60 +490,15 @@ class PipelineEngine:
 
     def _backward(self, st: Step, a: Action) -> None:
         """B: the full backward of (stage, microbatch): input grad and weight grads."""
-        s, m = a.stage, a.microbatch
-        x, outs, grads = self._backward_operands(st, s, m)
-        with self._weight_pass(s, m), self._aux_scale():
-            if outs:
-                torch.autograd.backward(outs, grads)
-        self._hand_back(st, s, m, [t.grad if t.grad is not None else torch.zeros_like(t)
-                                   for t in comm.float_entries(x)])
+        self.backward_passes.full(st, a, self._trainer)
 
     def _backward_input(self, st: Step, a: Action) -> None:
         """I: only the input grad; what the weight grads need is kept for W."""
-        s, m = a.stage, a.microbatch
-        x, outs, grads = self._backward_operands(st, s, m)
-        inputs = comm.float_entries(x) if s > 0 else []
-        with self._aux_scale():
-            params = self._trainer.autograd_params(self._stage_params[s])
-            input_grads, work = split_backward.backward_input(outs, grads, inputs, params)
-        st.weight_work[(s, m)] = work
-        self._hand_back(st, s, m, input_grads)
+        self.backward_passes.input_only(st, a, self._trainer)
 
     def _backward_weight(self, st: Step, a: Action) -> None:
         """W: the weight grads of (stage, microbatch), from where its I stopped."""
-        s, m = a.stage, a.microbatch
-        if (s, m) not in st.weight_work:
-            raise RuntimeError(f"weight grads of microbatch {m} on stage {s} before its input grads (I)")
-        with self._weight_pass(s, m), self._aux_scale(), self._trainer.gathered(self._stage_params[s]):
-            split_backward.backward_weight(st.weight_work.pop((s, m)))
-
-    def _backward_operands(self, st: Step, s: int, m: int):
-        """(stage input, outputs to differentiate, their grads) of (stage, microbatch)."""
-        if (s, m) not in st.stash:
-            raise RuntimeError(f"backward of microbatch {m} on stage {s} before its forward")
-        x, out = st.stash.pop((s, m))
-        if s == self.last_stage:
-            return x, [out], [None]  # the weighted (and fp16-scaled) loss
-        pairs = [(o, g) for o, g in zip(comm.float_entries(out), st.grads.pop((s, m))) if o.requires_grad]
-        return x, [o for o, _ in pairs], [g for _, g in pairs]
-
-    def _weight_pass(self, s: int, m: int):
-        """A pass that accumulates stage s's parameter grads (inside ZeRO's bucketing)."""
-        return self._trainer.backward_pass(self._stage_params[s], self._final_params.get((s, m), ()))
-
-    def _aux_scale(self):
-        """A layer's auxiliary loss (pipekit.auxloss.attach) counts as the mean over microbatches,
-        scaled like the main loss for fp16."""
-        return auxloss.scaled_backward(self._trainer.loss_scale / self.num_microbatches)
-
-    def _hand_back(self, st: Step, s: int, m: int, grads: list) -> None:
-        """Give the input grad of (stage, microbatch) to the previous stage: local, or sent."""
-        if s == 0:
-            return
-        if self.module.stage_rank(s - 1) == self.topo.pp_rank:
-            st.grads[(s - 1, m)] = grads
-        else:
-            st.outbox[(s, Kind.SEND_B, m)] = grads
+        self.backward_passes.weight(st, a, self._trainer)
 
     def _peer(self, stage: int) -> int:
         return self.topo.global_rank(self.module.stage_rank(stage))
@@ -623,66 +543,6 @@ class PipelineEngine:
             raise RuntimeError(f"{where} is {got} but the meta-device run predicted {want}; layers must be "
                                "shape-deterministic")
 
-    # ---- the loss -------------------------------------------------------
-    def _loss_weights(self, labels: list | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """What each microbatch's loss is multiplied by, as (M,) float64 tensors on the device
-        (no host sync), so that the step's loss and gradients are those of the whole global
-        batch, as in one process (the dp reduction then averages); and, for the loss
-        `train_batch` returns by default, so that it is this dp replica's.
-
-        A token-level loss (a `loss_fn` with an `ignore_index`, like cross-entropy) is a mean
-        over its microbatch's valid tokens: microbatch m weighs dp * valid_m / valid, valid
-        counted over every microbatch and dp replica (one all-reduce over dp on the last
-        stage), so masked labels give the one-process loss at any m and dp; for the replica's
-        own loss it weighs valid_m / (its replica's valid). No valid token: weight 0. Any
-        other loss weighs 1/M: the mean over microbatches."""
-        m, device = self.num_microbatches, self.topo.device
-        ignore = getattr(self.module.loss_fn, "ignore_index", None)
-        if (ignore is None or self.last_stage not in self.module.local_stages or labels is None
-                or not torch.is_tensor(labels[0])):  # labels: given on the last stage's rank (`_check_needs`)
-            even = torch.full((m,), 1.0 / m, dtype=torch.float64, device=device)
-            return even, even
-        counts = torch.stack([(y != ignore).sum() for y in labels]).double()
-        mine = counts.sum()
-        local = torch.where(mine > 0, counts / mine, 0.0)
-        total = mine.clone()
-        if self.topo.dp_group is not None:
-            dist.all_reduce(total, group=self.topo.dp_group)
-        return torch.where(total > 0, counts * (self.topo.dp / total), 0.0), local
-
-    def _step_loss(self, st: Step, reduce_loss: bool):
-        """The loss `train_batch` / `eval_batch` return: with `reduce_loss`, the global
-        batch's, as a float on every rank (collective); else this replica's as a 0-dim
-        float64 tensor where the last stage is, None elsewhere (no communication, no sync;
-        a microbatch without valid tokens counts 0, not its NaN)."""
-        if reduce_loss:
-            return self._mean_loss(st)
-        if self.last_stage not in self.module.local_stages:
-            return None
-        raw = torch.stack([loss.double() for loss in st.raw_losses])
-        return torch.where(st.local_weights != 0, raw * st.local_weights, 0.0).sum()
-
-    def _mean_loss(self, st: Step) -> float:
-        """The step's loss (the last stage's weighted microbatch losses, averaged over dp),
-        given to every rank: the one host read, which the caller asked for."""
-        total = torch.zeros((), dtype=torch.float64, device=self.topo.device)
-        if st.losses:
-            total += torch.stack(st.losses).double().sum()
-        for axis, group in (("pp", self.topo.pp_group), ("dp", self.topo.dp_group)):
-            if group is None:
-                continue
-            work = dist.all_reduce(total, group=group, async_op=True)
-            try:
-                work.wait(timeout=self.timeout)
-            except RuntimeError as e:
-                raise PipelineError(
-                    f"rank {self.topo.rank}: the step's loss all-reduce over {axis} (reduce_loss=True) was not joined "
-                    f"within {self.timeout.total_seconds():g} s: every rank must pass the same reduce_loss to "
-                    f"train_batch / eval_batch, and run the same steps ({str(e).strip().splitlines()[0]})") from e
-        if self.topo.dp_group is not None:
-            total /= self.topo.dp
-        return total.item()
-
 
 for _kind, _fn in {
     Kind.F: PipelineEngine._forward,
@@ -696,6 +556,193 @@ for _kind, _fn in {
     Kind.OVERLAP: PipelineEngine._overlap,
 }.items():
     register_action(_kind, _fn)
+
+
+class Backward:
+    """The backward passes of this rank's stages, for the engine's B, I and W handlers.
+
+    It knows which parameters a pass over a stage gives gradients to (tied layers included:
+    `stage_params`) and which of them are complete for the step once a (stage, microbatch)
+    has run (`final_params`), which it tells the optimizer's bucketing (`backward_pass`), so
+    their reduction can start; it takes a pass's operands from the step's stash and hands
+    the input grads to the previous stage (local, or to the outbox for SEND_B). A layer's
+    auxiliary loss (`pipekit.auxloss.attach`) counts as the mean over microbatches, scaled
+    like the main loss for fp16. The optimizer is the engine's, given with each pass."""
+
+    def __init__(self, module: PipelineModule, actions: list[Action]):
+        self.module = module
+        self.last_stage = module.num_stages - 1
+        self.microbatches = module.schedule.microbatches
+        self.stage_params = {s: self._params_of_stage(s) for s in module.local_stages}
+        self.final_params = self._params_final_after(actions)
+
+    def full(self, st: Step, a: Action, trainer: ZeroOptimizer) -> None:
+        """B: input grad and weight grads of (stage, microbatch) in one pass."""
+        s, m = a.stage, a.microbatch
+        x, outs, grads = self._operands(st, s, m)
+        with self._weight_pass(trainer, s, m), self._aux_scale(trainer):
+            if outs:
+                torch.autograd.backward(outs, grads)
+        self._hand_back(st, s, m, [t.grad if t.grad is not None else torch.zeros_like(t)
+                                   for t in comm.float_entries(x)])
+
+    def input_only(self, st: Step, a: Action, trainer: ZeroOptimizer) -> None:
+        """I: only the input grad; what the weight grads need is kept for W (`st.weight_work`)."""
+        s, m = a.stage, a.microbatch
+        x, outs, grads = self._operands(st, s, m)
+        inputs = comm.float_entries(x) if s > 0 else []
+        with self._aux_scale(trainer):
+            params = trainer.autograd_params(self.stage_params[s])
+            input_grads, work = split_backward.backward_input(outs, grads, inputs, params)
+        st.weight_work[(s, m)] = work
+        self._hand_back(st, s, m, input_grads)
+
+    def weight(self, st: Step, a: Action, trainer: ZeroOptimizer) -> None:
+        """W: the weight grads of (stage, microbatch), from where its I stopped."""
+        s, m = a.stage, a.microbatch
+        if (s, m) not in st.weight_work:
+            raise RuntimeError(f"weight grads of microbatch {m} on stage {s} before its input grads (I)")
+        with self._weight_pass(trainer, s, m), self._aux_scale(trainer), trainer.gathered(self.stage_params[s]):
+            split_backward.backward_weight(st.weight_work.pop((s, m)))
+
+    def _operands(self, st: Step, s: int, m: int):
+        """(stage input, outputs to differentiate, their grads) of (stage, microbatch)."""
+        if (s, m) not in st.stash:
+            raise RuntimeError(f"backward of microbatch {m} on stage {s} before its forward")
+        x, out = st.stash.pop((s, m))
+        if s == self.last_stage:
+            return x, [out], [None]  # the weighted (and fp16-scaled) loss
+        pairs = [(o, g) for o, g in zip(comm.float_entries(out), st.grads.pop((s, m))) if o.requires_grad]
+        return x, [o for o, _ in pairs], [g for _, g in pairs]
+
+    def _weight_pass(self, trainer: ZeroOptimizer, s: int, m: int):
+        """A pass that accumulates stage s's parameter grads (inside ZeRO's bucketing)."""
+        return trainer.backward_pass(self.stage_params[s], self.final_params.get((s, m), ()))
+
+    def _aux_scale(self, trainer: ZeroOptimizer):
+        """Auxiliary losses as the mean over microbatches, scaled like the main loss for fp16."""
+        return auxloss.scaled_backward(trainer.loss_scale / self.microbatches)
+
+    def _hand_back(self, st: Step, s: int, m: int, grads: list) -> None:
+        """Give the input grad of (stage, microbatch) to the previous stage: local, or sent."""
+        if s == 0:
+            return
+        if self.module.stage_rank(s - 1) == self.module.topology.pp_rank:
+            st.grads[(s - 1, m)] = grads
+        else:
+            st.outbox[(s, Kind.SEND_B, m)] = grads
+
+    def _params_of_stage(self, stage: int) -> list:
+        """The parameters a backward pass over `stage` gives gradients to (tied layers included)."""
+        params = []
+        for i in self.module.stage_layers(stage):
+            spec = self.module.specs[i]
+            if isinstance(spec, TiedLayerSpec):
+                params += list(self.module.tied[spec.key].parameters())
+            elif str(i) in self.module.layers:
+                params += list(self.module.layers[str(i)].parameters())
+        return params
+
+    def _params_final_after(self, actions: list[Action]) -> dict[tuple[int, int], list]:
+        """(stage, microbatch) of a backward action -> the parameters whose gradients are
+        complete for the step once it has run (its stage's last backward, or for a layer
+        used by two local stages, the later of theirs)."""
+        last = {a.stage: (i, a.microbatch) for i, whole in enumerate(actions) for a in whole.parts
+                if a.kind in WEIGHT_GRAD_KINDS}
+        final: dict[int, tuple] = {}  # id(p) -> (action index, stage, microbatch, p)
+        for s, params in self.stage_params.items():
+            if s not in last:
+                continue
+            i, mb = last[s]
+            for p in params:
+                if id(p) not in final or i > final[id(p)][0]:
+                    final[id(p)] = (i, s, mb, p)
+        out: dict[tuple[int, int], list] = {}
+        for _, s, mb, p in final.values():
+            out.setdefault((s, mb), []).append(p)
+        return out
+
+
+# ---- the loss -------------------------------------------------------------
+@dataclass(eq=False)
+class StepLoss:
+    """One step's loss, microbatch by microbatch (see "The loss" in the module docstring).
+
+    `weights`: (M,) float64 on the device, what each microbatch's loss is multiplied by so
+    that the step's loss and gradients are those of the whole global batch, as in one
+    process (the dp reduction then averages); `local_weights` the same for this dp
+    replica's own loss, the one `value` returns by default (`weigh` makes both). `weighted`
+    and `raw` collect the last stage's microbatch losses (detached) as they are computed."""
+
+    weights: torch.Tensor
+    local_weights: torch.Tensor
+    here: bool  # this rank holds the last stage: the one that computes the loss
+    weighted: list = field(default_factory=list)  # each microbatch's loss, weighted for the global batch
+    raw: list = field(default_factory=list)  # each microbatch's loss as computed
+
+    @classmethod
+    def weigh(cls, module: PipelineModule, labels: list | None, topo: Topology) -> StepLoss:
+        """The weights of a step over `labels` (this rank's microbatch labels, or None), as
+        (M,) float64 tensors on the device (no host sync).
+
+        A token-level loss (a `loss_fn` with an `ignore_index`, like cross-entropy) is a mean
+        over its microbatch's valid tokens: microbatch m weighs dp * valid_m / valid, valid
+        counted over every microbatch and dp replica (one all-reduce over dp on the last
+        stage), so masked labels give the one-process loss at any m and dp; for the replica's
+        own loss it weighs valid_m / (its replica's valid). No valid token: weight 0. Any
+        other loss weighs 1/M: the mean over microbatches."""
+        m, device = module.schedule.microbatches, topo.device
+        here = (module.num_stages - 1) in module.local_stages
+        ignore = getattr(module.loss_fn, "ignore_index", None)
+        if (ignore is None or not here or labels is None
+                or not torch.is_tensor(labels[0])):  # given on the last stage's rank (`PipelineEngine._check_needs`)
+            even = torch.full((m,), 1.0 / m, dtype=torch.float64, device=device)
+            return cls(even, even, here)
+        counts = torch.stack([(y != ignore).sum() for y in labels]).double()
+        mine = counts.sum()
+        local = torch.where(mine > 0, counts / mine, 0.0)
+        total = mine.clone()
+        if topo.dp_group is not None:
+            dist.all_reduce(total, group=topo.dp_group)
+        return cls(torch.where(total > 0, counts * (topo.dp / total), 0.0), local, here)
+
+    def add(self, loss: torch.Tensor, m: int) -> None:
+        """Record microbatch m's loss (a 0-dim tensor, as `loss_fn` computed it)."""
+        self.weighted.append(loss.detach() * self.weights[m].to(loss.dtype))
+        self.raw.append(loss.detach())
+
+    def value(self, reduce_loss: bool, topo: Topology, timeout: datetime.timedelta):
+        """The loss `train_batch` / `eval_batch` return: with `reduce_loss`, the global
+        batch's, as a float on every rank (collective); else this replica's as a 0-dim
+        float64 tensor where the last stage is, None elsewhere (no communication, no sync;
+        a microbatch without valid tokens counts 0, not its NaN)."""
+        if reduce_loss:
+            return self._mean_loss(topo, timeout)
+        if not self.here:
+            return None
+        raw = torch.stack([loss.double() for loss in self.raw])
+        return torch.where(self.local_weights != 0, raw * self.local_weights, 0.0).sum()
+
+    def _mean_loss(self, topo: Topology, timeout: datetime.timedelta) -> float:
+        """The step's loss (the last stage's weighted microbatch losses, averaged over dp),
+        given to every rank: the one host read, which the caller asked for."""
+        total = torch.zeros((), dtype=torch.float64, device=topo.device)
+        if self.weighted:
+            total += torch.stack(self.weighted).double().sum()
+        for axis, group in (("pp", topo.pp_group), ("dp", topo.dp_group)):
+            if group is None:
+                continue
+            work = dist.all_reduce(total, group=group, async_op=True)
+            try:
+                work.wait(timeout=timeout)
+            except RuntimeError as e:
+                raise PipelineError(
+                    f"rank {topo.rank}: the step's loss all-reduce over {axis} (reduce_loss=True) was not joined "
+                    f"within {timeout.total_seconds():g} s: every rank must pass the same reduce_loss to "
+                    f"train_batch / eval_batch, and run the same steps ({str(e).strip().splitlines()[0]})") from e
+        if topo.dp_group is not None:
+            total /= topo.dp
+        return total.item()
 
 
 def checked_loss(loss_fn, loss, training: bool) -> torch.Tensor:

@@ -84,7 +84,7 @@ def reference_slice(full: torch.Tensor, p: torch.Tensor, topo) -> torch.Tensor:
     whole tensor for a replicated parameter."""
     ep_dim = getattr(p, "ep_shard_dim", None) if getattr(p, "expert_parallel", False) else None
     if ep_dim is not None:
-        full = full.chunk(getattr(topo, "ep", 1), dim=ep_dim)[getattr(topo, "ep_rank", 0)]
+        full = full.chunk(topo.ep, dim=ep_dim)[topo.ep_rank]
     dim = getattr(p, "tp_shard_dim", None)
     return full if dim is None else full.chunk(topo.tp, dim=dim)[topo.tp_rank]
 
@@ -142,7 +142,7 @@ class Reference:
     @staticmethod
     def rows(batch: tuple, topo) -> tuple:
         """This dp rank's rows of every tensor in `batch` (its `dp_rank`-th of `dp` equal parts)."""
-        dp, rank = getattr(topo, "dp", 1), getattr(topo, "dp_rank", 0)
+        dp, rank = topo.dp, topo.dp_rank
         return tuple(t[rank * len(t) // dp:(rank + 1) * len(t) // dp] for t in batch)
 
     def step(self, batch: tuple) -> float:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..spec import TiedLayerSpec
+from ..topology import Topology
 from .fsdp import replica_group, shard_group, sharded
 from .stage import Stage
 
@@ -87,7 +88,8 @@ class Layout:
     grad_dtype: torch.dtype
     master_dtype: torch.dtype
     fused: bool  # FusedAdamW: one piece per parameter part
-    module: Any = None  # the PipelineModule (segments, tied keys, topology), an nn.Module or None
+    module: Any = None  # the PipelineModule (segments, tied keys), an nn.Module or None
+    topology: Topology | None = None  # a PipelineModule's (expert groups); None for any other module
     default_dp_group: Any = None
 
 
@@ -122,9 +124,9 @@ def _reduction_groups(group: dict, layout: Layout) -> dict[tuple, list[nn.Parame
     and "ep_group" when it sets them; else the default dp group, and for experts
     sharded over ep > 1 ranks (`p.expert_parallel`) the topology's expert dp group and
     ep group, so a plain optimizer's param groups need no expert split of their own."""
-    topo = getattr(layout.module, "topology", None)
+    topo = layout.topology
     experts: tuple | None = None  # the expert groups, where this param group's experts go to them
-    if topo is not None and "dp_group" not in group and getattr(topo, "ep", 1) > 1:
+    if topo is not None and "dp_group" not in group and topo.ep > 1:
         experts = (topo.edp_group, topo.ep_group)
     out: dict[tuple, list[nn.Parameter]] = {}
     for p in group["params"]:
@@ -268,11 +270,11 @@ def is_view_of(t: torch.Tensor, base: torch.Tensor) -> bool:
     return start <= t.data_ptr() < end
 
 
-def state_device(buckets: list[Bucket], module) -> torch.device:
-    """Where this rank's optimizer state lives: its buckets' device, else the module's."""
-    return buckets[0].param_buf.device if buckets else module_device(module)
+def state_device(buckets: list[Bucket], topology: Topology | None) -> torch.device:
+    """Where this rank's optimizer state lives: its buckets' device, else the topology's."""
+    return buckets[0].param_buf.device if buckets else topology_device(topology)
 
 
-def module_device(module) -> torch.device:
-    topo = getattr(module, "topology", None)
-    return topo.device if topo is not None else torch.device("cpu")
+def topology_device(topology: Topology | None) -> torch.device:
+    """A PipelineModule's device (its topology's); the CPU for a module without one."""
+    return topology.device if topology is not None else torch.device("cpu")

@@ -67,7 +67,7 @@ def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: t
     if topo.dp_group is None:
         return []
     mesh = topo.fsdp_mesh()
-    split_experts = getattr(topo, "ep", 1) > 1  # experts split over ep: their replicas are the edp group's
+    split_experts = topo.ep > 1  # experts split over ep: their replicas are the edp group's
     edp = topo.edp_group if split_experts else None
     expert_mesh = DeviceMesh.from_group(edp, topo.device.type) if edp is not None else None
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)

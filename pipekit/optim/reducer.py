@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layers.parallel import tp_partial
+from ..topology import Topology
 from .buckets import Bucket, local
 from .collectives import Collectives
 from .fsdp import sharded
@@ -49,10 +50,11 @@ class Reducer:
     passes its own `_on_grad`, which calls `on_grad`, so a test can count the calls)."""
 
     def __init__(self, buckets: list[Bucket], stage: Stage, comm: Collectives, *, grad_dtype: torch.dtype,
-                 max_inflight: int, module: Any, fsdp_reduces: bool,
+                 max_inflight: int, module: Any, topology: Topology | None, fsdp_reduces: bool,
                  hook: Callable[[nn.Parameter], None] | None = None):
         self.buckets, self.stage, self.comm = buckets, stage, comm
         self.grad_dtype, self.max_inflight, self.module = grad_dtype, max_inflight, module
+        self.topology = topology  # a PipelineModule's; None for a plain module (no tp)
         self.fsdp_reduces = fsdp_reduces
         self.hook = hook or self.on_grad
         self.bucket_of = {id(p): b for b in buckets for p in b.params}
@@ -200,8 +202,7 @@ class Reducer:
         in the part of each bucket this rank updates, as one all-reduce. Every tp rank has
         the same buckets (the same parameters, tp shards of the same shapes), so the pieces
         line up; nothing is sent when no parameter is marked."""
-        topo = getattr(self.module, "topology", None)
-        group = getattr(topo, "tp_group", None)
+        group = self.topology.tp_group if self.topology is not None else None
         if group is None:
             return
         pieces = []

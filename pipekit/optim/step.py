@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..kernels.adamw import unscale_and_check_
+from ..topology import Topology
 from .buckets import Bucket, state_device
 from .collectives import Collectives, size
 from .finite import Marks
@@ -40,12 +41,13 @@ class Updater:
     """The phases of the step over this rank's buckets (module docstring)."""
 
     def __init__(self, buckets: list[Bucket], stage: Stage, comm: Collectives, module: Any, *,
-                 master_dtype: torch.dtype, fused: bool, bucket_numel: int):
+                 topology: Topology | None, master_dtype: torch.dtype, fused: bool, bucket_numel: int):
         self.buckets, self.stage, self.comm, self.module = buckets, stage, comm, module
+        self.topology = topology  # a PipelineModule's; None for a plain module (no pp or tp)
         self.master_dtype, self.fused, self.bucket_numel = master_dtype, fused, bucket_numel
 
     def device(self) -> torch.device:
-        return state_device(self.buckets, self.module)
+        return state_device(self.buckets, self.topology)
 
     def grads(self, owned_grad: Callable[[Bucket], torch.Tensor],
               loss_scale: float) -> tuple[list[torch.Tensor], list[float]]:
@@ -87,8 +89,8 @@ class Updater:
                 if group is not None:
                     dist.all_reduce(part, group=group)
             total += part
-        topo = getattr(self.module, "topology", None)
-        for group in (getattr(topo, "pp_group", None), getattr(topo, "tp_group", None)):
+        topo = self.topology
+        for group in (topo.pp_group, topo.tp_group) if topo is not None else ():
             if group is not None:
                 dist.all_reduce(total, group=group)
         return total.sqrt()

@@ -107,7 +107,8 @@ import torch
 from torch import nn
 
 from ..kernels.adamw import FusedAdamW
-from .buckets import Bucket, Layout, is_view_of, make_buckets, module_device, widest
+from ..topology import Topology
+from .buckets import Bucket, Layout, is_view_of, make_buckets, topology_device, widest
 from .collectives import Collectives
 from .collectives import is_gloo as _is_gloo  # looked up here when an optimizer is made: a test replaces it
 from .finite import Marks, Skip
@@ -169,9 +170,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.sharding = Stage(stage)
         optimizer = optimizer_class(optimizer)
         self.module = params if isinstance(params, nn.Module) else module
-        topo = getattr(self.module, "topology", None)
-        if dp_group is None and topo is not None:
-            dp_group = topo.dp_group
+        # the one place a PipelineModule (its Topology) is told from a plain module or none
+        self.topology: Topology | None = getattr(self.module, "topology", None)
+        if dp_group is None and self.topology is not None:
+            dp_group = self.topology.dp_group
         groups = param_groups(params)
         self.sharded_layers: list[Any] = []  # stage 3: the layers FSDP shards (FSDPModules)
         if self.sharding.fsdp:
@@ -189,20 +191,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.clip_grad_norm, self.loss_scaler = clip_grad_norm, loss_scaler
         self.max_inflight = max_inflight
         self.default_dp_group = dp_group
-        device = all_params[0].device if all_params else module_device(self.module)
+        device = all_params[0].device if all_params else topology_device(self.topology)
         self.fused = choose_fused(fused, optimizer, self.master_dtype, device)
         self._grad_norm: torch.Tensor | None = None  # the last step's, on the device until read
         self.last_skip: Skip | None = None  # why the last step was skipped (None: it was not)
         layout = Layout(self.sharding, self.bucket_numel, grad_dtype=self.grad_dtype, master_dtype=self.master_dtype,
-                        fused=self.fused, module=self.module, default_dp_group=dp_group)
+                        fused=self.fused, module=self.module, topology=self.topology, default_dp_group=dp_group)
         self.buckets = make_buckets(self.param_groups, layout)
         self.inner = self._make_inner()
         comm = Collectives(_is_gloo)
         self._reducer = Reducer(self.buckets, self.sharding, comm, grad_dtype=self.grad_dtype,
-                                max_inflight=max_inflight, module=self.module,
+                                max_inflight=max_inflight, module=self.module, topology=self.topology,
                                 fsdp_reduces=bool(self.sharded_layers), hook=self._on_grad)
-        self._updater = Updater(self.buckets, self.sharding, comm, self.module, master_dtype=self.master_dtype,
-                                fused=self.fused, bucket_numel=self.bucket_numel)
+        self._updater = Updater(self.buckets, self.sharding, comm, self.module, topology=self.topology,
+                                master_dtype=self.master_dtype, fused=self.fused, bucket_numel=self.bucket_numel)
         self._comm = comm
         self._reducer.arm(self._params())
 
