@@ -200,6 +200,10 @@ class PipelineEngine:
         if self.optimizer is not None and clip_grad_norm is not None:
             self.optimizer.clip_grad_norm = clip_grad_norm
         self.clip_grad_norm = clip_grad_norm
+        if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
+            raise TypeError(f"lr_scheduler must be a torch LR scheduler over the engine's optimizer (something with "
+                            f".step(), e.g. torch.optim.lr_scheduler.LambdaLR(engine_optimizer, ...)) or None, got "
+                            f"{type(lr_scheduler).__name__} {lr_scheduler!r}")
         self.lr_scheduler = lr_scheduler
         self.say = say
         self.steps_run = 0  # train_batch calls so far: the step a skip's line names
@@ -766,7 +770,11 @@ def as_zero_optimizer(optimizer, module: PipelineModule) -> ZeroOptimizer | None
     """The one optimizer the engine drives: a ZeroOptimizer as given; a torch optimizer
     wrapped at stage 0 (`ZeroOptimizer.wrap`); a torch optimizer class or factory built
     by ZeroOptimizer over this rank's parameters (none at all on an empty stage)."""
-    if optimizer is None or isinstance(optimizer, ZeroOptimizer):
+    if optimizer is None:
+        return optimizer
+    if isinstance(optimizer, (ZeroOptimizer, torch.optim.Optimizer)):
+        _check_own_parameters(optimizer, module)
+    if isinstance(optimizer, ZeroOptimizer):
         return optimizer
     if isinstance(optimizer, torch.optim.Optimizer):
         return ZeroOptimizer.wrap(optimizer, module)
@@ -774,6 +782,19 @@ def as_zero_optimizer(optimizer, module: PipelineModule) -> ZeroOptimizer | None
         return ZeroOptimizer(module, optimizer)
     raise TypeError(f"optimizer must be a pipekit.optim.ZeroOptimizer, a torch optimizer, or a torch optimizer "
                     f"class or factory, got {type(optimizer).__name__}")
+
+
+def _check_own_parameters(optimizer, module: PipelineModule) -> None:
+    """ValueError when a built optimizer holds tensors that are not `module`'s parameters (it was
+    made over another model, or an earlier build of this one): they would step, this module not."""
+    mine = {id(p) for p in module.parameters()}
+    given = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = [p for p in given if id(p) not in mine]
+    if foreign:
+        raise ValueError(f"the optimizer ({type(optimizer).__name__}) holds {len(foreign)} of {len(given)} tensors "
+                         f"that are not this PipelineModule's parameters (the first of shape "
+                         f"{tuple(foreign[0].shape)}): build it over this module's parameters(), or pass the "
+                         f"optimizer class (optimizer=torch.optim.AdamW) and let the engine build it")
 
 
 def _refuse_removed(removed: dict) -> None:

@@ -51,6 +51,12 @@ API_MISTAKES = [  # (id, call(module), exception, a piece of the one line)
      "PipelineModule(seed=...) must be an int"),
     ("compile-a-string", lambda m: pipekit.PipelineModule(SPECS, compile="yes"), TypeError,
      "PipelineModule(compile=...) must be True or False, got str 'yes'"),
+    ("optimizer-over-other-tensors", lambda m: pipekit.PipelineEngine(
+        m, optimizer=torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)), ValueError,
+     "the optimizer (SGD) holds 1 of 1 tensors that are not this PipelineModule's parameters (the first of shape "
+     "(2,))"),
+    ("lr-scheduler-a-string", lambda m: pipekit.PipelineEngine(m, optimizer=torch.optim.SGD, lr_scheduler="cosine"),
+     TypeError, "lr_scheduler must be a torch LR scheduler over the engine's optimizer"),
     ("unknown-schedule", lambda m: pipekit.PipelineModule(SPECS, schedule="bogus"), Exception,
      "unknown schedule 'bogus'"),
 ]
@@ -113,6 +119,24 @@ def test_a_layer_that_stops_the_gradient_on_purpose_trains_the_rest():
     moved = {n.split(".")[1] for n, p in m.named_parameters() if n.startswith("layers.") and
              not torch.equal(before[n], p)}
     assert moved == {"3", "4"}  # the block after the cut and the final norm; the block before it stays
+
+
+def test_a_second_engine_on_a_module_takes_it_over_and_the_first_says_so():
+    """A notebook cell run twice builds a second engine on the same module: it trains, as a
+    fresh engine does; the first, whose hooks are gone, refuses in one line instead of both
+    moving the same gradients (once an AssertionError deep in the backward)."""
+    x, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    first_m = pipekit.PipelineModule(SPECS, loss_fn=_cross_entropy)
+    alone = pipekit.PipelineModule(SPECS, loss_fn=_cross_entropy)
+    first = pipekit.PipelineEngine(first_m, optimizer=torch.optim.SGD(first_m.parameters(), lr=0.1))
+    second = pipekit.PipelineEngine(first_m, optimizer=torch.optim.SGD(first_m.parameters(), lr=0.1))
+    reference = pipekit.PipelineEngine(alone, optimizer=torch.optim.SGD(alone.parameters(), lr=0.1))
+    for _ in range(2):
+        assert second.train_batch((x, y)) == reference.train_batch((x, y))
+    assert all(torch.equal(a, b) for a, b in zip(first_m.parameters(), alone.parameters()))
+    with pytest.raises(RuntimeError) as e:
+        first.train_batch((x, y))
+    assert "parameters are trained by a newer ZeroOptimizer (stage 0) built over the same module" in str(e.value)
 
 
 def test_metrics_left_by_another_model_do_not_break_the_next_one():

@@ -72,6 +72,13 @@ class Reducer:
             if id(p) not in self.hooks and not (self.fsdp_reduces and sharded(p)):  # stage 3: FSDP reduces
                 self.hooks[id(p)] = p.register_post_accumulate_grad_hook(self.hook)
 
+    def disarm(self) -> None:
+        """Remove every hook for good: another optimizer trains these parameters now."""
+        for handle in self.hooks.values():
+            handle.remove()
+        self.hooks.clear()
+        self.arm = lambda params: None  # type: ignore[method-assign]
+
     def on_grad(self, p: nn.Parameter) -> None:
         """Post-accumulate-grad hook: move p.grad into its bucket (in grad_dtype) and free it.
 

@@ -99,6 +99,7 @@ that received no tokens) is skipped by the wrapped optimizer, as torch's skip a
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
@@ -206,7 +207,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._updater = Updater(self.buckets, self.sharding, comm, self.module, topology=self.topology,
                                 master_dtype=self.master_dtype, fused=self.fused, bucket_numel=self.bucket_numel)
         self._comm = comm
+        self._superseded_by: str | None = None
+        self._take_parameters()
         self._reducer.arm(self._params())
+
+    def _take_parameters(self) -> None:
+        """Each parameter is trained by one ZeroOptimizer: a newer one over the same parameters (a
+        second PipelineEngine on a module, a notebook cell run again) takes them over, and the
+        older one, its hooks removed, refuses to run (`_check_current`) instead of both
+        moving the same gradients."""
+        for p in self._params():
+            owner = getattr(p, "_pipekit_optimizer", None)
+            old = owner() if owner is not None else None
+            if old is not None and old is not self and old._superseded_by is None:
+                old._reducer.disarm()
+                old._superseded_by = f"a newer {type(self).__name__} (stage {self.stage})"
+            p._pipekit_optimizer = weakref.ref(self)  # type: ignore[attr-defined]
+
+    def _check_current(self) -> None:
+        if self._superseded_by is not None:
+            raise RuntimeError(f"this {type(self).__name__}'s parameters are trained by {self._superseded_by} built "
+                               f"over the same module since (a second PipelineEngine or ZeroOptimizer on it); use "
+                               f"the newest, or build a new PipelineModule for a second one")
 
     @classmethod
     def wrap(cls, optimizer: torch.optim.Optimizer, module: nn.Module) -> ZeroOptimizer:
@@ -266,6 +288,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         launched when it and every bucket before it in a fixed order are complete; those
         left (holding parameters that got no gradient) are launched after the pass in the
         same order. Every dp rank must make the same sequence of calls."""
+        self._check_current()
         return self._reducer.backward_pass(params, final)
 
     def gathered(self, params: list):
@@ -309,6 +332,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         LR schedule need that decision there (fused AdamW reads it too, but only once every
         update is queued: `_fused_step`). Where a parameter got no gradient on this rank, one
         more read (of which parameters got one anywhere; see `Updater.touched_anywhere`)."""
+        self._check_current()
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
         self._reduce()
@@ -403,6 +427,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Zero the step's gradients. At stages 0 and 1, when gradients are kept in the
         parameters' own dtype, each `p.grad` becomes a view of its bucket, so autograd
         accumulates into the bucket in place (no copy in the hook)."""
+        self._check_current()
         self._reducer.zero_grad()
 
     # ---- introspection ------------------------------------------------------
