@@ -111,6 +111,18 @@ def test_a_training_mistake_names_the_loss_fn_or_layer(loss_fn, layer, kind, sai
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))  # no step was taken
 
 
+def test_token_ids_that_are_not_ids_of_this_vocabulary_are_named():
+    """A float tensor of ids, or an id beyond the table: one line, the same in every layout (at
+    tp > 1 such an id once embedded as zeros on every rank, silently)."""
+    m = pipekit.PipelineModule(SPECS, loss_fn=_cross_entropy)
+    engine = pipekit.PipelineEngine(m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+    x, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    with pytest.raises(TypeError, match=r"token ids must be integers \(torch.long\), got a torch.float32 tensor"):
+        engine.train_batch((x.float(), y))
+    with pytest.raises(pipekit.PipelineError, match=r"RuntimeError: a token id lies outside \[0, 128\)"):
+        engine.train_batch((x + 1000, y))
+
+
 def test_a_layer_that_stops_the_gradient_on_purpose_trains_the_rest():
     m = pipekit.PipelineModule(SPECS[:2] + [pipekit.LayerSpec(_Stop)] + SPECS[2:], loss_fn=_cross_entropy)
     before = {n: p.detach().clone() for n, p in m.named_parameters()}

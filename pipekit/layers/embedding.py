@@ -10,6 +10,19 @@ import torch.nn.functional as F
 from .parallel import TensorParallelModule, divide, group_rank, leave_tp, normal_full, sharded_parameter
 
 
+def check_token_ids(ids: torch.Tensor, vocab: int) -> None:
+    """Token ids are integers in [0, vocab), the same answer in every layout: a float tensor is a
+    TypeError here; an id outside the table fails the step with one line, by a device-side
+    assertion that reads nothing back to the host (at tp > 1 such an id would otherwise
+    embed as zeros on every rank, silently; at tp = 1 an IndexError without the vocab)."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"token ids must be integers (torch.long), got a {ids.dtype} tensor of shape "
+                        f"{tuple(ids.shape)}; pass the tokenizer's ids as they are (no .float())")
+    torch._assert_async(((ids >= 0) & (ids < vocab)).all(),
+                        f"a token id lies outside [0, {vocab}), the embedding's rows (model.vocab_size, padded); "
+                        f"the inputs hold ids of another tokenizer or vocabulary")
+
+
 class VocabParallelEmbedding(TensorParallelModule):
     """Embedding whose table rows are split over the tp group.
 
@@ -39,6 +52,7 @@ class VocabParallelEmbedding(TensorParallelModule):
         return self._embed(ids)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        check_token_ids(ids, self.num_embeddings)
         if self.tp_size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start

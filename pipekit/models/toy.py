@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..layers.embedding import check_token_ids
 from ..spec import LayerSpec, TiedLayerSpec
 from .common import check_positive
 
@@ -49,6 +50,7 @@ class TokenEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.randn(vocab, dim) / math.sqrt(dim))
 
     def forward(self, tokens: torch.Tensor):
+        check_token_ids(tokens, self.weight.shape[0])
         pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         return F.embedding(tokens, self.weight), pos
 
