@@ -129,6 +129,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="YAML config (see configs/)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. parallel.pp=2")
     t.add_argument("--show", action="store_true", help="print the merged, checked config (every key) and exit")
+    t.add_argument("--deepspeed", metavar="DS_CONFIG", default=None,
+                   help="a DeepSpeed ds_config.json: its keys as overrides (before the key=value ones, which win)")
     t.add_argument("--max-restarts", type=_count, default=0, metavar="N",
                    help="restart failed workers up to N times (torchrun's --max-restarts); each restart resumes "
                         "from the newest checkpoint")

@@ -387,6 +387,12 @@ def _did_you_mean(key: str, msg: str) -> str:
     return f"; did you mean {' or '.join(near[:3])}?" if near else ""
 
 
+def merged_config(path: str | None, overrides: list[str] | None) -> Config:
+    """The file and the overrides merged over the schema, each value checked, before the checks
+    across keys and the model's (what a DeepSpeed file's mapping needs: parallel.dp)."""
+    return _merged(path, overrides)[0]
+
+
 def _merged(path: str | None, overrides: list[str] | None) -> tuple[Config, set[str]]:
     """The schema merged with the file and the overrides, as real dataclasses, values checked;
     and the keys the file and the overrides set."""

@@ -39,6 +39,9 @@ def train_command(args: argparse.Namespace) -> int:
 def _train_command(args: argparse.Namespace) -> int:
     try:
         args.config, args.overrides = config_and_overrides(args.config, args.overrides)
+        if getattr(args, "deepspeed", None):  # the file's keys as overrides, once: the workers get those
+            args.overrides = _deepspeed_overrides(args) + args.overrides
+            args.deepspeed = None
         run = load_run(args.config, args.overrides)
     except ConfigError as e:
         print(f"pipekit train: {e}", file=sys.stderr)
@@ -96,6 +99,20 @@ def _train_command(args: argparse.Namespace) -> int:
 # exiting, so that torchrun, which stops the group when the first worker fails, does not stop
 # rank 0 before it has printed its line.
 REFUSAL_GRACE_S = 5.0
+
+
+def _deepspeed_overrides(args: argparse.Namespace) -> list[str]:
+    """--deepspeed's file as overrides (`run.deepspeed`) at the dp the config and overrides give; its
+    notes once, on stderr, from the launcher or the only process."""
+    from ..config import merged_config
+    from .deepspeed import from_deepspeed
+
+    dp = merged_config(args.config, args.overrides).parallel.dp
+    overrides, notes = from_deepspeed(args.deepspeed, dp)
+    if os.environ.get("RANK", "0") == "0":
+        for note in notes:
+            print(f"pipekit: notice: {note}", file=sys.stderr, flush=True)
+    return overrides
 
 
 def _refuse(why: str) -> int:

@@ -1,0 +1,220 @@
+"""A DeepSpeed `ds_config.json` as pipekit overrides: `pipekit train CONFIG --deepspeed ds.json`.
+
+`from_deepspeed(ds, dp)` reads the file's keys into `key=value` overrides of pipekit's config
+(which then checks them as it checks any override; keys given on the command line beside the
+file come after, so they win), and one-line notes for keys that change nothing here. A key
+not in `MAPPED`, `NOTED` or the refusals below is refused in one line naming it (a typo such
+as `reduce_bucket_sizee` is not ignored). What is mapped, with DeepSpeed's meaning:
+
+- batch: `train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps *
+  dp`, any two of them giving the third as DeepSpeed's engine derives it (only the batch
+  size: micro = batch / dp, accumulation 1); "auto" counts as not given (the Hugging Face
+  Trainer's placeholder). Accumulation steps are the pipeline's microbatches.
+- `optimizer`: `Adam` (its `adam_w_mode`, default true: decoupled weight decay), `AdamW`,
+  `SGD`, with their `params` and, where a param is left out, the defaults DeepSpeed's
+  optimizer has (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0).
+- no `scheduler`: the learning rate is constant, as DeepSpeed keeps it (pipekit's own
+  warmup and cosine decay are turned off).
+- `gradient_clipping` (0: none), `zero_optimization.stage`, `fp16` (`enabled`, `loss_scale`
+  0 = dynamic, `initial_scale_power`, `loss_scale_window`, `hysteresis`, `min_loss_scale`),
+  `bf16.enabled`, `steps_per_print`.
+
+Not yet mapped (refused in one line, so nothing runs other than the file says): a `scheduler`,
+`offload_optimizer` / `offload_param` to cpu or nvme, `consecutive_hysteresis`, Adam's L2 mode
+with weight decay. Parity of the mapped keys against DeepSpeed's engine itself is not yet
+tested here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from typing import Any
+
+from ..config import ConfigError
+
+# keys that change nothing in a pipekit run, and why (one note each when present)
+NOTED = {
+    "wall_clock_breakdown": "pipekit's timings are logging.trace_step's timeline",
+    "zero_allow_untested_optimizer": "ZeroOptimizer wraps any torch optimizer",
+    "prescale_gradients": "pipekit averages gradients once, in their reduction dtype",
+    "communication_data_type": "gradients are reduced in their own dtype (fp32 master: fp32)",
+    "activation_checkpointing": "recomputation is schedule.activation_checkpoint_interval (or checkpoint_layers)",
+    "flops_profiler": "pipekit plan profiles the layers",
+    "tensorboard": "logging.tensorboard writes TensorBoard events to logging.out_dir",
+    "zero_optimization.contiguous_gradients": "gradients always live in flat buckets",
+    "zero_optimization.overlap_comm": "ZeRO-2 reductions always overlap the backward",
+    "zero_optimization.reduce_scatter": "ZeRO-2 always reduce-scatters",
+    "zero_optimization.allgather_partitions": "ZeRO 1-2 always all-gather the updated partitions",
+    "zero_optimization.allgather_bucket_size": "the all-gather follows the reduction's buckets",
+    "zero_optimization.reduce_bucket_size": "it counts elements; pipekit's optimizer.bucket_mb counts MB and "
+                                            "changes no result",
+    "zero_optimization.round_robin_gradients": "the partition of each bucket is fixed",
+    "zero_optimization.stage3_prefetch_bucket_size": "FSDP2 prefetches one layer ahead",
+    "zero_optimization.stage3_param_persistence_threshold": "FSDP2 shards every layer",
+    "zero_optimization.stage3_max_live_parameters": "FSDP2 gathers one layer at a time",
+    "zero_optimization.stage3_max_reuse_distance": "FSDP2 gathers one layer at a time",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": "pipekit's checkpoints are always whole "
+                                                                   "(layout-free)",
+    "optimizer.params.torch_adam": "pipekit runs torch's AdamW (or its fused Triton kernel)",
+    "fp16.auto_cast": "pipekit casts the layers' weights, not their inputs",
+}
+_TOP = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
+        "scheduler", "gradient_clipping", "zero_optimization", "fp16", "bf16", "steps_per_print"}
+_ZERO = {"stage", "offload_optimizer", "offload_param"}
+_FP16 = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+         "consecutive_hysteresis"}
+_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+_PARAMS = {"lr", "betas", "eps", "weight_decay", "momentum", "adam_w_mode"}
+_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # DeepSpeed's Adam's
+
+
+def read_deepspeed(path: str) -> dict:
+    """The JSON object in `path`; ConfigError naming what is wrong."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--deepspeed {path}: no such file; give a DeepSpeed config (ds_config.json)")
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except ValueError as e:
+        raise ConfigError(f"--deepspeed {path} is not valid JSON ({e})") from None
+    if not isinstance(ds, dict):
+        raise ConfigError(f"--deepspeed {path} holds a JSON {type(ds).__name__}, not an object of DeepSpeed keys")
+    return ds
+
+
+def from_deepspeed(ds: dict | str, dp: int) -> tuple[list[str], list[str]]:
+    """(pipekit overrides, notes) for DeepSpeed config `ds` (a dict or a path) at `dp` data-parallel
+    replicas; ConfigError naming the first key that cannot be run as DeepSpeed would run it."""
+    if isinstance(ds, str):
+        ds = read_deepspeed(ds)
+    out: list[str] = []
+    notes: list[str] = []
+    _walk(ds, "", notes)
+    out += _batch(ds, dp)
+    out += _optimizer(ds.get("optimizer"))
+    if ds.get("scheduler") is not None:
+        kind = ds["scheduler"].get("type") if isinstance(ds["scheduler"], dict) else ds["scheduler"]
+        raise ConfigError(f"ds_config scheduler {kind!r} is not mapped onto pipekit's LR schedule yet; leave it out "
+                          f"and set optimizer.warmup_steps / optimizer.decay / optimizer.min_lr beside the file")
+    out += ["optimizer.warmup_steps=0", "optimizer.decay=constant"]  # DeepSpeed without a scheduler: constant
+    clip = ds.get("gradient_clipping", 0.0)
+    out.append(f"optimizer.clip_grad_norm={clip if clip and clip > 0 else 'null'}")
+    zero = ds.get("zero_optimization") or {}
+    out.append(f"optimizer.zero_stage={zero.get('stage', 0)}")  # DeepSpeed's default: stage 0
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in ("none", None):
+            raise ConfigError(f"ds_config zero_optimization.{key}.device={device}: offload is not in pipekit yet; "
+                              f"remove it (or set device none) to train without offload")
+    out += _precision(ds)
+    if "steps_per_print" in ds:
+        out.append(f"logging.log_every={ds['steps_per_print']}")
+    return out, notes
+
+
+def _walk(ds: dict, prefix: str, notes: list[str]) -> None:
+    """Refuse keys DeepSpeed would not know here (naming the nearest known one); note the NOTED."""
+    known = {"": _TOP | {k for k in NOTED if "." not in k}, "zero_optimization.": _ZERO, "fp16.": _FP16,
+             "bf16.": {"enabled"}, "optimizer.": {"type", "params"}, "optimizer.params.": _PARAMS,
+             "scheduler.": {"type", "params"}}
+    for key, value in ds.items():
+        full = f"{prefix}{key}"
+        if full in NOTED:
+            notes.append(f"ds_config {full} has no effect in pipekit: {NOTED[full]}")
+            continue
+        mine = known.get(prefix)
+        if mine is None:  # params of a section mapped as a whole (an offload block, a scheduler's)
+            continue
+        if key not in mine and f"{prefix}{key}" not in NOTED:
+            names = sorted(mine | {k[len(prefix):] for k in NOTED if k.startswith(prefix) and "." not in
+                                   k[len(prefix):]})
+            near = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {prefix}{near[0]}?" if near else ""
+            raise ConfigError(f"ds_config key {full!r} is not a DeepSpeed key pipekit knows{hint} (see the "
+                              f"migration table in the README)")
+        if isinstance(value, dict) and f"{full}." in known:
+            _walk(value, f"{full}.", notes)
+
+
+def _given(ds: dict, key: str) -> int | None:
+    value = ds.get(key)
+    if value is None or value == "auto":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"ds_config {key}={value!r} must be a whole number >= 1 (or \"auto\")")
+    return value
+
+
+def _batch(ds: dict, dp: int) -> list[str]:
+    """train.micro_batch, schedule.microbatches and train.global_batch by DeepSpeed's rule."""
+    total, micro, gas = (_given(ds, k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                                   "gradient_accumulation_steps"))
+    if total is not None and micro is not None and gas is not None:
+        if total != micro * gas * dp:
+            raise ConfigError(f"ds_config train_batch_size={total} is not train_micro_batch_size_per_gpu * "
+                              f"gradient_accumulation_steps * dp = {micro} * {gas} * {dp} = {micro * gas * dp}")
+    elif total is not None and micro is not None:
+        gas = total // (micro * dp)
+        if gas * micro * dp != total:
+            raise ConfigError(f"ds_config train_batch_size={total} is not a multiple of "
+                              f"train_micro_batch_size_per_gpu * dp = {micro} * {dp}")
+    elif total is not None and gas is not None:
+        micro = total // (gas * dp)
+        if micro * gas * dp != total:
+            raise ConfigError(f"ds_config train_batch_size={total} is not a multiple of gradient_accumulation_steps "
+                              f"* dp = {gas} * {dp}")
+    elif total is not None:
+        gas, micro = 1, total // dp
+        if micro * dp != total:
+            raise ConfigError(f"ds_config train_batch_size={total} does not split over dp={dp} replicas")
+    elif micro is not None:
+        gas = gas or 1
+    else:
+        return []
+    assert micro is not None and gas is not None
+    return [f"train.micro_batch={micro}", f"schedule.microbatches={gas}", f"train.global_batch={micro * gas * dp}"]
+
+
+def _optimizer(opt: Any) -> list[str]:
+    if opt is None:
+        return []
+    kind = str(opt.get("type", "")) if isinstance(opt, dict) else str(opt)
+    name = _OPTIMIZERS.get(kind.lower())
+    if name is None:
+        raise ConfigError(f"ds_config optimizer type {kind!r} is not one pipekit runs; give one of "
+                          f"{sorted(_OPTIMIZERS.values())}")
+    params: dict = {**(_DEFAULTS if name != "SGD" else {"weight_decay": 0.0, "momentum": 0.0}),
+                    **(opt.get("params") or {})}
+    if name == "SGD":
+        if "lr" not in (opt.get("params") or {}):
+            raise ConfigError("ds_config optimizer SGD needs params.lr (torch's SGD has no default)")
+        return ["optimizer.name=sgd", f"optimizer.lr={params['lr']}", f"optimizer.momentum={params['momentum']}",
+                f"optimizer.weight_decay={params['weight_decay']}"]
+    if name == "Adam" and not params.get("adam_w_mode", True) and params["weight_decay"]:
+        raise ConfigError(f"ds_config optimizer Adam with adam_w_mode=false adds weight_decay="
+                          f"{params['weight_decay']} to the gradient (L2), which pipekit's AdamW does not; use "
+                          f"adam_w_mode=true (decoupled) or weight_decay=0")
+    beta1, beta2 = params["betas"]
+    return ["optimizer.name=adamw", f"optimizer.lr={params['lr']}", f"optimizer.beta1={beta1}",
+            f"optimizer.beta2={beta2}", f"optimizer.eps={params['eps']}",
+            f"optimizer.weight_decay={params['weight_decay']}"]
+
+
+def _precision(ds: dict) -> list[str]:
+    fp16, bf16 = ds.get("fp16") or {}, ds.get("bf16") or {}
+    if fp16.get("enabled") and bf16.get("enabled"):
+        raise ConfigError("ds_config enables both fp16 and bf16; choose one")
+    if bf16.get("enabled"):
+        return ["train.precision=bf16"]
+    if not fp16.get("enabled"):
+        return ["train.precision=fp32"]  # neither: DeepSpeed trains in fp32
+    if fp16.get("consecutive_hysteresis"):
+        raise ConfigError("ds_config fp16.consecutive_hysteresis=true is not in pipekit's loss scaler yet; "
+                          "leave it false")
+    out = ["train.precision=fp16"]
+    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
+        if key in fp16:
+            out.append(f"fp16.{key}={fp16[key]}")
+    return out

@@ -1,0 +1,90 @@
+"""A DeepSpeed ds_config.json read as pipekit overrides (pipekit/run/deepspeed.py): DeepSpeed's
+batch rule, optimizer defaults and precision keys; typos and what is not mapped yet refused in
+one line; keys without effect noted. Parity against DeepSpeed's own engine is not tested yet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipekit.cli import main
+from pipekit.config import ConfigError, load_config
+from pipekit.run.deepspeed import from_deepspeed
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("ds, dp, want", [
+    ({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2}, 2, (2, 4, 16)),
+    ({"train_batch_size": 16, "gradient_accumulation_steps": 4}, 2, (2, 4, 16)),
+    ({"train_batch_size": 16}, 4, (4, 1, 16)),  # DeepSpeed: accumulation 1, micro = batch / dp
+    ({"train_micro_batch_size_per_gpu": 3}, 2, (3, 1, 6)),
+    ({"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}, 2, (3, 2, 12)),
+    ({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": "auto"}, 1,
+     (2, 1, 2)),
+])
+def test_the_batch_follows_deepspeeds_rule(ds, dp, want):
+    overrides, _ = from_deepspeed(ds, dp)
+    got = {o.split("=")[0]: int(o.split("=")[1]) for o in overrides
+           if o.split("=")[0] in ("train.micro_batch", "schedule.microbatches", "train.global_batch")}
+    assert (got["train.micro_batch"], got["schedule.microbatches"], got["train.global_batch"]) == want
+
+
+def test_optimizers_take_deepspeeds_defaults_and_no_scheduler_is_a_constant_lr():
+    overrides, _ = from_deepspeed({"optimizer": {"type": "Adam", "params": {"lr": 2e-4}}}, 1)
+    for want in ("optimizer.name=adamw", "optimizer.lr=0.0002", "optimizer.beta1=0.9", "optimizer.beta2=0.999",
+                 "optimizer.eps=1e-08", "optimizer.weight_decay=0.0", "optimizer.warmup_steps=0",
+                 "optimizer.decay=constant", "optimizer.clip_grad_norm=null", "optimizer.zero_stage=0",
+                 "train.precision=fp32"):
+        assert want in overrides, (want, overrides)
+    sgd, _ = from_deepspeed({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}, 1)
+    assert {"optimizer.name=sgd", "optimizer.lr=0.1", "optimizer.momentum=0.9"} <= set(sgd)
+
+
+def test_precision_keys():
+    fp16, _ = from_deepspeed({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
+                                       "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 2}}, 1)
+    assert {"train.precision=fp16", "fp16.loss_scale=0", "fp16.initial_scale_power=12", "fp16.loss_scale_window=500",
+            "fp16.hysteresis=3", "fp16.min_loss_scale=2"} <= set(fp16)
+    assert "train.precision=bf16" in from_deepspeed({"bf16": {"enabled": True}}, 1)[0]
+
+
+@pytest.mark.parametrize("ds, said", [
+    ({"zero_optimization": {"reduce_bucket_sizee": 5e8}},
+     "'zero_optimization.reduce_bucket_sizee' is not a DeepSpeed key pipekit knows; did you mean "
+     "zero_optimization.reduce_bucket_size?"),
+    ({"train_batch_sise": 8}, "did you mean train_batch_size?"),
+    ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
+     "train_batch_size=10 is not train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp = 2 * 2 * 2 = 8"),
+    ({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2}, "is not a multiple of"),
+    ({"scheduler": {"type": "WarmupLR", "params": {}}}, "scheduler 'WarmupLR' is not mapped onto pipekit's LR"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload is not in pipekit yet"),
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}}, "(L2)"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer type 'Lamb' is not one pipekit runs"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enables both fp16 and bf16"),
+])
+def test_what_cannot_run_as_deepspeed_would_is_refused_in_one_line(ds, said):
+    with pytest.raises(ConfigError) as e:
+        from_deepspeed(ds, 2)
+    assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_pipekit_train_deepspeed_merges_the_file_under_the_overrides_and_notes_keys_without_effect(tmp_path, capsys):
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({"train_batch_size": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+                              "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+                              "zero_optimization": {"stage": 1, "overlap_comm": True}, "steps_per_print": 1}))
+    toy = str(ROOT / "configs/toy.yaml")
+    argv = ["train", toy, "parallel.pp=1", "optimizer.lr=1e-3", "--deepspeed", str(ds)]
+    assert main([*argv, "--show"]) == 0
+    out = capsys.readouterr()
+    assert "zero_optimization.overlap_comm has no effect in pipekit" in out.err
+    cfg = load_config(toy, ["parallel.pp=1", *from_deepspeed(str(ds), 1)[0], "optimizer.lr=1e-3"])
+    assert (cfg.train.micro_batch, cfg.schedule.microbatches, cfg.optimizer.zero_stage) == (4, 2, 1)
+    assert cfg.optimizer.lr == 1e-3 and cfg.optimizer.clip_grad_norm == 0.5  # the command line wins over the file
+    assert "lr: 0.001" in out.out and "clip_grad_norm: 0.5" in out.out
+    assert main([*argv, "train.steps=2", "data.val_every=0", f"logging.out_dir={tmp_path / 'run'}",
+                 "logging.progress=false", "logging.tensorboard=false"]) == 0
+    assert (tmp_path / "run" / "model.pt").is_file()
