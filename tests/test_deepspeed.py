@@ -39,6 +39,11 @@ def test_optimizers_take_deepspeeds_defaults_and_no_scheduler_is_a_constant_lr()
                  "optimizer.decay=constant", "optimizer.clip_grad_norm=null", "optimizer.zero_stage=0",
                  "train.precision=fp32"):
         assert want in overrides, (want, overrides)
+    torch_adamw, _ = from_deepspeed({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}, 1)
+    assert "optimizer.weight_decay=0.01" in torch_adamw  # torch.optim.AdamW's default, not FusedAdam's
+    forced, _ = from_deepspeed({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False,
+                                                                          "weight_decay": 0.1}}}, 1)
+    assert "optimizer.weight_decay=0.1" in forced  # DeepSpeed: type AdamW is decoupled whatever adam_w_mode says
     sgd, _ = from_deepspeed({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}, 1)
     assert {"optimizer.name=sgd", "optimizer.lr=0.1", "optimizer.momentum=0.9"} <= set(sgd)
 

@@ -10,9 +10,11 @@ as `reduce_bucket_sizee` is not ignored). What is mapped, with DeepSpeed's meani
   dp`, any two of them giving the third as DeepSpeed's engine derives it (only the batch
   size: micro = batch / dp, accumulation 1); "auto" counts as not given (the Hugging Face
   Trainer's placeholder). Accumulation steps are the pipeline's microbatches.
-- `optimizer`: `Adam` (its `adam_w_mode`, default true: decoupled weight decay), `AdamW`,
-  `SGD`, with their `params` and, where a param is left out, the defaults DeepSpeed's
-  optimizer has (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0).
+- `optimizer`: `Adam` (its `adam_w_mode`, default true: decoupled weight decay), `AdamW`
+  (always decoupled, as DeepSpeed makes it), `SGD`, with their `params` and, where a param
+  is left out, the defaults of the optimizer DeepSpeed builds (FusedAdam / CPU Adam: lr
+  1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0; with `torch_adam: true`, torch's
+  AdamW: weight decay 0.01).
 - no `scheduler`: the learning rate is constant, as DeepSpeed keeps it (pipekit's own
   warmup and cosine decay are turned off).
 - `gradient_clipping` (0: none), `zero_optimization.stage`, `fp16` (`enabled`, `loss_scale`
@@ -57,7 +59,6 @@ NOTED = {
     "zero_optimization.stage3_max_reuse_distance": "FSDP2 gathers one layer at a time",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "pipekit's checkpoints are always whole "
                                                                    "(layout-free)",
-    "optimizer.params.torch_adam": "pipekit runs torch's AdamW (or its fused Triton kernel)",
     "fp16.auto_cast": "pipekit casts the layers' weights, not their inputs",
 }
 _TOP = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
@@ -66,8 +67,8 @@ _ZERO = {"stage", "offload_optimizer", "offload_param"}
 _FP16 = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
          "consecutive_hysteresis"}
 _OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
-_PARAMS = {"lr", "betas", "eps", "weight_decay", "momentum", "adam_w_mode"}
-_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # DeepSpeed's Adam's
+_PARAMS = {"lr", "betas", "eps", "weight_decay", "momentum", "adam_w_mode", "torch_adam"}
+_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}  # FusedAdam's / CPU Adam's
 
 
 def read_deepspeed(path: str) -> dict:
@@ -185,14 +186,18 @@ def _optimizer(opt: Any) -> list[str]:
     if name is None:
         raise ConfigError(f"ds_config optimizer type {kind!r} is not one pipekit runs; give one of "
                           f"{sorted(_OPTIMIZERS.values())}")
-    params: dict = {**(_DEFAULTS if name != "SGD" else {"weight_decay": 0.0, "momentum": 0.0}),
-                    **(opt.get("params") or {})}
+    given = opt.get("params") or {}
+    decoupled = name == "AdamW" or given.get("adam_w_mode", True)  # DeepSpeed: type AdamW forces it
+    defaults = dict(_DEFAULTS)
+    if given.get("torch_adam") and decoupled:
+        defaults["weight_decay"] = 0.01  # torch.optim.AdamW's own default, which torch_adam=true gets
+    params: dict = {**(defaults if name != "SGD" else {"weight_decay": 0.0, "momentum": 0.0}), **given}
     if name == "SGD":
         if "lr" not in (opt.get("params") or {}):
             raise ConfigError("ds_config optimizer SGD needs params.lr (torch's SGD has no default)")
         return ["optimizer.name=sgd", f"optimizer.lr={params['lr']}", f"optimizer.momentum={params['momentum']}",
                 f"optimizer.weight_decay={params['weight_decay']}"]
-    if name == "Adam" and not params.get("adam_w_mode", True) and params["weight_decay"]:
+    if not decoupled and params["weight_decay"]:
         raise ConfigError(f"ds_config optimizer Adam with adam_w_mode=false adds weight_decay="
                           f"{params['weight_decay']} to the gradient (L2), which pipekit's AdamW does not; use "
                           f"adam_w_mode=true (decoupled) or weight_decay=0")
