@@ -490,6 +490,19 @@ def test_resume_auto_without_a_checkpoint_says_it_starts_at_step_0(tmp_path, cap
                     f"starting at step 0"], said
 
 
+def test_a_checkpoints_root_given_to_generate_says_which_damaged_ones_it_passed_over(shared, tmp_path, capsys):
+    from pipekit.interchange import checkpoint_dir
+
+    ckpts = _toy_run_with_checkpoints(shared, tmp_path, 2, 4) / "checkpoints"
+    (ckpts / "step_00000004" / "pipekit.json").unlink()
+    assert checkpoint_dir(str(ckpts)) == str(ckpts / "step_00000002")
+    assert capsys.readouterr().err.strip() == (f"pipekit: passing over newer checkpoints that are not complete: "
+                                               f"step_00000004 (it lacks pipekit.json); using "
+                                               f"{ckpts / 'step_00000002'}, the newest complete one")
+    assert checkpoint_dir(str(ckpts), say=False) == str(ckpts / "step_00000002")
+    assert capsys.readouterr().err == ""
+
+
 def test_a_damaged_checkpoint_names_the_previous_complete_one(shared, tmp_path):
     from pipekit.checkpoint import CheckpointError, read_meta
 
