@@ -32,7 +32,7 @@ import re
 import sys
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, cast
+from typing import Any, Dict, Optional, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -148,6 +148,9 @@ class OptimizerConfig:
     min_lr: float = 1e-4  # end of the cosine decay
     warmup_steps: int = 20
     decay: str = "cosine"  # cosine | constant
+    # a DeepSpeed scheduler block {type: WarmupLR | WarmupDecayLR | WarmupCosineLR | OneCycle | LRRangeTest,
+    # params: {...}}, with DeepSpeed's meaning at every step; when set, it replaces warmup_steps / decay / min_lr
+    scheduler: Optional[Dict[str, Any]] = None
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -162,6 +165,10 @@ class OptimizerConfig:
     bucket_mb: float = 25.0  # ZeRO-2 reduce-scatter bucket size, in MB of gradients
     fused: str = "auto"  # auto | true | false: AdamW as one Triton kernel per bucket (pipekit.kernels.adamw);
     #                      auto: on where the master weights are CUDA float32
+    offload: str = "none"  # none | cpu | nvme: master weights and optimizer state in host memory (cpu) or in
+    #                        files under offload_dir (nvme, streamed a few buckets at a time); the step on the CPU
+    offload_dir: Optional[str] = None  # offload=nvme: the directory the state files go in (a fast local disk)
+    pin_memory: bool = True  # offload: page-locked host buffers for the device<->host copies (CUDA only)
 
 
 @dataclass
@@ -173,6 +180,7 @@ class Fp16Config:
     loss_scale_window: int = 1000  # clean steps before the scale doubles
     hysteresis: int = 2  # overflows tolerated before the scale halves
     min_loss_scale: float = 1.0  # the scale never goes below this
+    consecutive_hysteresis: bool = False  # true: a clean step restores the overflow tolerance (DeepSpeed's)
 
 
 @dataclass
@@ -274,7 +282,8 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 
 # The keys that name a path: an empty one (an unset shell variable) is refused, and so is a number or a boolean.
-PATH_KEYS = ("logging.out_dir", "checkpoint.dir", "train.resume", "data.source", "model.init", "schedule.module")
+PATH_KEYS = ("logging.out_dir", "checkpoint.dir", "train.resume", "data.source", "model.init", "schedule.module",
+             "optimizer.offload_dir")
 _BOOL_WORDS = ("optimizer.fused",)  # string keys whose values include true / false
 
 
@@ -534,6 +543,13 @@ def _check_optimizer(cfg: Config) -> None:
         raise ConfigError(f"optimizer.fused=true is fused AdamW, but optimizer.name={o.name}; "
                           "use optimizer.name=adamw, or optimizer.fused=auto or false")
     _rule(rules.check_clip, o.clip_grad_norm)
+    _check_choice("optimizer.offload", o.offload, ("none", "cpu", "nvme"))
+    if o.offload == "nvme" and not o.offload_dir:
+        raise ConfigError("optimizer.offload=nvme keeps the optimizer state in files: set optimizer.offload_dir to a "
+                          "directory on a fast local disk")
+    if o.offload != "none" and str(o.fused).lower() == "true":
+        raise ConfigError(f"optimizer.fused=true is the GPU kernel, but optimizer.offload={o.offload} steps on the "
+                          f"CPU; use optimizer.fused=auto or false with offload")
     _check_rules([
         ("optimizer.lr", o.lr, _finite(o.lr) and o.lr > 0, "a finite number > 0"),
         ("optimizer.min_lr", o.min_lr, _finite(o.min_lr) and 0 <= o.min_lr <= o.lr,
