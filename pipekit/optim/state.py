@@ -16,6 +16,9 @@ none: every rank is given the state of all its parameters and keeps its part.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,51 +29,74 @@ from .fsdp import gather_rows, own_rows
 from .stage import Stage
 
 PerParam = dict[nn.Parameter, dict[str, torch.Tensor]]
+Resident = Callable[[int], AbstractContextManager]
 
 
 def param_state(buckets: list[Bucket], inner: torch.optim.Optimizer | None, stage: Stage,
-                comm: Collectives) -> PerParam:
-    """The state of every parameter of `buckets` (module docstring); collective."""
+                comm: Collectives, resident: Resident = lambda bi: nullcontext()) -> PerParam:
+    """The state of every parameter of `buckets` (module docstring); collective. `resident(i)`:
+    a context manager holding bucket i's master part and state in memory (offload=nvme)."""
     per_param: PerParam = {p: {} for b in buckets for p in b.params}
     kinds = _state_kinds(buckets, inner, stage)
     for bi, b in enumerate(buckets):
-        pieces, state = _inner_of(inner, bi)
-        if b.shard_group is not None:
-            per_param[b.params[0]] = _shard_state(b, kinds, pieces, state)
-            continue
-        if not is_view_of(b.master, b.param_buf):
-            full = _gathered(b, b.master, stage, comm)
-            for p in b.params:
-                start, n = b.offsets[id(p)]
-                per_param[p]["master"] = full[start:start + n].view_as(p).clone()
-        for key, (scalar, dtype) in kinds.items():
-            flat, has = _entry_of(b, key, scalar, dtype, pieces, state)
-            full, present = _gathered(b, flat, stage, comm), _gathered(b, has, stage, comm)
-            for p in b.params:
-                start, n = b.offsets[id(p)]
-                if present[start:start + n].all():
-                    part = full[start:start + n]
-                    per_param[p][key] = part[0].clone() if scalar else part.view_as(p).clone()
+        with resident(bi):
+            _bucket_state(b, bi, inner, stage, comm, kinds, per_param)
     return per_param
 
 
+def _bucket_state(b: Bucket, bi: int, inner: torch.optim.Optimizer | None, stage: Stage, comm: Collectives,
+                  kinds: dict, per_param: PerParam) -> None:
+    """`param_state`'s entries of bucket `b` into `per_param`."""
+    pieces, state = _inner_of(inner, bi)
+    if b.shard_group is not None:
+        per_param[b.params[0]] = _shard_state(b, kinds, pieces, state)
+        return
+    if keeps_master(b):
+        full = _gathered(b, b.master, stage, comm)
+        for p in b.params:
+            start, n = b.offsets[id(p)]
+            per_param[p]["master"] = full[start:start + n].view_as(p).clone()
+    for key, (scalar, dtype) in kinds.items():
+        flat, has = _entry_of(b, key, scalar, dtype, pieces, state)
+        full, present = _gathered(b, flat, stage, comm), _gathered(b, has, stage, comm)
+        for p in b.params:
+            start, n = b.offsets[id(p)]
+            if present[start:start + n].all():
+                part = full[start:start + n]
+                per_param[p][key] = part[0].clone() if scalar else part.view_as(p).clone()
+
+
 def load_param_state(buckets: list[Bucket], inner: torch.optim.Optimizer | None, stage: Stage,
-                     per_param: PerParam) -> None:
+                     per_param: PerParam, resident: Resident = lambda bi: nullcontext()) -> None:
     """Load state in `param_state`'s form into any stage, dp size and bucketing (no
     communication). Master copies missing from `per_param` are taken from the parameters;
     a parameter without optimizer entries starts fresh."""
     for bi, b in enumerate(buckets):
         pieces, state = _inner_of(inner, bi)
-        if b.shard_group is not None:
-            _load_shard_state(b, per_param.get(b.params[0], {}), pieces, state)
-        else:
-            _load_flat_state(b, per_param, pieces, state, stage)
+        with resident(bi):
+            if b.shard_group is not None:
+                _load_shard_state(b, per_param.get(b.params[0], {}), pieces, state)
+            else:
+                _load_flat_state(b, per_param, pieces, state, stage)
+
+
+def keeps_master(b: Bucket) -> bool:
+    """Whether `b`'s master weights are a copy of their own in a checkpoint: in a wider dtype
+    than the parameters (a half-precision model). An offloaded float32 model's host master
+    equals its parameters after every step, so it is not saved (the checkpoint is the same
+    with offload and without)."""
+    return b.master.dtype != b.param_buf.dtype
+
+
+def _separate(b: Bucket) -> bool:
+    """Whether `b.master` is not the parameters' own storage (a wider copy, or offloaded)."""
+    return not is_view_of(b.master, b.param_buf)
 
 
 def _load_flat_state(b: Bucket, per_param: PerParam, pieces: list, state: dict, stage: Stage) -> None:
     """A flat bucket's part of `load_param_state`: each key laid out bucket-sized, this rank's
     part of it into its master or its pieces' state."""
-    separate = not is_view_of(b.master, b.param_buf)
+    separate, keeps = _separate(b), keeps_master(b)
     owned = stage.owned(b, b.param_buf)
     keys = sorted(set().union(*(per_param.get(p, {}).keys() for p in b.params)))
     for key in keys:
@@ -83,7 +109,7 @@ def _load_flat_state(b: Bucket, per_param: PerParam, pieces: list, state: dict, 
                 full[start:start + n] = value.reshape(-1) if value.numel() == n else value
         mine = stage.owned(b, full)
         if key == "master":
-            if separate:
+            if keeps:
                 b.master.copy_(mine)
             continue
         for piece, (a, e, p) in zip(pieces, b.pieces):
@@ -91,7 +117,7 @@ def _load_flat_state(b: Bucket, per_param: PerParam, pieces: list, state: dict, 
             if given is not None:
                 scalar = given.dim() == 0 and p.dim() > 0
                 state[piece][key] = mine[a].clone() if scalar else mine[a:e].view_as(piece).clone()
-    if separate and "master" not in keys:
+    if separate and not (keeps and "master" in keys):
         b.master.copy_(owned)
 
 
@@ -99,7 +125,7 @@ def _shard_state(b: Bucket, kinds: dict, pieces: list, state: dict) -> dict[str,
     """Stage 3: `param_state`'s entries of a sharded parameter, gathered over its dp group
     (FSDP's dim-0 shards), shaped as the whole parameter (this rank's tp shard of it)."""
     p, out = b.params[0], {}
-    if not is_view_of(b.master, b.param_buf):
+    if keeps_master(b):
         out["master"] = gather_rows(b.master, p.shape, b.shard_group).clone()
     for key, (scalar, dtype) in kinds.items():
         flat, has = _entry_of(b, key, scalar, dtype, pieces, state)
@@ -116,13 +142,13 @@ def _load_shard_state(b: Bucket, given: dict[str, torch.Tensor], pieces: list, s
         scalar = value.dim() == 0 and p.dim() > 0
         mine = value.to(b.master.device) if scalar else own_rows(value.to(b.master.device), b.shard_group)
         if key == "master":
-            if not is_view_of(b.master, b.param_buf):
+            if keeps_master(b):
                 b.master.copy_(mine.reshape(-1))
             continue
         flat = mine if scalar else mine.reshape(-1)
         for piece, (a, e, _) in zip(pieces, b.pieces):
             state[piece][key] = flat.clone() if scalar else flat[a:e].view_as(piece).clone()
-    if "master" not in given and not is_view_of(b.master, b.param_buf):
+    if _separate(b) and not ("master" in given and keeps_master(b)):
         b.master.copy_(b.param_buf)
 
 

@@ -41,18 +41,22 @@ class Updater:
     """The phases of the step over this rank's buckets (module docstring)."""
 
     def __init__(self, buckets: list[Bucket], stage: Stage, comm: Collectives, module: Any, *,
-                 topology: Topology | None, master_dtype: torch.dtype, fused: bool, bucket_numel: int):
+                 topology: Topology | None, master_dtype: torch.dtype, fused: bool, bucket_numel: int,
+                 offloaded: bool = False):
         self.buckets, self.stage, self.comm, self.module = buckets, stage, comm, module
         self.topology = topology  # a PipelineModule's; None for a plain module (no pp or tp)
         self.master_dtype, self.fused, self.bucket_numel = master_dtype, fused, bucket_numel
+        self.offloaded = offloaded  # masters on the host (offload.py): gradients stay on the device here
+        self.current: list[torch.Tensor] = []  # this step's gradients, one per bucket (`grads`)
 
     def device(self) -> torch.device:
         return state_device(self.buckets, self.topology)
 
     def grads(self, owned_grad: Callable[[Bucket], torch.Tensor],
               loss_scale: float) -> tuple[list[torch.Tensor], list[float]]:
-        """Each bucket's owned gradient in the master dtype, set as its master's `.grad`,
-        unscaled (not when fused: the update does it), and the unscale factors."""
+        """Each bucket's owned gradient in the master dtype, set as its master's `.grad` (not
+        where the master is offloaded to the host: the gradient stays on the device until the
+        step), unscaled (not when fused: the update does it), and the unscale factors."""
         grads, unscales = [], []
         for b in self.buckets:
             g = owned_grad(b)
@@ -60,11 +64,14 @@ class Updater:
             unscales.append(1.0 / (b.dp_size * size(b.ep_group) * loss_scale))  # experts: over ep tokens too
             if not self.fused:
                 g.mul_(unscales[-1])
-            b.master.grad = g
+            if not self.offloaded:
+                b.master.grad = g
             grads.append(g)
+        self.current = grads
         return grads, unscales
 
     def drop_grads(self) -> None:
+        self.current = []
         for b in self.buckets:
             b.master.grad = None
 
@@ -73,11 +80,10 @@ class Updater:
         device (module docstring)."""
         device = self.device()
         by_group: dict[Any, torch.Tensor] = {}
-        for b in self.buckets:
+        assert len(self.current) == len(self.buckets)  # set by `grads` before the norm
+        for b, g in zip(self.buckets, self.current):
             key = (self.stage.split_over(b), b.ep_group)
             part = by_group.setdefault(key, torch.zeros((), dtype=torch.float64, device=device))
-            g = b.master.grad
-            assert g is not None  # set by `grads` before the norm
             first = self.stage.first(b)  # where this rank's gradient starts in the bucket
             for start, end in b.counted_ranges:
                 lo, hi = max(start, first), min(end, first + g.numel())
@@ -138,25 +144,27 @@ class Updater:
                 piece.grad = None
 
     # ---- share: master weights into the parameters --------------------------------
-    def share_params(self) -> None:
-        """Write the updated master weights into the model's parameters; where the stage
-        shards them, all-gather them: a big bucket straight into its buffer, the owned shards
-        of small ones packed into one message of up to a bucket's size (on gloo the number of
-        collectives, not their size, dominates)."""
-        pending = [self._gather(group, run) for group, runs in self._write_masters().items() for run in runs if run]
+    def share_params(self, written: bool = False) -> None:
+        """Write the updated master weights into the model's parameters (`written`: the
+        offloaded step has done so, bucket by bucket); where the stage shards them, all-gather
+        them: a big bucket straight into its buffer, the owned shards of small ones packed
+        into one message of up to a bucket's size (on gloo the number of collectives, not
+        their size, dominates)."""
+        pending = [self._gather(group, run) for group, runs in self._write_masters(written).items()
+                   for run in runs if run]
         for works, message, run in pending:
             for w in works:
                 w.wait()
             if message is not None:
                 _unpack(message, run)
 
-    def _write_masters(self) -> dict[Any, list[list[Bucket]]]:
+    def _write_masters(self, written: bool) -> dict[Any, list[list[Bucket]]]:
         """Copy each master into its owned part of the parameters (where it is not that part
-        itself); {dp group: runs of buckets to all-gather together}."""
+        itself, nor `written`); {dp group: runs of buckets to all-gather together}."""
         packs: dict[Any, list[list[Bucket]]] = {}
         for b in self.buckets:
             owned = self.stage.owned(b, b.param_buf)
-            if owned.data_ptr() != b.master.data_ptr():
+            if not written and owned.data_ptr() != b.master.data_ptr():
                 owned.copy_(b.master)
             if self.stage.shards_master and b.dp_group is not None:
                 runs = packs.setdefault(b.dp_group, [[]])

@@ -99,8 +99,10 @@ that received no tokens) is skipped by the wrapped optimizer, as torch's skip a
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -115,6 +117,7 @@ from .collectives import is_gloo as _is_gloo  # looked up here when an optimizer
 from .finite import Marks, Skip
 from .fsdp import autograd_params, gathered_for, reduce_gradients, shard_groups
 from .hyper import OPTIMIZERS, check_hyper, choose_fused, fused_by_default, optimizer_class, param_groups
+from .offload import Offload, check_offload
 from .reducer import Reducer
 from .scaler import LossScaler
 from .stage import Stage
@@ -157,6 +160,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         reshard_after_forward: stage 3: free a layer's gathered parameters after each
             forward (gathered again for its backward) instead of keeping them to the end of
             the step.
+        offload: "none", "cpu" (master weights and optimizer state in host memory, the step
+            on the CPU) or "nvme" (in files under `offload_dir`, a few buckets in memory at
+            a time); `pipekit.optim.offload`. `pin_memory`: page-locked host buffers (CUDA).
         **defaults: the wrapped optimizer's hyperparameters (lr, betas, ...).
     """
 
@@ -164,7 +170,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  master_dtype: torch.dtype | None = None, grad_dtype: torch.dtype | None = None,
                  bucket_mb: float = 25.0, clip_grad_norm: float | None = None,
                  loss_scaler: LossScaler | None = None, module: nn.Module | None = None, max_inflight: int = 2,
-                 fused: bool | str = False, reshard_after_forward: bool = False, **defaults):
+                 fused: bool | str = False, reshard_after_forward: bool = False, offload: str = "none",
+                 offload_dir: str | None = None, pin_memory: bool = True, **defaults):
         if params is None or isinstance(params, (str, torch.Tensor)):
             raise TypeError(f"ZeroOptimizer takes the parameters to train (module.parameters(), a PipelineModule, "
                             f"or param groups), got {type(params).__name__}")
@@ -193,19 +200,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.max_inflight = max_inflight
         self.default_dp_group = dp_group
         device = all_params[0].device if all_params else topology_device(self.topology)
-        self.fused = choose_fused(fused, optimizer, self.master_dtype, device)
+        check_offload(offload, offload_dir)
+        if offload != "none" and fused is True:
+            raise ValueError(f"fused=True is the device kernel, but offload={offload!r} steps on the CPU; use "
+                             f"fused=False (or 'auto') with offload")
+        # offloaded, the step runs on the host: "auto" answers for the CPU
+        self.fused = choose_fused(fused, optimizer, self.master_dtype,
+                                  device if offload == "none" else torch.device("cpu"))
         self._grad_norm: torch.Tensor | None = None  # the last step's, on the device until read
         self.last_skip: Skip | None = None  # why the last step was skipped (None: it was not)
         layout = Layout(self.sharding, self.bucket_numel, grad_dtype=self.grad_dtype, master_dtype=self.master_dtype,
                         fused=self.fused, module=self.module, topology=self.topology, default_dp_group=dp_group)
         self.buckets = make_buckets(self.param_groups, layout)
+        self.offload = (Offload(offload, self.buckets, self.sharding, offload_dir=offload_dir, pin_memory=pin_memory)
+                        if offload != "none" else None)
         self.inner = self._make_inner()
+        if self.offload is not None:
+            self.offload.attach(self.inner)
         comm = Collectives(_is_gloo)
         self._reducer = Reducer(self.buckets, self.sharding, comm, grad_dtype=self.grad_dtype,
                                 max_inflight=max_inflight, module=self.module, topology=self.topology,
                                 fsdp_reduces=bool(self.sharded_layers), hook=self._on_grad)
         self._updater = Updater(self.buckets, self.sharding, comm, self.module, topology=self.topology,
-                                master_dtype=self.master_dtype, fused=self.fused, bucket_numel=self.bucket_numel)
+                                master_dtype=self.master_dtype, fused=self.fused, bucket_numel=self.bucket_numel,
+                                offloaded=self.offload is not None)
         self._comm = comm
         self._superseded_by: str | None = None
         self._take_parameters()
@@ -380,10 +398,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         and grad_scales)."""
         assert self.inner is not None
         touched = self._updater.touched_anywhere(self._reducer.touched)
+        if self.offload is not None:
+            self.offload.step(grads, touched, self._hyper)  # and each master into the parameters
+            return
         self._updater.inner_step(self.inner, grads, touched, self._hyper, **fused)
 
     def _finish_step(self) -> None:
-        self._updater.share_params()
+        self._updater.share_params(written=self.offload is not None and self.inner is not None)
         self._updater.drop_grads()  # a converted (bf16 -> fp32) gradient copy is not kept between steps
 
     def _fused_step(self, grads: list[torch.Tensor], unscales: list[float], marks: Marks) -> None:
@@ -436,8 +457,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return self._reducer.full_grad(p)
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients, master weights and optimizer state.
-        Stage 2's gradients include the largest set of buckets in flight seen so far."""
+        """Bytes this rank holds on its device for parameters, gradients, master weights and
+        optimizer state. Stage 2's gradients include the largest set of buckets in flight seen
+        so far. Offloaded, master weights and state are not on the device: "host" and "disk"
+        say what the offload holds (host: what is in memory now; on a CPU-only run that is the
+        same memory as the device's)."""
         def nbytes(t):
             return t.numel() * t.element_size() if t is not None else 0
 
@@ -446,6 +470,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = sum(nbytes(b.grad_shard) if shards_grads else nbytes(b.grad_buf) for b in self.buckets)
         if shards_grads:
             grads += self.peak_inflight_bytes
+        if self.offload is not None:
+            return {"params": params, "grads": grads, "master": 0, "optimizer_state": 0,
+                    "host": self.offload.host_bytes(), "disk": self.offload.disk_bytes()}
         master = sum(nbytes(b.master) for b in self.buckets if not is_view_of(b.master, b.param_buf))
         state = 0
         if self.inner is not None:
@@ -460,7 +487,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         {param: {"exp_avg": ..., "exp_avg_sq": ..., "step": ..., "master": ...}}
         (`pipekit.optim.state`). Collective over each bucket's dp group where the stage
         shards (a transient full copy of one bucket's state at a time)."""
-        return param_state(self.buckets, self.inner, self.sharding, self._comm)
+        return param_state(self.buckets, self.inner, self.sharding, self._comm, resident=self._resident)
 
     @torch.no_grad()
     def load_param_state(self, per_param: dict[nn.Parameter, dict[str, torch.Tensor]]) -> None:
@@ -468,21 +495,29 @@ class ZeroOptimizer(torch.optim.Optimizer):
         communication: every rank is given the state of all its parameters). Call after
         the model's weights are loaded: master copies missing from `per_param` are taken
         from the parameters; a parameter without optimizer entries starts fresh."""
-        load_param_state(self.buckets, self.inner, self.sharding, per_param)
+        load_param_state(self.buckets, self.inner, self.sharding, per_param, resident=self._resident)
+
+    def _resident(self, bi: int):
+        """Bucket `bi`'s master part and state in memory inside the block (offload=nvme pages it)."""
+        return self.offload.resident(bi) if self.offload is not None else nullcontext()
 
     def state_dict(self) -> dict:
-        return {"inner": self.inner.state_dict() if self.inner else None,
-                "masters": [b.master.clone() for b in self.buckets],
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
-                "param_groups": [self._hyper(i) for i in range(len(self.param_groups))]}
+        with self.offload.all_resident() if self.offload is not None else nullcontext():
+            inner = self.inner.state_dict() if self.inner else None
+            if self.offload is not None and self.offload.kind == "nvme":
+                inner = copy.deepcopy(inner)  # its tensors' storages are freed when the buckets go out
+            return {"inner": inner, "masters": [b.master.clone() for b in self.buckets],
+                    "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else None,
+                    "param_groups": [self._hyper(i) for i in range(len(self.param_groups))]}
 
     def load_state_dict(self, state: dict) -> None:
         """Load a state saved by the same layout (layout-free checkpoints: `load_param_state`)."""
-        if self.inner is not None:
-            self.inner.load_state_dict(state["inner"])
-        for b, m in zip(self.buckets, state["masters"]):
-            b.master.copy_(m)
-        self._updater.share_params()
+        with self.offload.all_resident() if self.offload is not None else nullcontext():
+            if self.inner is not None:
+                self.inner.load_state_dict(state["inner"])
+            for b, m in zip(self.buckets, state["masters"]):
+                b.master.copy_(m)
+            self._updater.share_params()
         if self.loss_scaler is not None and state.get("loss_scaler"):
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         for g, h in zip(self.param_groups, state["param_groups"]):

@@ -1,0 +1,258 @@
+"""Offload: master weights and optimizer state in host memory (`cpu`) or in files (`nvme`).
+
+ZeRO-Offload and ZeRO-Infinity's idea, over pipekit's buckets (buckets.py). With offload on,
+each bucket's master part is a host tensor of its own (not a view of the parameters, even
+for a float32 model), the wrapped optimizer is built over pieces of those host tensors, and
+its step runs on the CPU, one bucket at a time:
+
+    gradient    the bucket's reduced, unscaled and clipped gradient (on the device, where
+                the norm and the non-finite check were made as without offload) is copied
+                into a host buffer: pinned and asynchronous on CUDA, one buffer per bucket
+                for `cpu` (the gradient shards live on the host), two in turn for `nvme`
+    step        the wrapped optimizer steps that bucket's pieces only (the others have no
+                `.grad` at that moment, so torch's optimizers pass them by): the same
+                per-element arithmetic as one step over all of them
+    back        the updated master part is copied into the parameters' owned part on the
+                device (pinned: asynchronous); the all-gather of ZeRO 1/2 follows as before
+
+`nvme` also pages each bucket out after its step: its master part and every per-element
+optimizer entry (gathered into one flat host tensor per key, of which each piece's entry is
+a view) are written to `offload_dir/<rank dir>/bucket<i>.bin` and their storages freed
+(resized to 0 bytes: the tensors and the optimizer's references to them stay valid). The
+step reads bucket i + 1 in a background thread while bucket i steps and writes bucket i − 1
+behind it, so at most three buckets are resident at once: host memory is bounded by a few
+buckets, not by the model. Scalar entries (a step count) stay in memory. Anything that reads
+the state (checkpoints, `state_dict`) takes one bucket in at a time (`resident`).
+
+On a CPU-only run `cpu` offload holds the same memory as none (host and device are one), but
+every copy, buffer and step above is the one a GPU run makes, so it is tested here.
+
+Not here (yet): the step of one pipeline stage starting while other stages are still in
+their cooldown, and offloading the gradient shards of ZeRO-2/3 as they are reduced (they are
+reduced on the device, then copied at the step).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .buckets import Bucket
+from .stage import Stage
+
+OFFLOADS = ("none", "cpu", "nvme")
+
+
+def check_offload(offload: str, offload_dir: str | None) -> None:
+    """ValueError naming the value when `offload` is not one of OFFLOADS, or nvme has no directory."""
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload={offload!r} is not one of {list(OFFLOADS)}")
+    if offload == "nvme" and not offload_dir:
+        raise ValueError("offload='nvme' keeps the optimizer state in files: give offload_dir (a directory on a "
+                         "fast local disk)")
+
+
+class Offload:
+    """The host (and disk) side of the buckets' master weights and optimizer state (module
+    docstring). Made by `ZeroOptimizer(offload=...)` before the wrapped optimizer, which is
+    built over the host master parts; `attach` gives it that optimizer."""
+
+    def __init__(self, kind: str, buckets: list[Bucket], stage: Stage, *, offload_dir: str | None = None,
+                 pin_memory: bool = True):
+        check_offload(kind, offload_dir)
+        assert kind != "none"
+        self.kind, self.buckets, self.stage = kind, buckets, stage
+        device = next((b.param_buf.device for b in buckets), torch.device("cpu"))
+        self.pinned = pin_memory and device.type == "cuda" and kind == "cpu"  # nvme pages its storages: pageable
+        for b in buckets:  # the master part, a host tensor of its own
+            b.master = torch.empty(b.master.shape, dtype=b.master.dtype, pin_memory=self.pinned).copy_(b.master)
+        self.host_grads: list[torch.Tensor | None] = [None] * len(buckets)  # cpu: one per bucket, kept
+        self.inner: torch.optim.Optimizer | None = None
+        self.flats: list[dict[str, torch.Tensor]] = [{} for _ in buckets]  # nvme: per-element entries, flat
+        self.resident_now: set[int] = set(range(len(buckets)))
+        self.peak_resident = 0
+        self.directory: str | None = None
+        self._io: ThreadPoolExecutor | None = None
+        if kind == "nvme":
+            assert offload_dir is not None
+            os.makedirs(offload_dir, exist_ok=True)
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            self.directory = tempfile.mkdtemp(prefix=f"pipekit-offload-rank{rank}-", dir=offload_dir)
+            weakref.finalize(self, shutil.rmtree, self.directory, True)
+            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipekit-offload")
+
+    def attach(self, inner: torch.optim.Optimizer | None) -> None:
+        """The wrapped optimizer, built over the host master parts; nvme then writes every
+        bucket out."""
+        self.inner = inner
+        if self.kind == "nvme":
+            for bi in range(len(self.buckets)):
+                self._page_out(bi)
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self, grads: list[torch.Tensor], touched: set[int], hyper: Callable[[int], dict]) -> None:
+        """The wrapped optimizer's step, bucket by bucket on the host (module docstring); each
+        bucket's updated master part is copied into the parameters' owned part."""
+        inner = self.inner
+        assert inner is not None
+        order = [bi for bi, b in enumerate(self.buckets) if b.pieces]
+        reading: dict[int, Future] = {}
+        if order and self.kind == "nvme":
+            reading[order[0]] = self._submit(self._page_in, order[0])
+        for n, bi in enumerate(order):
+            b, group = self.buckets[bi], inner.param_groups[bi]
+            if self.kind == "nvme":
+                if n + 1 < len(order):  # read the next bucket while this one steps
+                    reading[order[n + 1]] = self._submit(self._page_in, order[n + 1])
+                reading.pop(bi).result()
+            host_grad = self._host_grad(bi, grads[bi])
+            group.update(hyper(b.group_index))
+            for piece, (a, e, p) in zip(group["params"], b.pieces):
+                piece.grad = host_grad[a:e] if id(p) in touched else None
+            inner.step()  # only this bucket's pieces have a .grad: the others are passed by
+            for piece in group["params"]:
+                piece.grad = None
+            owned = self.stage.owned(b, b.param_buf)
+            owned.copy_(b.master, non_blocking=self.pinned)
+            if self.kind == "nvme":
+                self._submit(self._page_out, bi)  # written behind the next bucket's step
+        if self._io is not None:
+            self._io.submit(lambda: None).result()  # every write done: state on disk, storages freed
+        if self.pinned:
+            torch.cuda.current_stream().synchronize()  # the host buffers are reused at the next step
+
+    def _host_grad(self, bi: int, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` (the device's, unscaled and clipped) in a host buffer: bucket `bi`'s own (cpu),
+        or a fresh one freed after the step (nvme)."""
+        buf = self.host_grads[bi]
+        if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
+            buf = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pinned)
+            if self.kind == "cpu":
+                self.host_grads[bi] = buf
+        buf.copy_(grad, non_blocking=self.pinned)
+        if self.pinned:
+            torch.cuda.current_stream().synchronize()  # the copy lands before the CPU reads it
+        return buf
+
+    # ---- nvme: paging ---------------------------------------------------------------------
+    @contextmanager
+    def resident(self, bi: int) -> Iterator[None]:
+        """Bucket `bi`'s master part and optimizer state in memory inside the block (nvme: read
+        in, and written out again after; cpu: always)."""
+        if self.kind != "nvme":
+            yield
+            return
+        self._submit(self._page_in, bi).result()
+        try:
+            yield
+        finally:
+            self._submit(self._page_out, bi).result()
+
+    @contextmanager
+    def all_resident(self) -> Iterator[None]:
+        """Every bucket in memory inside the block (a same-layout `state_dict`: as much host
+        memory as `cpu` offload, for that moment)."""
+        if self.kind != "nvme":
+            yield
+            return
+        for bi in range(len(self.buckets)):
+            self._submit(self._page_in, bi).result()
+        try:
+            yield
+        finally:
+            for bi in range(len(self.buckets)):
+                self._submit(self._page_out, bi).result()
+
+    def _submit(self, fn: Callable[[int], None], bi: int) -> Future:
+        assert self._io is not None
+        return self._io.submit(fn, bi)
+
+    def _tensors(self, bi: int) -> list[torch.Tensor]:
+        flats = self.flats[bi]
+        return [self.buckets[bi].master] + [flats[k] for k in sorted(flats)]
+
+    def _path(self, bi: int) -> str:
+        assert self.directory is not None
+        return os.path.join(self.directory, f"bucket{bi}.bin")
+
+    def _page_in(self, bi: int) -> None:
+        if bi in self.resident_now:
+            return
+        tensors = self._tensors(bi)
+        for t in tensors:
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+        with open(self._path(bi), "rb") as f:
+            for t in tensors:
+                if t.numel():
+                    f.readinto(_bytes_of(t))
+        self.resident_now.add(bi)
+        self.peak_resident = max(self.peak_resident, len(self.resident_now))
+
+    def _page_out(self, bi: int) -> None:
+        """Gather bucket `bi`'s per-element optimizer entries into its flat tensors (an entry
+        made since, at a first step or a load, is copied in and becomes a view), write the
+        master part and the flats to its file, and free their storages."""
+        if bi not in self.resident_now:
+            return
+        self._gather_state(bi)
+        tensors = self._tensors(bi)
+        path = self._path(bi)
+        with open(path + ".tmp", "wb") as f:
+            for t in tensors:
+                if t.numel():
+                    f.write(_bytes_of(t))
+        os.replace(path + ".tmp", path)
+        for t in tensors:
+            t.untyped_storage().resize_(0)
+        self.resident_now.discard(bi)
+
+    def _gather_state(self, bi: int) -> None:
+        inner = self.inner
+        if inner is None:
+            return
+        b, flats = self.buckets[bi], self.flats[bi]
+        for piece, (a, e, _) in zip(inner.param_groups[bi]["params"], b.pieces):
+            state: dict[str, Any] = inner.state.get(piece, {})
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor) or value.shape != piece.shape:
+                    continue  # a scalar (the step count) stays in memory
+                flat = flats.get(key)
+                if flat is None:
+                    flat = flats[key] = torch.zeros(b.master.numel(), dtype=value.dtype)
+                part = flat[a:e]
+                if value.data_ptr() != part.data_ptr() or value.untyped_storage().data_ptr() != \
+                        flat.untyped_storage().data_ptr():
+                    part.copy_(value.reshape(-1))
+                    state[key] = part.view_as(piece)
+
+    # ---- accounting -------------------------------------------------------------------
+    def host_bytes(self) -> int:
+        """Bytes of master weights, optimizer state and gradient buffers held in host memory now."""
+        total = sum(t.untyped_storage().nbytes() for bi in range(len(self.buckets)) for t in self._tensors(bi))
+        total += sum(g.numel() * g.element_size() for g in self.host_grads if g is not None)
+        if self.kind == "cpu" and self.inner is not None:
+            total += sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
+                         if isinstance(v, torch.Tensor) and v.numel() > 1)
+        return total
+
+    def disk_bytes(self) -> int:
+        if self.directory is None:
+            return 0
+        return sum(os.path.getsize(os.path.join(self.directory, f)) for f in os.listdir(self.directory))
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous host tensor `t`, writable, without going through numpy (which
+    would mark its storage as not resizable: `_page_out` frees it by resizing)."""
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
