@@ -306,19 +306,20 @@ def _storage_bytes(tensors) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}.values())
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision, offload", [("fp32", "none"), ("bf16", "none"), ("bf16", "cpu")])
 @pytest.mark.parametrize("case", sorted(FINETUNES))
-def test_a_fine_tuned_run_holds_the_planned_state_bytes(case, precision):
+def test_a_fine_tuned_run_holds_the_planned_state_bytes(case, precision, offload):
     """Llama small, one process, AdamW, built by `pipekit train`'s own `build` and trained one
     step: the parameters' storages (frozen weights and the optimizer's flat buffer), the gradient
     buffers, the master weights and the moments equal the plan's components byte for byte; no
-    frozen weight has a gradient or optimizer state."""
+    frozen weight has a gradient or optimizer state. Offloaded (`optimizer.offload=cpu`), the
+    device holds no master weights or moments, in the plan as in the optimizer."""
     from pipekit.models import model_vocab, synthetic_batches
     from pipekit.run.loop import build
     from pipekit.topology import Topology
 
     run = load_run(LLAMA, [*LLAMA_SMALL, "parallel.pp=1", "schedule.microbatches=2", f"train.precision={precision}",
-                           *FINETUNES[case]])
+                           f"optimizer.offload={offload}", *FINETUNES[case]])
     engine = build(run, Topology(alone=True))
     engine.train_batch(next(synthetic_batches(model_vocab(run.model), 4, run.config.train.seq_len, seed=0)))
     params = list(engine.module.parameters())
@@ -332,7 +333,8 @@ def test_a_fine_tuned_run_holds_the_planned_state_bytes(case, precision):
     assert (mem.params, mem.grads, mem.master, mem.optimizer) == (
         _storage_bytes(params), real["grads"], real["master"], real["optimizer_state"])
     trained = sum(p.numel() for p in params if p.requires_grad)
-    assert mem.grads == run.precision.reduce_dtype.itemsize * trained and (mem.master > 0) == (precision == "bf16")
+    assert mem.grads == run.precision.reduce_dtype.itemsize * trained
+    assert (mem.master > 0) == (precision == "bf16" and offload == "none") and (mem.optimizer > 0) == (offload == "none")
 
 
 def test_adapters_are_the_trained_parameters_of_an_adapted_block():

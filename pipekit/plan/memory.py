@@ -222,7 +222,9 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
     holds gathered whole at once. Stage 3 also holds the step's gradients whole, in the reduce
     dtype, until the step's reduce-scatter. A group sharded over one rank (dp=1, or edp=1 for
     experts) is whole already: nothing is gathered and its gradients are the `grads`
-    component. Frozen parameters: their weights, whole, and nothing else."""
+    component. Frozen parameters: their weights, whole, and nothing else. With
+    `optimizer.offload` (cpu, nvme) the master weights and optimizer state are not on the
+    device: they count nothing here."""
     policy, o = run.precision, run.config.optimizer
     width, grad = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
     master = policy.master_dtype.itemsize if policy.mixed else 0
@@ -233,8 +235,9 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
                              (params.expert, run.dp // run.ep, gathered_params.expert)):
         mem.params += n * width / (shards if zero >= 3 else 1)
         mem.grads += n * grad / (shards if zero >= 2 else 1)
-        mem.master += n * master / (shards if zero >= 1 else 1)
-        mem.optimizer += n * moments / (shards if zero >= 1 else 1)
+        on_device = o.offload == "none"
+        mem.master += on_device * n * master / (shards if zero >= 1 else 1)
+        mem.optimizer += on_device * n * moments / (shards if zero >= 1 else 1)
         if zero >= 3 and shards > 1:
             mem.gathered += whole * width
             mem.unsharded_grads += n * grad
