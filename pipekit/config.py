@@ -32,7 +32,7 @@ import re
 import sys
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Optional, cast
+from typing import Any, Optional, cast
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -41,6 +41,7 @@ from . import rules
 from .kernels import dispatch as kernel_dispatch
 from .models import FAMILIES, config_from_dict, get_model, model_keys, model_specs, model_vocab
 from .optim.factory import FUSED
+from .optim.lr import check_scheduler
 from .partition import check_boundaries, layer_weights
 from .precision import PRECISION_NAMES, Precision, precision_policy
 from .schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, load_schedule
@@ -150,7 +151,7 @@ class OptimizerConfig:
     decay: str = "cosine"  # cosine | constant
     # a DeepSpeed scheduler block {type: WarmupLR | WarmupDecayLR | WarmupCosineLR | OneCycle | LRRangeTest,
     # params: {...}}, with DeepSpeed's meaning at every step; when set, it replaces warmup_steps / decay / min_lr
-    scheduler: Optional[Dict[str, Any]] = None
+    scheduler: Optional[dict[str, Any]] = None
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -543,6 +544,7 @@ def _check_optimizer(cfg: Config) -> None:
         raise ConfigError(f"optimizer.fused=true is fused AdamW, but optimizer.name={o.name}; "
                           "use optimizer.name=adamw, or optimizer.fused=auto or false")
     _rule(rules.check_clip, o.clip_grad_norm)
+    _rule_env(lambda: check_scheduler(o.scheduler))
     _check_choice("optimizer.offload", o.offload, ("none", "cpu", "nvme"))
     if o.offload == "nvme" and not o.offload_dir:
         raise ConfigError("optimizer.offload=nvme keeps the optimizer state in files: set optimizer.offload_dir to a "

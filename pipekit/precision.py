@@ -41,6 +41,7 @@ class LossScaling:
     scale_window: int = 1000  # clean steps before the scale doubles
     hysteresis: int = 2  # overflows tolerated before the scale halves
     min_scale: float = 1.0
+    consecutive_hysteresis: bool = False  # a clean step restores the tolerance (else only a doubling does)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def _loss_scaling(fp16) -> LossScaling:
         return LossScaling()
     return LossScaling(static_scale=fp16.loss_scale or None, initial_scale_power=fp16.initial_scale_power,
                        scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-                       min_scale=fp16.min_loss_scale)
+                       min_scale=fp16.min_loss_scale, consecutive_hysteresis=fp16.consecutive_hysteresis)
 
 
 @contextmanager

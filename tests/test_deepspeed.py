@@ -1,6 +1,7 @@
 """A DeepSpeed ds_config.json read as pipekit overrides (pipekit/run/deepspeed.py): DeepSpeed's
 batch rule, optimizer defaults and precision keys; typos and what is not mapped yet refused in
-one line; keys without effect noted. Parity against DeepSpeed's own engine is not tested yet."""
+one line; keys without effect noted. The schedulers and the loss scale against DeepSpeed's own:
+tests/test_lr_schedules.py."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ def test_optimizers_take_deepspeeds_defaults_and_no_scheduler_is_a_constant_lr()
                  "optimizer.decay=constant", "optimizer.clip_grad_norm=null", "optimizer.zero_stage=0",
                  "train.precision=fp32"):
         assert want in overrides, (want, overrides)
+    assert "optimizer.scheduler=null" in overrides
+    block = {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10}}
+    scheduled, _ = from_deepspeed({"scheduler": block}, 1)
+    assert load_config(str(ROOT / "configs/toy.yaml"), scheduled).optimizer.scheduler == block
     torch_adamw, _ = from_deepspeed({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}, 1)
     assert "optimizer.weight_decay=0.01" in torch_adamw  # torch.optim.AdamW's default, not FusedAdam's
     forced, _ = from_deepspeed({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": False,
@@ -50,9 +55,12 @@ def test_optimizers_take_deepspeeds_defaults_and_no_scheduler_is_a_constant_lr()
 
 def test_precision_keys():
     fp16, _ = from_deepspeed({"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
-                                       "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 2}}, 1)
+                                       "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 2,
+                                       "consecutive_hysteresis": True}, "zero_optimization": {"stage": 2}}, 1)
     assert {"train.precision=fp16", "fp16.loss_scale=0", "fp16.initial_scale_power=12", "fp16.loss_scale_window=500",
-            "fp16.hysteresis=3", "fp16.min_loss_scale=2"} <= set(fp16)
+            "fp16.hysteresis=3", "fp16.min_loss_scale=2", "fp16.consecutive_hysteresis=true"} <= set(fp16)
+    stage0, _ = from_deepspeed({"fp16": {"enabled": True, "hysteresis": 3}}, 1)
+    assert "fp16.hysteresis=1" in stage0  # DeepSpeed's stage-0 fp16 optimizer has no hysteresis
     assert "train.precision=bf16" in from_deepspeed({"bf16": {"enabled": True}}, 1)[0]
 
 
@@ -64,8 +72,12 @@ def test_precision_keys():
     ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2},
      "train_batch_size=10 is not train_micro_batch_size_per_gpu * gradient_accumulation_steps * dp = 2 * 2 * 2 = 8"),
     ({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2}, "is not a multiple of"),
-    ({"scheduler": {"type": "WarmupLR", "params": {}}}, "scheduler 'WarmupLR' is not mapped onto pipekit's LR"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload is not in pipekit yet"),
+    ({"scheduler": {"type": "WarmupLRR", "params": {}}}, "ds_config scheduler.type='WarmupLRR' is not a DeepSpeed "
+                                                         "scheduler pipekit runs; did you mean WarmupLR?"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "does not offload the parameters"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memroy": True}}}, "did you mean pin_memory?"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "device=nvme needs nvme_path"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, "ratio=0.3"),
     ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}}, "(L2)"),
     ({"optimizer": {"type": "Lamb"}}, "optimizer type 'Lamb' is not one pipekit runs"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "enables both fp16 and bf16"),

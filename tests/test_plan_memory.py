@@ -334,7 +334,8 @@ def test_a_fine_tuned_run_holds_the_planned_state_bytes(case, precision, offload
         _storage_bytes(params), real["grads"], real["master"], real["optimizer_state"])
     trained = sum(p.numel() for p in params if p.requires_grad)
     assert mem.grads == run.precision.reduce_dtype.itemsize * trained
-    assert (mem.master > 0) == (precision == "bf16" and offload == "none") and (mem.optimizer > 0) == (offload == "none")
+    on_device = offload == "none"
+    assert (mem.master > 0) == (precision == "bf16" and on_device) and (mem.optimizer > 0) == on_device
 
 
 def test_adapters_are_the_trained_parameters_of_an_adapted_block():

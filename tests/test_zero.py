@@ -302,6 +302,8 @@ def test_loss_scaler_follows_deepspeed_hysteresis_and_window():
     assert s.scale == 4
     for _ in range(3):
         s.update(False)
+    assert s.scale == 4  # DeepSpeed's window: 3 clean steps in a row, then it doubles on the next clean one
+    s.update(False)
     assert s.scale == 8 and s.tolerance == 2
     for _ in range(5):
         s.update(True)

@@ -6,7 +6,9 @@ groups of their own, reduced over their expert-data-parallel group) and wraps
 them in a `ZeroOptimizer` at `optimizer.zero_stage`, with the precision
 policy's master and reduce dtypes and, for fp16, its loss scaler; `optimizer.fused` picks fused
 AdamW (pipekit.kernels.adamw; "auto": on for CUDA float32 master weights).
-`lr_lambda(optimizer_cfg, steps)` is the multiplier `LambdaLR` applies.
+`lr_lambda(optimizer_cfg, steps)` is the multiplier `LambdaLR` applies: pipekit's warmup and
+cosine, or with `optimizer.scheduler` a DeepSpeed scheduler's lr at each step (lr.py);
+`lr_schedule` the scheduler `pipekit train` steps (OneCycle with cycle_momentum: Adam's betas too).
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict
 
+import torch
+
 from ..precision import Precision
+from .lr import CycledBetas, parse_scheduler
 from .scaler import LossScaler
 from .zero import ZeroOptimizer
 
@@ -23,8 +28,13 @@ FUSED: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
 
 
 def lr_lambda(o, steps: int):
-    """Multiplier of the peak lr at each step: linear warmup, then cosine to min_lr (or constant).
+    """Multiplier of the peak lr at each step (0-based): linear warmup, then cosine to min_lr
+    (or constant); with `o.scheduler` (a DeepSpeed block) its lr at the step / o.lr, whatever
+    `steps` is (DeepSpeed's total_num_steps is the block's own).
     `o`: the config's optimizer section (`pipekit.config.OptimizerConfig`); `steps`: train.steps."""
+    if o.scheduler is not None:
+        schedule = parse_scheduler(o.scheduler)
+        return lambda step: schedule.lr(o.lr, step) / o.lr
     floor = o.min_lr / o.lr if o.lr else 0.0
 
     def at(step: int) -> float:
@@ -36,6 +46,18 @@ def lr_lambda(o, steps: int):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return at
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, o, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR scheduler over `optimizer` that the engine steps after each step it applies:
+    `LambdaLR` over `lr_lambda(o, steps)`; for a DeepSpeed OneCycle cycling momentum with
+    AdamW, one that also sets Adam's betas (with SGD DeepSpeed moves nothing either)."""
+    multiplier = lr_lambda(o, steps)
+    if o.scheduler is not None and o.name == "adamw":
+        schedule = parse_scheduler(o.scheduler)
+        if schedule.moves_betas:
+            return CycledBetas(optimizer, multiplier, schedule.betas)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
 def param_groups(module, weight_decay: float) -> list[dict]:
@@ -64,4 +86,5 @@ def make_optimizer(module, o, precision: Precision) -> ZeroOptimizer:
                          bucket_mb=o.bucket_mb, master_dtype=precision.master_dtype,
                          grad_dtype=precision.reduce_dtype, fused=FUSED[str(o.fused).lower()], lr=o.lr, **hyper,
                          reshard_after_forward=o.reshard_after_forward,
+                         offload=o.offload, offload_dir=o.offload_dir, pin_memory=o.pin_memory,
                          loss_scaler=LossScaler(**asdict(scaling)) if scaling is not None else None)

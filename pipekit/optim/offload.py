@@ -74,12 +74,10 @@ class Offload:
         self.kind, self.buckets, self.stage = kind, buckets, stage
         device = next((b.param_buf.device for b in buckets), torch.device("cpu"))
         self.pinned = pin_memory and device.type == "cuda" and kind == "cpu"  # nvme pages its storages: pageable
-        for b in buckets:  # the master part, a host tensor of its own
-            b.master = torch.empty(b.master.shape, dtype=b.master.dtype, pin_memory=self.pinned).copy_(b.master)
         self.host_grads: list[torch.Tensor | None] = [None] * len(buckets)  # cpu: one per bucket, kept
         self.inner: torch.optim.Optimizer | None = None
         self.flats: list[dict[str, torch.Tensor]] = [{} for _ in buckets]  # nvme: per-element entries, flat
-        self.resident_now: set[int] = set(range(len(buckets)))
+        self.resident_now: set[int] = set()
         self.peak_resident = 0
         self.directory: str | None = None
         self._io: ThreadPoolExecutor | None = None
@@ -90,14 +88,20 @@ class Offload:
             self.directory = tempfile.mkdtemp(prefix=f"pipekit-offload-rank{rank}-", dir=offload_dir)
             weakref.finalize(self, shutil.rmtree, self.directory, True)
             self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipekit-offload")
+        # Each bucket's master part, a host tensor of its own, and the pieces the wrapped optimizer
+        # steps: views, made while the storage is there; nvme writes the bucket out at once (so at
+        # most one bucket's copy is in memory while they are made).
+        self.pieces: list[list[torch.Tensor]] = []
+        for bi, b in enumerate(buckets):
+            b.master = torch.empty(b.master.shape, dtype=b.master.dtype, pin_memory=self.pinned).copy_(b.master)
+            self.pieces.append([b.master[x:e] for x, e, _ in b.pieces])
+            self.resident_now.add(bi)
+            if kind == "nvme":
+                self._page_out(bi)
 
     def attach(self, inner: torch.optim.Optimizer | None) -> None:
-        """The wrapped optimizer, built over the host master parts; nvme then writes every
-        bucket out."""
+        """The wrapped optimizer, built over `pieces`."""
         self.inner = inner
-        if self.kind == "nvme":
-            for bi in range(len(self.buckets)):
-                self._page_out(bi)
 
     # ---- the step -------------------------------------------------------------------
     def step(self, grads: list[torch.Tensor], touched: set[int], hyper: Callable[[int], dict]) -> None:

@@ -265,8 +265,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _make_inner(self) -> torch.optim.Optimizer | None:
         if not any(b.pieces for b in self.buckets):
             return None
-        groups = [{**self._hyper(b.group_index), "params": [b.master[a:e] for a, e, _ in b.pieces]}
-                  for b in self.buckets]
+        pieces = (self.offload.pieces if self.offload is not None else
+                  [[b.master[a:e] for a, e, _ in b.pieces] for b in self.buckets])
+        groups = [{**self._hyper(b.group_index), "params": mine} for b, mine in zip(self.buckets, pieces)]
         return FusedAdamW(groups) if self.fused else self.optimizer_class(groups)
 
     def _hyper(self, gi: int) -> dict:

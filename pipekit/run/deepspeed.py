@@ -14,17 +14,22 @@ as `reduce_bucket_sizee` is not ignored). What is mapped, with DeepSpeed's meani
   (always decoupled, as DeepSpeed makes it), `SGD`, with their `params` and, where a param
   is left out, the defaults of the optimizer DeepSpeed builds (FusedAdam / CPU Adam: lr
   1e-3, betas (0.9, 0.999), eps 1e-8, weight decay 0; with `torch_adam: true`, torch's
-  AdamW: weight decay 0.01).
-- no `scheduler`: the learning rate is constant, as DeepSpeed keeps it (pipekit's own
-  warmup and cosine decay are turned off).
+  AdamW: weight decay 0.01); a param given as "auto" is left to pipekit's config.
+- `scheduler`: `WarmupLR`, `WarmupDecayLR`, `WarmupCosineLR`, `OneCycle` (with its
+  momentum cycling), `LRRangeTest`, as `optimizer.scheduler` (pipekit.optim.lr: DeepSpeed's
+  lr at every step, its defaults, its step count: `total_num_steps` is not train.steps); the
+  block replaces any the config holds. No `scheduler`: the learning rate is constant, as
+  DeepSpeed keeps it (pipekit's own warmup and cosine decay are turned off).
 - `gradient_clipping` (0: none), `zero_optimization.stage`, `fp16` (`enabled`, `loss_scale`
-  0 = dynamic, `initial_scale_power`, `loss_scale_window`, `hysteresis`, `min_loss_scale`),
-  `bf16.enabled`, `steps_per_print`.
+  0 = dynamic, `initial_scale_power`, `loss_scale_window`, `hysteresis`, `min_loss_scale`,
+  `consecutive_hysteresis`; at stage 0 DeepSpeed's fp16 optimizer has no hysteresis, so
+  neither is set there: every overflow halves the scale), `bf16.enabled`, `steps_per_print`.
 
-Not yet mapped (refused in one line, so nothing runs other than the file says): a `scheduler`,
-`offload_optimizer` / `offload_param` to cpu or nvme, `consecutive_hysteresis`, Adam's L2 mode
-with weight decay. Parity of the mapped keys against DeepSpeed's engine itself is not yet
-tested here.
+Not yet mapped (refused in one line, so nothing runs other than the file says): a torch
+scheduler by name, per-param-group lists in a scheduler's params,
+`offload_optimizer` / `offload_param` to cpu or nvme, Adam's L2 mode with weight decay.
+The schedulers' lr and the loss scale are tested against DeepSpeed's own classes
+(tests/test_lr_schedules.py).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import os
 from typing import Any
 
 from ..config import ConfigError
+from ..optim.lr import check_scheduler
 
 # keys that change nothing in a pipekit run, and why (one note each when present)
 NOTED = {
@@ -95,24 +101,60 @@ def from_deepspeed(ds: dict | str, dp: int) -> tuple[list[str], list[str]]:
     _walk(ds, "", notes)
     out += _batch(ds, dp)
     out += _optimizer(ds.get("optimizer"))
-    if ds.get("scheduler") is not None:
-        kind = ds["scheduler"].get("type") if isinstance(ds["scheduler"], dict) else ds["scheduler"]
-        raise ConfigError(f"ds_config scheduler {kind!r} is not mapped onto pipekit's LR schedule yet; leave it out "
-                          f"and set optimizer.warmup_steps / optimizer.decay / optimizer.min_lr beside the file")
-    out += ["optimizer.warmup_steps=0", "optimizer.decay=constant"]  # DeepSpeed without a scheduler: constant
+    out += _scheduler(ds.get("scheduler"))
     clip = ds.get("gradient_clipping", 0.0)
     out.append(f"optimizer.clip_grad_norm={clip if clip and clip > 0 else 'null'}")
     zero = ds.get("zero_optimization") or {}
     out.append(f"optimizer.zero_stage={zero.get('stage', 0)}")  # DeepSpeed's default: stage 0
-    for key in ("offload_optimizer", "offload_param"):
-        device = (zero.get(key) or {}).get("device", "none")
-        if device not in ("none", None):
-            raise ConfigError(f"ds_config zero_optimization.{key}.device={device}: offload is not in pipekit yet; "
-                              f"remove it (or set device none) to train without offload")
-    out += _precision(ds)
+    out += _offload(zero, notes)
+    out += _precision(ds, notes)
     if "steps_per_print" in ds:
         out.append(f"logging.log_every={ds['steps_per_print']}")
     return out, notes
+
+
+# offload_optimizer's keys: mapped, or without effect here (and why)
+_OFFLOAD_MAPPED = {"device", "nvme_path", "pin_memory", "ratio"}
+_OFFLOAD_NOTED = {
+    "buffer_count": "pipekit streams the state one bucket ahead and one behind",
+    "fast_init": "pipekit writes the state files once, at the start",
+    "pipeline_read": "pipekit always reads the next bucket while one steps",
+    "pipeline_write": "pipekit always writes a bucket while the next one steps",
+    "pipeline": "pipekit always overlaps the state files' reads and writes with the step",
+}
+
+
+def _offload(zero: dict, notes: list[str]) -> list[str]:
+    """zero_optimization.offload_optimizer as optimizer.offload / offload_dir / pin_memory
+    (DeepSpeed's default pin_memory: false); offload_param is refused in one line."""
+    param = zero.get("offload_param") or {}
+    if param.get("device", "none") not in ("none", None):
+        raise ConfigError(f"ds_config zero_optimization.offload_param.device={param['device']}: pipekit does not "
+                          f"offload the parameters themselves, only the optimizer (offload_optimizer); remove "
+                          f"offload_param, or set its device to none")
+    block = zero.get("offload_optimizer") or {}
+    where = "ds_config zero_optimization.offload_optimizer"
+    for key in block:
+        if key in _OFFLOAD_NOTED:
+            notes.append(f"{where}.{key} has no effect in pipekit: {_OFFLOAD_NOTED[key]}")
+        elif key not in _OFFLOAD_MAPPED:
+            near = difflib.get_close_matches(key, sorted(_OFFLOAD_MAPPED | set(_OFFLOAD_NOTED)), n=1)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            raise ConfigError(f"{where} key {key!r} is not one DeepSpeed knows{hint}")
+    device = block.get("device", "none") or "none"
+    if device not in ("none", "cpu", "nvme"):
+        raise ConfigError(f"{where}.device={device!r} must be one of cpu, nvme, none")
+    if device == "none":
+        return []
+    if block.get("ratio", 1.0) != 1.0:
+        raise ConfigError(f"{where}.ratio={block['ratio']}: pipekit offloads all of the optimizer or none of it; "
+                          f"remove ratio (or set 1.0)")
+    out = [f"optimizer.offload={device}", f"optimizer.pin_memory={bool(block.get('pin_memory', False))}"]
+    if device == "nvme":
+        if not block.get("nvme_path"):
+            raise ConfigError(f"{where}.device=nvme needs nvme_path (the directory the state files go in)")
+        out.append(f"optimizer.offload_dir={block['nvme_path']}")
+    return out
 
 
 def _walk(ds: dict, prefix: str, notes: list[str]) -> None:
@@ -178,7 +220,15 @@ def _batch(ds: dict, dp: int) -> list[str]:
     return [f"train.micro_batch={micro}", f"schedule.microbatches={gas}", f"train.global_batch={micro * gas * dp}"]
 
 
+# an optimizer param as the pipekit fields it sets (an "auto" param sets none of them)
+_FIELDS = {"lr": ("lr",), "betas": ("beta1", "beta2"), "eps": ("eps",), "weight_decay": ("weight_decay",),
+           "momentum": ("momentum",)}
+
+
 def _optimizer(opt: Any) -> list[str]:
+    """optimizer.* for DeepSpeed's optimizer block: its params over the defaults of the optimizer
+    DeepSpeed builds. A param given as "auto" (the HF Trainer's placeholder, which the Trainer
+    fills from its own arguments) is left to pipekit's config, as an "auto" batch key is."""
     if opt is None:
         return []
     kind = str(opt.get("type", "")) if isinstance(opt, dict) else str(opt)
@@ -186,28 +236,49 @@ def _optimizer(opt: Any) -> list[str]:
     if name is None:
         raise ConfigError(f"ds_config optimizer type {kind!r} is not one pipekit runs; give one of "
                           f"{sorted(_OPTIMIZERS.values())}")
-    given = opt.get("params") or {}
+    raw = opt.get("params") or {}
+    auto = {k for k, v in raw.items() if v == "auto"}
+    given = {k: v for k, v in raw.items() if k not in auto}
     decoupled = name == "AdamW" or given.get("adam_w_mode", True)  # DeepSpeed: type AdamW forces it
     defaults = dict(_DEFAULTS)
     if given.get("torch_adam") and decoupled:
         defaults["weight_decay"] = 0.01  # torch.optim.AdamW's own default, which torch_adam=true gets
     params: dict = {**(defaults if name != "SGD" else {"weight_decay": 0.0, "momentum": 0.0}), **given}
     if name == "SGD":
-        if "lr" not in (opt.get("params") or {}):
+        if "lr" not in raw:
             raise ConfigError("ds_config optimizer SGD needs params.lr (torch's SGD has no default)")
-        return ["optimizer.name=sgd", f"optimizer.lr={params['lr']}", f"optimizer.momentum={params['momentum']}",
-                f"optimizer.weight_decay={params['weight_decay']}"]
-    if not decoupled and params["weight_decay"]:
-        raise ConfigError(f"ds_config optimizer Adam with adam_w_mode=false adds weight_decay="
-                          f"{params['weight_decay']} to the gradient (L2), which pipekit's AdamW does not; use "
-                          f"adam_w_mode=true (decoupled) or weight_decay=0")
-    beta1, beta2 = params["betas"]
-    return ["optimizer.name=adamw", f"optimizer.lr={params['lr']}", f"optimizer.beta1={beta1}",
-            f"optimizer.beta2={beta2}", f"optimizer.eps={params['eps']}",
-            f"optimizer.weight_decay={params['weight_decay']}"]
+        head, values = "sgd", {k: params.get(k) for k in ("lr", "momentum", "weight_decay")}
+    else:
+        if not decoupled and ("weight_decay" in auto or params["weight_decay"]):
+            decay = "auto" if "weight_decay" in auto else params["weight_decay"]
+            raise ConfigError(f"ds_config optimizer Adam with adam_w_mode=false adds weight_decay={decay} to the "
+                              f"gradient (L2), which pipekit's AdamW does not; use adam_w_mode=true (decoupled) or "
+                              f"weight_decay=0")
+        betas = params["betas"]
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise ConfigError(f"ds_config optimizer.params.betas={betas!r} must be two numbers [beta1, beta2] "
+                              f"(or \"auto\")")
+        head = "adamw"
+        values = {"lr": params["lr"], "beta1": betas[0], "beta2": betas[1], "eps": params["eps"],
+                  "weight_decay": params["weight_decay"]}
+    left = {field for key in auto for field in _FIELDS.get(key, ())}
+    return [f"optimizer.name={head}", *(f"optimizer.{k}={v}" for k, v in values.items() if k not in left)]
 
 
-def _precision(ds: dict) -> list[str]:
+def _scheduler(block: Any) -> list[str]:
+    """DeepSpeed's scheduler block as optimizer.scheduler, whole (null first: a block the config
+    holds is replaced, not merged into); none: a constant lr."""
+    out = ["optimizer.warmup_steps=0", "optimizer.decay=constant", "optimizer.scheduler=null"]
+    if block is None:
+        return out  # DeepSpeed without a scheduler: constant
+    try:
+        check_scheduler(block, "ds_config scheduler")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return [*out, f"optimizer.scheduler={json.dumps(block)}"]
+
+
+def _precision(ds: dict, notes: list[str]) -> list[str]:
     fp16, bf16 = ds.get("fp16") or {}, ds.get("bf16") or {}
     if fp16.get("enabled") and bf16.get("enabled"):
         raise ConfigError("ds_config enables both fp16 and bf16; choose one")
@@ -215,11 +286,17 @@ def _precision(ds: dict) -> list[str]:
         return ["train.precision=bf16"]
     if not fp16.get("enabled"):
         return ["train.precision=fp32"]  # neither: DeepSpeed trains in fp32
-    if fp16.get("consecutive_hysteresis"):
-        raise ConfigError("ds_config fp16.consecutive_hysteresis=true is not in pipekit's loss scaler yet; "
-                          "leave it false")
     out = ["train.precision=fp16"]
-    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"):
+    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale"):
         if key in fp16:
             out.append(f"fp16.{key}={fp16[key]}")
+    if not (ds.get("zero_optimization") or {}).get("stage", 0):  # DeepSpeed's FP16_Optimizer: no hysteresis
+        given = [k for k in ("hysteresis", "consecutive_hysteresis") if k in fp16]
+        if given:
+            notes.append(f"ds_config fp16.{given[0]} has no effect at zero_optimization.stage 0 (DeepSpeed's fp16 "
+                         f"optimizer there halves the scale at every overflow), so none here either")
+        return [*out, "fp16.hysteresis=1", "fp16.consecutive_hysteresis=false"]
+    for key in ("hysteresis", "consecutive_hysteresis"):
+        if key in fp16:
+            out.append(f"fp16.{key}={str(fp16[key]).lower() if isinstance(fp16[key], bool) else fp16[key]}")
     return out

@@ -39,7 +39,7 @@ from ..kernels import kernels
 from ..layers.parallel import skip_init
 from ..models import model_loss, model_specs, model_vocab, synthetic_batches
 from ..optim import Skip
-from ..optim.factory import lr_lambda, make_optimizer
+from ..optim.factory import lr_schedule, make_optimizer
 from ..pipeline import PipelineModule
 from ..plan.planner import profile_boundaries
 from ..plan.profiler import finetune, profile_layers
@@ -59,7 +59,7 @@ def build(run: Run, topo: Topology) -> PipelineEngine:
     prepare_weights(run, module)
     o = run.config.optimizer
     opt = make_optimizer(module, o, run.precision)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(o, run.config.train.steps))
+    sched = lr_schedule(opt, o, run.config.train.steps)
     # say=None: the Logger says a skipped step's line, with the run's step numbers
     return PipelineEngine(module, optimizer=opt, clip_grad_norm=o.clip_grad_norm, lr_scheduler=sched, say=None)
 

@@ -46,6 +46,7 @@ from ..config import RUN_DEFINING, Config, Run
 from ..data import fingerprint, source_dir
 from ..engine import PipelineEngine
 from ..interchange import checkpoint_dir
+from ..optim.lr import CycledBetas
 from ..topology import Topology
 
 
@@ -175,6 +176,8 @@ def _restore_schedule(engine: PipelineEngine, last_epoch: int) -> None:
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
     sched._last_lr = lrs
+    if isinstance(sched, CycledBetas):  # a DeepSpeed OneCycle's momentum, at the same step
+        sched.set_betas(last_epoch)
 
 
 ABANDONED = "abandoned"  # under the checkpoint root: checkpoints of branches a resume left
