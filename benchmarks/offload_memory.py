@@ -1,10 +1,10 @@
 """Peak host memory and step time of ZeroOptimizer with `nvme` (and `cpu`) offload against none.
 
-    python benchmarks/offload_memory.py [--layers 18] [--dim 4096] [--steps 3] [--bucket-mb 25]
+    python benchmarks/offload_memory.py [--layers 72] [--dim 2048] [--steps 3] [--bucket-mb 25]
 
 What is measured: one process per offload kind (a fresh interpreter each, so that one
 kind's peak is not another's), one plain model: `--layers` bias-free nn.Linear(dim, dim)
-with a ReLU between them (18 x 4096 x 4096 = 302M float32 parameters: 1.2 GB of weights,
+with a ReLU between them (72 x 2048 x 2048 = 302M float32 parameters: 1.2 GB of weights,
 2.4 GB of AdamW state), `ZeroOptimizer(model, "adamw", stage=0, offload=kind,
 bucket_mb=--bucket-mb, offload_dir=a temporary directory on this disk)`, `--steps`
 steps of one batch of 8 rows. Each process reports its resident memory (VmRSS) after
@@ -76,8 +76,8 @@ def worker(kind: str, layers: int, dim: int, steps: int, bucket_mb: float) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=18)
-    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=72)
+    ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--kinds", nargs="+", default=["none", "cpu", "nvme"])

@@ -35,6 +35,7 @@ reduced on the device, then copied at the step).
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import shutil
 import tempfile
@@ -93,7 +94,9 @@ class Offload:
         # most one bucket's copy is in memory while they are made).
         self.pieces: list[list[torch.Tensor]] = []
         for bi, b in enumerate(buckets):
-            b.master = torch.empty(b.master.shape, dtype=b.master.dtype, pin_memory=self.pinned).copy_(b.master)
+            master = (_paged(b.master.numel(), b.master.dtype) if kind == "nvme" else
+                      torch.empty(b.master.shape, dtype=b.master.dtype, pin_memory=self.pinned))
+            b.master = master.copy_(b.master)
             self.pieces.append([b.master[x:e] for x, e, _ in b.pieces])
             self.resident_now.add(bi)
             if kind == "nvme":
@@ -131,7 +134,8 @@ class Offload:
             if self.kind == "nvme":
                 self._submit(self._page_out, bi)  # written behind the next bucket's step
         if self._io is not None:
-            self._io.submit(lambda: None).result()  # every write done: state on disk, storages freed
+            self._io.submit(lambda: None).result()  # every write done: state on disk, pages given back
+
         if self.pinned:
             torch.cuda.current_stream().synchronize()  # the host buffers are reused at the next step
 
@@ -193,8 +197,6 @@ class Offload:
         if bi in self.resident_now:
             return
         tensors = self._tensors(bi)
-        for t in tensors:
-            t.untyped_storage().resize_(t.numel() * t.element_size())
         with open(self._path(bi), "rb") as f:
             for t in tensors:
                 if t.numel():
@@ -205,10 +207,10 @@ class Offload:
     def _page_out(self, bi: int) -> None:
         """Gather bucket `bi`'s per-element optimizer entries into its flat tensors (an entry
         made since, at a first step or a load, is copied in and becomes a view), write the
-        master part and the flats to its file, and free their storages."""
+        master part and the flats to its file, and give their pages back to the system."""
         if bi not in self.resident_now:
             return
-        self._gather_state(bi)
+        new = self._gather_state(bi)
         tensors = self._tensors(bi)
         path = self._path(bi)
         with open(path + ".tmp", "wb") as f:
@@ -217,13 +219,17 @@ class Offload:
                     f.write(_bytes_of(t))
         os.replace(path + ".tmp", path)
         for t in tensors:
-            t.untyped_storage().resize_(0)
+            _release(t)
         self.resident_now.discard(bi)
+        if new:
+            _trim()  # the entries a first step (or a load) made piece by piece, freed now: back to the system
 
-    def _gather_state(self, bi: int) -> None:
-        inner = self.inner
+    def _gather_state(self, bi: int) -> bool:
+        """Bucket `bi`'s per-element entries as views of its flats (`_page_out`); whether any
+        was made anew (copied in)."""
+        inner, new = self.inner, False
         if inner is None:
-            return
+            return new
         b, flats = self.buckets[bi], self.flats[bi]
         for piece, (a, e, _) in zip(inner.param_groups[bi]["params"], b.pieces):
             state: dict[str, Any] = inner.state.get(piece, {})
@@ -232,17 +238,20 @@ class Offload:
                     continue  # a scalar (the step count) stays in memory
                 flat = flats.get(key)
                 if flat is None:
-                    flat = flats[key] = torch.zeros(b.master.numel(), dtype=value.dtype)
+                    flat = flats[key] = _paged(b.master.numel(), value.dtype)
                 part = flat[a:e]
                 if value.data_ptr() != part.data_ptr() or value.untyped_storage().data_ptr() != \
                         flat.untyped_storage().data_ptr():
                     part.copy_(value.reshape(-1))
                     state[key] = part.view_as(piece)
+                    new = True
+        return new
 
     # ---- accounting -------------------------------------------------------------------
     def host_bytes(self) -> int:
         """Bytes of master weights, optimizer state and gradient buffers held in host memory now."""
-        total = sum(t.untyped_storage().nbytes() for bi in range(len(self.buckets)) for t in self._tensors(bi))
+        held = self.resident_now if self.kind == "nvme" else range(len(self.buckets))  # nvme: the pages in use
+        total = sum(t.numel() * t.element_size() for bi in held for t in self._tensors(bi))
         total += sum(g.numel() * g.element_size() for g in self.host_grads if g is not None)
         if self.kind == "cpu" and self.inner is not None:
             total += sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
@@ -256,7 +265,40 @@ class Offload:
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of contiguous host tensor `t`, writable, without going through numpy (which
-    would mark its storage as not resizable: `_page_out` frees it by resizing)."""
+    """The bytes of contiguous host tensor `t`, writable (for a file's readinto and write)."""
     assert t.is_contiguous() and t.device.type == "cpu"
     return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
+# nvme's paged tensors: each over an anonymous memory map of its own, so that paging out gives its
+# pages back to the system at once (madvise MADV_DONTNEED: the next touch finds zeros, and reading
+# the file fills it again), whatever the allocator would do with a freed block (glibc keeps blocks
+# under its moving mmap threshold in its heap, where they stay resident).
+_MAPS: dict[int, mmap.mmap] = {}  # data_ptr of a paged tensor -> its map (kept alive by the tensor's base)
+
+
+def _paged(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled host tensor of `numel` elements over a memory map of its own."""
+    if numel == 0:
+        return torch.zeros(0, dtype=dtype)
+    area = mmap.mmap(-1, numel * dtype.itemsize)
+    t = torch.frombuffer(area, dtype=dtype, count=numel)
+    _MAPS[t.data_ptr()] = area
+    weakref.finalize(t, _MAPS.pop, t.data_ptr(), None)
+    return t
+
+
+def _trim() -> None:
+    """Return the C heap's free memory to the system (glibc's malloc_trim; elsewhere nothing): a
+    first step makes the optimizer's entries piece by piece, in blocks the heap keeps once freed."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass
+
+
+def _release(t: torch.Tensor) -> None:
+    """Give the pages of paged tensor `t` back (its contents are in its bucket's file)."""
+    area = _MAPS.get(t.data_ptr())
+    if area is not None:
+        area.madvise(mmap.MADV_DONTNEED)

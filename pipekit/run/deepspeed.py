@@ -59,6 +59,7 @@ NOTED = {
     "zero_optimization.reduce_bucket_size": "it counts elements; pipekit's optimizer.bucket_mb counts MB and "
                                             "changes no result",
     "zero_optimization.round_robin_gradients": "the partition of each bucket is fixed",
+    "zero_optimization.sub_group_size": "the step (offloaded too) goes bucket by bucket: optimizer.bucket_mb",
     "zero_optimization.stage3_prefetch_bucket_size": "FSDP2 prefetches one layer ahead",
     "zero_optimization.stage3_param_persistence_threshold": "FSDP2 shards every layer",
     "zero_optimization.stage3_max_live_parameters": "FSDP2 gathers one layer at a time",
@@ -91,26 +92,90 @@ def read_deepspeed(path: str) -> dict:
     return ds
 
 
-def from_deepspeed(ds: dict | str, dp: int) -> tuple[list[str], list[str]]:
+def from_deepspeed(ds: dict | str, dp: int, base: Any = None) -> tuple[list[str], list[str]]:
     """(pipekit overrides, notes) for DeepSpeed config `ds` (a dict or a path) at `dp` data-parallel
-    replicas; ConfigError naming the first key that cannot be run as DeepSpeed would run it."""
+    replicas; ConfigError naming the first key that cannot be run as DeepSpeed would run it.
+
+    "auto" (the Hugging Face Trainer's placeholder, filled from the Trainer's own arguments) is
+    filled from pipekit's config: `base`, the config the file is merged into (a
+    `pipekit.config.Config`; None: pipekit's defaults). A key set to "auto" maps to nothing, so
+    the config's value stays, and one note lists them; a scheduler's "auto" params take the
+    run's numbers (total_num_steps: train.steps, warmup_num_steps: optimizer.warmup_steps, a
+    peak lr: the optimizer's lr, a warmup's start: 0)."""
     if isinstance(ds, str):
         ds = read_deepspeed(ds)
     out: list[str] = []
     notes: list[str] = []
     _walk(ds, "", notes)
+    autos = _autos(ds, "")
+    if autos:
+        notes.append(f"ds_config keys set to \"auto\" take pipekit's config values: {', '.join(autos)}")
     out += _batch(ds, dp)
     out += _optimizer(ds.get("optimizer"))
-    out += _scheduler(ds.get("scheduler"))
+    out += _scheduler(_filled(ds.get("scheduler"), ds.get("optimizer"), base))
     clip = ds.get("gradient_clipping", 0.0)
-    out.append(f"optimizer.clip_grad_norm={clip if clip and clip > 0 else 'null'}")
+    if clip != "auto":
+        if not _is_number(clip):
+            raise ConfigError(f"ds_config gradient_clipping={clip!r} must be a number (0: none) or \"auto\"")
+        out.append(f"optimizer.clip_grad_norm={clip if clip > 0 else 'null'}")
     zero = ds.get("zero_optimization") or {}
-    out.append(f"optimizer.zero_stage={zero.get('stage', 0)}")  # DeepSpeed's default: stage 0
+    stage = zero.get("stage", 0)
+    if stage != "auto":
+        out.append(f"optimizer.zero_stage={stage}")  # DeepSpeed's default: stage 0
     out += _offload(zero, notes)
     out += _precision(ds, notes)
     if "steps_per_print" in ds:
         out.append(f"logging.log_every={ds['steps_per_print']}")
     return out, notes
+
+
+def _autos(ds: Any, prefix: str) -> list[str]:
+    """The dotted keys of `ds` set to "auto"."""
+    if not isinstance(ds, dict):
+        return []
+    out = []
+    for key, value in ds.items():
+        if value == "auto" and f"{prefix}{key}" not in NOTED:  # a NOTED key has its own note
+            out.append(f"{prefix}{key}")
+        elif isinstance(value, dict):
+            out += _autos(value, f"{prefix}{key}.")
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# a scheduler's "auto" params: what fills them (from the optimizer block's lr, or else the config)
+_SCHEDULER_AUTO = {
+    "total_num_steps": lambda lr, cfg: cfg.train.steps,
+    "warmup_num_steps": lambda lr, cfg: cfg.optimizer.warmup_steps,
+    "warmup_max_lr": lambda lr, cfg: lr,
+    "cycle_max_lr": lambda lr, cfg: lr,
+    "warmup_min_lr": lambda lr, cfg: 0.0,
+    "cycle_min_lr": lambda lr, cfg: 0.0,
+}
+
+
+def _filled(block: Any, optimizer: Any, base: Any) -> Any:
+    """The scheduler block with its "auto" params filled from the run (`from_deepspeed`)."""
+    if not isinstance(block, dict) or not isinstance(block.get("params"), dict):
+        return block
+    params = block["params"]
+    autos = [k for k, v in params.items() if v == "auto"]
+    if not autos:
+        return block
+    if base is None:
+        from ..config import Config
+
+        base = Config()
+    given = ((optimizer or {}).get("params") or {}).get("lr") if isinstance(optimizer, dict) else None
+    lr = given if _is_number(given) else base.optimizer.lr
+    for key in autos:
+        if key not in _SCHEDULER_AUTO:
+            raise ConfigError(f"ds_config scheduler.params.{key}=\"auto\": pipekit fills only "
+                              f"{sorted(_SCHEDULER_AUTO)} from its config; give {key} a value")
+    return {**block, "params": {**params, **{k: _SCHEDULER_AUTO[k](lr, base) for k in autos}}}
 
 
 # offload_optimizer's keys: mapped, or without effect here (and why)
@@ -280,15 +345,21 @@ def _scheduler(block: Any) -> list[str]:
 
 def _precision(ds: dict, notes: list[str]) -> list[str]:
     fp16, bf16 = ds.get("fp16") or {}, ds.get("bf16") or {}
-    if fp16.get("enabled") and bf16.get("enabled"):
+    for name, block in (("fp16", fp16), ("bf16", bf16)):
+        if block.get("enabled", False) not in (True, False, "auto"):
+            raise ConfigError(f"ds_config {name}.enabled={block['enabled']!r} must be true, false or \"auto\"")
+    on16, onb16 = fp16.get("enabled") is True, bf16.get("enabled") is True
+    if on16 and onb16:
         raise ConfigError("ds_config enables both fp16 and bf16; choose one")
-    if bf16.get("enabled"):
+    if onb16:
         return ["train.precision=bf16"]
-    if not fp16.get("enabled"):
+    if not on16:
+        if "auto" in (fp16.get("enabled"), bf16.get("enabled")):
+            return []  # "auto": the config's train.precision
         return ["train.precision=fp32"]  # neither: DeepSpeed trains in fp32
     out = ["train.precision=fp16"]
     for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "min_loss_scale"):
-        if key in fp16:
+        if key in fp16 and fp16[key] != "auto":
             out.append(f"fp16.{key}={fp16[key]}")
     if not (ds.get("zero_optimization") or {}).get("stage", 0):  # DeepSpeed's FP16_Optimizer: no hysteresis
         given = [k for k in ("hysteresis", "consecutive_hysteresis") if k in fp16]
@@ -297,6 +368,6 @@ def _precision(ds: dict, notes: list[str]) -> list[str]:
                          f"optimizer there halves the scale at every overflow), so none here either")
         return [*out, "fp16.hysteresis=1", "fp16.consecutive_hysteresis=false"]
     for key in ("hysteresis", "consecutive_hysteresis"):
-        if key in fp16:
+        if key in fp16 and fp16[key] != "auto":
             out.append(f"fp16.{key}={str(fp16[key]).lower() if isinstance(fp16[key], bool) else fp16[key]}")
     return out

@@ -107,8 +107,8 @@ def _deepspeed_overrides(args: argparse.Namespace) -> list[str]:
     from ..config import merged_config
     from .deepspeed import from_deepspeed
 
-    dp = merged_config(args.config, args.overrides).parallel.dp
-    overrides, notes = from_deepspeed(args.deepspeed, dp)
+    base = merged_config(args.config, args.overrides)  # what the file's "auto" keys are filled from
+    overrides, notes = from_deepspeed(args.deepspeed, base.parallel.dp, base)
     if os.environ.get("RANK", "0") == "0":
         for note in notes:
             print(f"pipekit: notice: {note}", file=sys.stderr, flush=True)
