@@ -105,3 +105,137 @@ def test_pipekit_train_deepspeed_merges_the_file_under_the_overrides_and_notes_k
     assert main([*argv, "train.steps=2", "data.val_every=0", f"logging.out_dir={tmp_path / 'run'}",
                  "logging.progress=false", "logging.tensorboard=false"]) == 0
     assert (tmp_path / "run" / "model.pt").is_file()
+
+
+# Every key the README's migration table names, with a ds_config that holds it and what pipekit makes of
+# it: an override it maps to, a note, or a refusal (the words of each).
+TABLE = {
+    "train_batch_size": ({"train_batch_size": 16}, "train.global_batch=16"),
+    "train_micro_batch_size_per_gpu": ({"train_micro_batch_size_per_gpu": 3}, "train.micro_batch=3"),
+    "gradient_accumulation_steps": ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 5},
+                                    "schedule.microbatches=5"),
+    "optimizer": ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "optimizer.name=sgd"),
+    "Adam": ({"optimizer": {"type": "Adam"}}, "optimizer.name=adamw"),
+    "adam_w_mode": ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}},
+                    ConfigError("(L2)")),
+    "AdamW": ({"optimizer": {"type": "AdamW"}}, "optimizer.weight_decay=0.0"),
+    "SGD": ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}, "optimizer.momentum=0.9"),
+    "params": ({"optimizer": {"type": "AdamW", "params": {"eps": 1e-6}}}, "optimizer.eps=1e-06"),
+    "lr": ({"optimizer": {"type": "AdamW", "params": {"lr": 0.02}}}, "optimizer.lr=0.02"),
+    "betas": ({"optimizer": {"type": "AdamW", "params": {"betas": [0.8, 0.9]}}}, "optimizer.beta1=0.8"),
+    "eps": ({"optimizer": {"type": "AdamW", "params": {"eps": 1e-5}}}, "optimizer.eps=1e-05"),
+    "weight_decay": ({"optimizer": {"type": "AdamW", "params": {"weight_decay": 0.3}}}, "optimizer.weight_decay=0.3"),
+    "momentum": ({"optimizer": {"type": "SGD", "params": {"lr": 1, "momentum": 0.5}}}, "optimizer.momentum=0.5"),
+    "torch_adam": ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}, "optimizer.weight_decay=0.01"),
+    "scheduler": ({"scheduler": {"type": "WarmupLR"}}, '"type": "WarmupLR"'),
+    "WarmupLR": ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 7}}}, '"warmup_num_steps": 7'),
+    "warmup_type": ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear"}}}, '"linear"'),
+    "WarmupDecayLR": ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 9}}}, "WarmupDecayLR"),
+    "WarmupCosineLR": ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9}}},
+                       "WarmupCosineLR"),
+    "OneCycle": ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3}}},
+                 "OneCycle"),
+    "cycle_momentum": ({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3,
+                                                                     "cycle_momentum": False}}},
+                       '"cycle_momentum": false'),
+    "LRRangeTest": ({"scheduler": {"type": "LRRangeTest"}}, "LRRangeTest"),
+    "total_num_steps": ({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}},
+                        '"total_num_steps": 200'),
+    "gradient_clipping": ({"gradient_clipping": 0.7}, "optimizer.clip_grad_norm=0.7"),
+    "zero_optimization.stage": ({"zero_optimization": {"stage": 2}}, "optimizer.zero_stage=2"),
+    "zero_optimization.offload_optimizer": ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
+                                            "optimizer.offload=cpu"),
+    "device": ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}},
+               "optimizer.offload=nvme"),
+    "nvme_path": ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}},
+                  "optimizer.offload_dir=/x"),
+    "pin_memory": ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+                   "optimizer.pin_memory=True"),
+    "buffer_count": ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "buffer_count": 4}}},
+                     "offload_optimizer.buffer_count has no effect"),
+    "fast_init": ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "fast_init": True}}},
+                  "offload_optimizer.fast_init has no effect"),
+    "pipeline_read": ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pipeline_read": True}}},
+                      "offload_optimizer.pipeline_read has no effect"),
+    "pipeline_write": ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pipeline_write": True}}},
+                       "offload_optimizer.pipeline_write has no effect"),
+    "ratio": ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, ConfigError("ratio=0.5")),
+    "zero_optimization.offload_param": ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+                                        ConfigError("does not offload the parameters")),
+    "fp16": ({"fp16": {"enabled": True}}, "train.precision=fp16"),
+    "enabled": ({"bf16": {"enabled": True}}, "train.precision=bf16"),
+    "loss_scale": ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale=128"),
+    "initial_scale_power": ({"zero_optimization": {"stage": 1}, "fp16": {"enabled": True, "initial_scale_power": 8}},
+                            "fp16.initial_scale_power=8"),
+    "loss_scale_window": ({"fp16": {"enabled": True, "loss_scale_window": 50}}, "fp16.loss_scale_window=50"),
+    "hysteresis": ({"zero_optimization": {"stage": 1}, "fp16": {"enabled": True, "hysteresis": 3}},
+                   "fp16.hysteresis=3"),
+    "consecutive_hysteresis": ({"zero_optimization": {"stage": 1},
+                                "fp16": {"enabled": True, "consecutive_hysteresis": True}},
+                               "fp16.consecutive_hysteresis=true"),
+    "min_loss_scale": ({"fp16": {"enabled": True, "min_loss_scale": 4}}, "fp16.min_loss_scale=4"),
+    "bf16.enabled": ({"bf16": {"enabled": False}}, "train.precision=fp32"),
+    "activation_checkpointing.partition_activations": (
+        {"activation_checkpointing": {"partition_activations": True}}, "parallel.sequence_parallel=true"),
+    "cpu_checkpointing": ({"activation_checkpointing": {"cpu_checkpointing": True}},
+                          ConfigError("cpu_checkpointing=true")),
+    "number_checkpoints": ({"activation_checkpointing": {"number_checkpoints": 2}},
+                           "activation_checkpointing.number_checkpoints has no effect"),
+    "contiguous_memory_optimization": ({"activation_checkpointing": {"contiguous_memory_optimization": True}},
+                                       "contiguous_memory_optimization has no effect"),
+    "synchronize_checkpoint_boundary": ({"activation_checkpointing": {"synchronize_checkpoint_boundary": True}},
+                                        "synchronize_checkpoint_boundary has no effect"),
+    "profile": ({"activation_checkpointing": {"profile": True}}, "activation_checkpointing.profile has no effect"),
+    "pipeline.stages": ({"pipeline": {"stages": 4}}, "parallel.pp=4"),
+    "pipeline.partition": ({"pipeline": {"partition": "uniform"}}, "schedule.partition=uniform"),
+    "uniform": ({"pipeline": {"partition": "Uniform"}}, "schedule.partition=uniform"),
+    "type:REGEX": ({"pipeline": {"partition": "type:Block"}}, "schedule.partition=type:Block"),
+    "pipeline.activation_checkpoint_interval": ({"pipeline": {"activation_checkpoint_interval": 2}},
+                                                "schedule.activation_checkpoint_interval=2"),
+    "seed_layers": ({"pipeline": {"seed_layers": True}}, "pipeline.seed_layers has no effect"),
+    "pipe_partitioned": ({"pipeline": {"pipe_partitioned": False}}, "pipeline.pipe_partitioned has no effect"),
+    "grad_partitioned": ({"pipeline": {"grad_partitioned": False}}, "pipeline.grad_partitioned has no effect"),
+    "steps_per_print": ({"steps_per_print": 5}, "logging.log_every=5"),
+    '"auto"': ({"gradient_clipping": "auto"}, 'set to "auto" take pipekit\'s config values: gradient_clipping'),
+    "overlap_comm": ({"zero_optimization": {"overlap_comm": True}}, "overlap_comm has no effect"),
+    "contiguous_gradients": ({"zero_optimization": {"contiguous_gradients": True}}, "contiguous_gradients has no"),
+    "sub_group_size": ({"zero_optimization": {"sub_group_size": 1e9}}, "sub_group_size has no effect"),
+    "stage3_*": ({"zero_optimization": {"stage3_max_live_parameters": 1e9}}, "stage3_max_live_parameters has no"),
+    "wall_clock_breakdown": ({"wall_clock_breakdown": True}, "wall_clock_breakdown has no effect"),
+    "prescale_gradients": ({"prescale_gradients": True}, "prescale_gradients has no effect"),
+    "communication_data_type": ({"communication_data_type": "fp32"}, "communication_data_type has no effect"),
+    "tensorboard": ({"tensorboard": {"enabled": True}}, "tensorboard has no effect"),
+    "flops_profiler": ({"flops_profiler": {"enabled": True}}, "flops_profiler has no effect"),
+}
+# backticked words in the table's first column that are values or names of files, not keys
+NOT_KEYS = {"pipekit/run/deepspeed.py", "NOTED", "parameters", "cpu", "nvme", "cpu / nvme", "log", "linear",
+            "false", "true", "mapped", "noted"}
+
+
+def _table_keys() -> set[str]:
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("| ds_config key | pipekit |"):text.index("Checked against DeepSpeed 0.19.8")]
+    keys = set()
+    for row in table.splitlines()[2:]:
+        if row.startswith("|"):
+            first = row.split("|")[1]
+            keys.update(w.strip() for w in first.split("`")[1::2])
+    return keys - NOT_KEYS
+
+
+def test_every_key_of_the_readme_migration_table_is_exercised_here():
+    missing = sorted(_table_keys() - set(TABLE))
+    assert not missing, f"README migration-table keys without a case in TABLE: {missing}"
+
+
+@pytest.mark.parametrize("key", sorted(TABLE))
+def test_each_migration_table_key_does_what_the_table_says(key):
+    ds, expected = TABLE[key]
+    if isinstance(expected, ConfigError):
+        with pytest.raises(ConfigError) as e:
+            from_deepspeed(ds, 1)
+        assert str(expected) in str(e.value) and "\n" not in str(e.value), str(e.value)
+        return
+    overrides, notes = from_deepspeed(ds, 1)
+    said = " ".join([*overrides, *notes])
+    assert expected in said, f"{key}: {expected!r} not in {overrides} / {notes}"

@@ -25,11 +25,17 @@ as `reduce_bucket_sizee` is not ignored). What is mapped, with DeepSpeed's meani
   `consecutive_hysteresis`; at stage 0 DeepSpeed's fp16 optimizer has no hysteresis, so
   neither is set there: every overflow halves the scale), `bf16.enabled`, `steps_per_print`.
 
-Not yet mapped (refused in one line, so nothing runs other than the file says): a torch
-scheduler by name, per-param-group lists in a scheduler's params,
-`offload_optimizer` / `offload_param` to cpu or nvme, Adam's L2 mode with weight decay.
-The schedulers' lr and the loss scale are tested against DeepSpeed's own classes
-(tests/test_lr_schedules.py).
+- `zero_optimization.offload_optimizer` (`device` cpu / nvme, `nvme_path`, `pin_memory`) as
+  `optimizer.offload` / `offload_dir` / `pin_memory` (pipekit.optim.offload);
+  `activation_checkpointing.partition_activations` as sequence parallelism; `pipeline.stages`,
+  `partition`, `activation_checkpoint_interval` as `parallel.pp`, `schedule.partition`,
+  `schedule.activation_checkpoint_interval`; "auto" as the pipekit config's value.
+
+Refused in one line (so nothing runs other than the file says): a torch scheduler by name,
+per-param-group lists in a scheduler's params, `offload_param` (parameter offload),
+`offload_optimizer.ratio` < 1, `cpu_checkpointing`, Adam's L2 mode with weight decay. Checked
+against DeepSpeed's own engine and classes: tests/test_deepspeed_parity.py (losses),
+tests/test_lr_schedules.py (the lr of every step, the loss scale).
 """
 
 from __future__ import annotations
@@ -48,7 +54,15 @@ NOTED = {
     "zero_allow_untested_optimizer": "ZeroOptimizer wraps any torch optimizer",
     "prescale_gradients": "pipekit averages gradients once, in their reduction dtype",
     "communication_data_type": "gradients are reduced in their own dtype (fp32 master: fp32)",
-    "activation_checkpointing": "recomputation is schedule.activation_checkpoint_interval (or checkpoint_layers)",
+    "activation_checkpointing.contiguous_memory_optimization": "recomputed blocks free their activations as they "
+                                                               "go",
+    "activation_checkpointing.number_checkpoints": "pipekit recomputes the runs schedule.activation_checkpoint_"
+                                                   "interval (or checkpoint_layers) names",
+    "activation_checkpointing.synchronize_checkpoint_boundary": "recomputation needs no device sync here",
+    "activation_checkpointing.profile": "logging.trace_step times every action, recomputation included",
+    "pipeline.seed_layers": "pipekit always seeds each layer by its global index (the same weights at any layout)",
+    "pipeline.pipe_partitioned": "a stage sends its whole output (1/tp of it with sequence parallelism)",
+    "pipeline.grad_partitioned": "a stage sends its whole input gradient (1/tp of it with sequence parallelism)",
     "flops_profiler": "pipekit plan profiles the layers",
     "tensorboard": "logging.tensorboard writes TensorBoard events to logging.out_dir",
     "zero_optimization.contiguous_gradients": "gradients always live in flat buckets",
@@ -69,7 +83,10 @@ NOTED = {
     "fp16.auto_cast": "pipekit casts the layers' weights, not their inputs",
 }
 _TOP = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
-        "scheduler", "gradient_clipping", "zero_optimization", "fp16", "bf16", "steps_per_print"}
+        "scheduler", "gradient_clipping", "zero_optimization", "fp16", "bf16", "steps_per_print",
+        "activation_checkpointing", "pipeline"}
+_ACT = {"partition_activations", "cpu_checkpointing"}
+_PIPE = {"stages", "partition", "activation_checkpoint_interval"}
 _ZERO = {"stage", "offload_optimizer", "offload_param"}
 _FP16 = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
          "consecutive_hysteresis"}
@@ -90,6 +107,18 @@ def read_deepspeed(path: str) -> dict:
     if not isinstance(ds, dict):
         raise ConfigError(f"--deepspeed {path} holds a JSON {type(ds).__name__}, not an object of DeepSpeed keys")
     return ds
+
+
+def with_deepspeed(path: str | None, ds: dict | str, overrides: list[str] | tuple = ()) -> tuple[list[str], list[str]]:
+    """The overrides `pipekit train PATH --deepspeed DS OVERRIDES...` runs with: DeepSpeed config
+    `ds` (a dict or a path) mapped at the dp, and with the "auto" values, of the config file
+    `path` and `overrides` merged, followed by `overrides` (which win); and the notes. For
+    Python: `load_run(path, with_deepspeed(path, ds, overrides)[0])`."""
+    from ..config import merged_config
+
+    base = merged_config(path, list(overrides))
+    mapped, notes = from_deepspeed(ds, base.parallel.dp, base)
+    return [*mapped, *overrides], notes
 
 
 def from_deepspeed(ds: dict | str, dp: int, base: Any = None) -> tuple[list[str], list[str]]:
@@ -124,9 +153,47 @@ def from_deepspeed(ds: dict | str, dp: int, base: Any = None) -> tuple[list[str]
         out.append(f"optimizer.zero_stage={stage}")  # DeepSpeed's default: stage 0
     out += _offload(zero, notes)
     out += _precision(ds, notes)
+    out += _checkpointing(ds.get("activation_checkpointing") or {})
+    out += _pipeline(ds.get("pipeline") or {})
     if "steps_per_print" in ds:
         out.append(f"logging.log_every={ds['steps_per_print']}")
     return out, notes
+
+
+def _checkpointing(block: dict) -> list[str]:
+    """activation_checkpointing: partition_activations (each tp rank keeping its slice of the saved
+    activations) is sequence parallelism; cpu_checkpointing is refused."""
+    if block.get("cpu_checkpointing") is True:
+        raise ConfigError("ds_config activation_checkpointing.cpu_checkpointing=true: pipekit does not move saved "
+                          "activations to host memory; set it false (recomputation: "
+                          "schedule.activation_checkpoint_interval)")
+    if block.get("partition_activations") is True:
+        return ["parallel.sequence_parallel=true"]  # a no-op at tp=1, as DeepSpeed's partitioning is
+    return []
+
+
+_PARTITIONS = ("parameters", "uniform", "profile")
+
+
+def _pipeline(block: dict) -> list[str]:
+    """pipeline: stages -> parallel.pp, partition (PipelineModule's partition_method: parameters,
+    uniform, type:REGEX) -> schedule.partition, activation_checkpoint_interval -> the same key."""
+    out = []
+    stages = block.get("stages", "auto")
+    if stages != "auto":
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ConfigError(f"ds_config pipeline.stages={stages!r} must be a whole number >= 1 (or \"auto\")")
+        out.append(f"parallel.pp={stages}")
+    method = block.get("partition")
+    if method is not None:
+        if not isinstance(method, str) or not (method.lower() in _PARTITIONS or method.lower().startswith("type:")):
+            raise ConfigError(f"ds_config pipeline.partition={method!r} is not a partition method pipekit runs: give "
+                              f"parameters, uniform, type:REGEX (as DeepSpeed's PipelineModule) or profile")
+        out.append(f"schedule.partition={method if method.lower().startswith('type:') else method.lower()}")
+    interval = block.get("activation_checkpoint_interval")
+    if interval is not None:
+        out.append(f"schedule.activation_checkpoint_interval={interval}")
+    return out
 
 
 def _autos(ds: Any, prefix: str) -> list[str]:
@@ -226,7 +293,7 @@ def _walk(ds: dict, prefix: str, notes: list[str]) -> None:
     """Refuse keys DeepSpeed would not know here (naming the nearest known one); note the NOTED."""
     known = {"": _TOP | {k for k in NOTED if "." not in k}, "zero_optimization.": _ZERO, "fp16.": _FP16,
              "bf16.": {"enabled"}, "optimizer.": {"type", "params"}, "optimizer.params.": _PARAMS,
-             "scheduler.": {"type", "params"}}
+             "scheduler.": {"type", "params"}, "activation_checkpointing.": _ACT, "pipeline.": _PIPE}
     for key, value in ds.items():
         full = f"{prefix}{key}"
         if full in NOTED:

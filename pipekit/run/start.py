@@ -40,7 +40,7 @@ def _train_command(args: argparse.Namespace) -> int:
     try:
         args.config, args.overrides = config_and_overrides(args.config, args.overrides)
         if getattr(args, "deepspeed", None):  # the file's keys as overrides, once: the workers get those
-            args.overrides = _deepspeed_overrides(args) + args.overrides
+            args.overrides = _deepspeed_overrides(args)  # the file's, then the command line's
             args.deepspeed = None
         run = load_run(args.config, args.overrides)
     except ConfigError as e:
@@ -102,13 +102,11 @@ REFUSAL_GRACE_S = 5.0
 
 
 def _deepspeed_overrides(args: argparse.Namespace) -> list[str]:
-    """--deepspeed's file as overrides (`run.deepspeed`) at the dp the config and overrides give; its
-    notes once, on stderr, from the launcher or the only process."""
-    from ..config import merged_config
-    from .deepspeed import from_deepspeed
+    """--deepspeed's file as overrides (`run.deepspeed.with_deepspeed`: the file's, then the command
+    line's); its notes once, on stderr, from the launcher or the only process."""
+    from .deepspeed import with_deepspeed
 
-    base = merged_config(args.config, args.overrides)  # what the file's "auto" keys are filled from
-    overrides, notes = from_deepspeed(args.deepspeed, base.parallel.dp, base)
+    overrides, notes = with_deepspeed(args.config, args.deepspeed, args.overrides)
     if os.environ.get("RANK", "0") == "0":
         for note in notes:
             print(f"pipekit: notice: {note}", file=sys.stderr, flush=True)
