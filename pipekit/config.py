@@ -121,6 +121,12 @@ class ParallelConfig:
     # all-gather / reduce-scatter replaces each all-reduce); a no-op at tp=1. Needs train.seq_len
     # divisible by tp; MoE blocks route each rank's slice; not with expert_tp.
     sequence_parallel: bool = False
+    # context parallelism: cp ranks per data replica split every sequence (each holds chunks i and 2cp-1-i of
+    # its 2cp chunks: the same attention work on every rank), attention crossing them by cp_mode: ring (keys and
+    # values passed around, merged by log-sum-exp) or ulysses (all-to-all to head shards). world = pp*dp*tp*cp;
+    # train.seq_len divisible by 2*cp; ulysses: the heads per tp rank divisible by cp. gpt2, llama, mixtral.
+    cp: int = 1
+    cp_mode: str = "ring"
     # ZeRO-3's hybrid sharding (FSDP's HSDP): runs of dp_shard consecutive dp ranks shard the parameters,
     # the dp // dp_shard runs replicate each other (all-gathers stay within a run: a node). None: all of dp.
     dp_shard: Optional[int] = None
@@ -256,7 +262,7 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.parallel.pp * self.parallel.dp * self.parallel.tp
+        return self.parallel.pp * self.parallel.dp * self.parallel.tp * self.parallel.cp
 
 
 class ConfigError(ValueError):
@@ -501,6 +507,7 @@ def _check_positive(cfg: Config) -> None:
     p, s, t = cfg.parallel, cfg.schedule, cfg.train
     _check_rules([(key, value, value >= 1, ">= 1") for key, value in [
         ("parallel.pp", p.pp), ("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.ep", p.ep),
+        ("parallel.cp", p.cp),
         ("schedule.microbatches", s.microbatches), ("schedule.chunks_per_rank", s.chunks_per_rank),
         ("train.steps", t.steps), ("train.micro_batch", t.micro_batch), ("train.seq_len", t.seq_len),
         ("logging.log_every", cfg.logging.log_every), ("checkpoint.keep", cfg.checkpoint.keep),
@@ -513,7 +520,8 @@ def check_config(cfg: Config) -> None:
     (What needs the model or the schedule is checked by `resolve`.)"""
     p, s, t = cfg.parallel, cfg.schedule, cfg.train
     _check_positive(cfg)
-    _rule(rules.check_ep, p.ep, p.dp)
+    _rule(rules.check_ep, p.ep, p.dp * p.cp)  # experts split over the ranks holding the same weights
+    _check_choice("parallel.cp_mode", p.cp_mode, ("ring", "ulysses"))
     _check_model_family(cfg.model)
     _check_lora_values(cfg.model)
     _check_choice("train.dtype", t.dtype, ("float32", "float64"))
@@ -814,12 +822,13 @@ def _check_model_fits(cfg: Config, model, specs: list, chunks: int) -> None:
         raise ConfigError(f"model.vocab_size={shown} is not divisible by parallel.tp={p.tp}")
     experts = getattr(model, "n_experts", None)
     if experts is not None:
-        _rule(rules.check_experts, experts, p.ep, p.dp)
+        _rule(rules.check_experts, experts, p.ep, p.dp * p.cp)
     if experts is None and p.ep > 1:
         raise ConfigError(f"parallel.ep={p.ep} shards experts, but model.family={cfg.model.family} has none; "
                           f"use parallel.ep=1 or an MoE family (mixtral)")
     _check_expert_tp(cfg, model)
     _check_sequence_parallel(cfg, model)
+    _check_context_parallel(cfg, model)
     max_len = getattr(model, "max_seq_len", None)
     if max_len is not None and cfg.train.seq_len > max_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={max_len}")
@@ -853,6 +862,32 @@ def _check_sequence_parallel(cfg: Config, model) -> None:
     if p.expert_tp:
         raise ConfigError("parallel.sequence_parallel=true does not support parallel.expert_tp=true yet (each "
                           "tp rank routes its own sequence slice); use one of them")
+
+
+CP_FAMILIES = ("gpt2", "llama", "mixtral")  # the families whose attention crosses cp ranks
+
+
+def _check_context_parallel(cfg: Config, model) -> None:
+    """parallel.cp > 1 cuts each sequence into 2*cp chunks (train.seq_len divisible by 2*cp), in
+    a family with attention that crosses them; ulysses splits the heads of a tp rank over cp."""
+    p, t = cfg.parallel, cfg.train
+    if p.cp == 1:
+        return
+    family = cfg.model.family
+    if family not in CP_FAMILIES:
+        raise ConfigError(f"parallel.cp={p.cp} splits each sequence across ranks, which model.family={family} does "
+                          f"not support; use parallel.cp=1 or one of {list(CP_FAMILIES)}")
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by 2 * parallel.cp = {2 * p.cp} (each cp rank "
+                          f"holds 2 of the sequence's {2 * p.cp} chunks); use a seq_len multiple of {2 * p.cp}")
+    if p.sequence_parallel and p.tp > 1 and (t.seq_len // p.cp) % p.tp:
+        raise ConfigError(f"train.seq_len={t.seq_len} / parallel.cp={p.cp} = {t.seq_len // p.cp} tokens per cp rank "
+                          f"do not split over parallel.tp={p.tp} (sequence parallelism)")
+    heads = getattr(model, "n_heads", None)
+    if p.cp_mode == "ulysses" and heads is not None and (heads // p.tp) % p.cp:
+        raise ConfigError(f"parallel.cp_mode=ulysses splits the {heads // p.tp} attention heads of each tp rank "
+                          f"(model.n_heads={heads} / parallel.tp={p.tp}) over parallel.cp={p.cp}, which does not "
+                          f"divide them; use cp_mode=ring or a cp dividing {heads // p.tp}")
 
 
 def _check_model_family(m: ModelConfig) -> None:
@@ -935,8 +970,12 @@ class Run:
     notices: tuple[str, ...] = ()  # "KEY=VALUE has no effect: WHY" for each key set that does nothing here
 
     @property
+    def cp(self) -> int:
+        return self.config.parallel.cp
+
+    @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.tp * self.cp
 
     @property
     def family(self) -> str:

@@ -76,6 +76,7 @@ import torch.distributed as dist
 
 from . import auxloss, comm, split_backward
 from .handshake import InputShapes
+from .layers.context import shard_sequence
 from .microbatch import all_tensors, cast_floats, leaf, next_batch, rebuild, split_microbatches, to_device
 from .optim import Marks, Skip, ZeroOptimizer
 from .pipeline import PipelineModule
@@ -361,11 +362,26 @@ class PipelineEngine:
         micro_in = micro_labels = None
         if inputs is not None:
             inputs = cast_floats(to_device(inputs, self.topo.device), self.module.param_dtype)
-            micro_in = split_microbatches(inputs, self.num_microbatches, "inputs")
+            micro_in = split_microbatches(self._context_chunks(inputs, "inputs"), self.num_microbatches, "inputs")
         if labels is not None:
             labels = to_device(labels, self.topo.device)
-            micro_labels = split_microbatches(labels, self.num_microbatches, "labels")
+            micro_labels = split_microbatches(self._context_chunks(labels, "labels"), self.num_microbatches, "labels")
         return micro_in, micro_labels
+
+    def _context_chunks(self, x, what: str):
+        """Context parallelism (cp > 1): this rank's two chunks of every sequence in `x` (a tensor
+        or tuple; dim 1 is the sequence of each tensor with one), `pipekit.layers.context`."""
+        t = self.topo
+        if t.cp == 1:
+            return x
+        if isinstance(x, tuple):
+            return tuple(self._context_chunks(item, what) for item in x)
+        if x.dim() < 2:
+            return x
+        try:
+            return shard_sequence(x, t.cp, t.cp_rank, dim=1)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
 
     def _check_needs(self, inputs, labels) -> None:
         """Raise, naming this rank and its stages, when it lacks data one of its stages reads."""

@@ -33,7 +33,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .layers.parallel import expert_parallel, expert_tensor_parallel, sequence_parallel, tensor_parallel
+from .layers.parallel import (
+    context_parallel,
+    expert_parallel,
+    expert_tensor_parallel,
+    sequence_parallel,
+    tensor_parallel,
+)
 from .partition import partition as partition_specs
 from .precision import Precision, precision_policy
 from .schedules import SCHEDULES, Schedule, build_schedule
@@ -234,7 +240,8 @@ class PipelineModule(nn.Module):
         parallelism, for building layers."""
         topo = self.topology
         with tensor_parallel(topo.tp_group), expert_parallel(topo.ep_group), \
-                expert_tensor_parallel(topo.etp_group), sequence_parallel(topo.sequence_parallel):
+                expert_tensor_parallel(topo.etp_group), sequence_parallel(topo.sequence_parallel), \
+                context_parallel(topo.cp_group, topo.cp_mode):
             yield
 
     def _build(self, i: int) -> None:

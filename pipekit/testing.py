@@ -141,8 +141,9 @@ class Reference:
 
     @staticmethod
     def rows(batch: tuple, topo) -> tuple:
-        """This dp rank's rows of every tensor in `batch` (its `dp_rank`-th of `dp` equal parts)."""
-        dp, rank = topo.dp, topo.dp_rank
+        """This data replica's rows of every tensor in `batch` (its `data_rank`-th of `data_dp`
+        equal parts; the cp ranks of a replica read the same rows)."""
+        dp, rank = topo.data_dp, topo.data_rank
         return tuple(t[rank * len(t) // dp:(rank + 1) * len(t) // dp] for t in batch)
 
     def step(self, batch: tuple) -> float:

@@ -222,11 +222,23 @@ def init_distributed(
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
+CP_MODES = ("ring", "ulysses")  # how attention crosses the cp ranks (pipekit.layers.context)
+
+
 class Topology:
     """This rank's place in the (pp, dp, tp) grid and the process groups along each axis.
 
     With `ep` > 1 (dividing dp) the dp axis is also split into (edp, ep): experts are
     sharded over `ep_group` and their gradients reduced over `edp_group`.
+
+    With `cp` > 1 (context parallelism) the world is pp x dp x tp x cp: each of the `dp`
+    data replicas is `cp` ranks that read the same rows and hold two chunks each of every
+    sequence (`pipekit.layers.context`), passing keys and values over `cp_group`. The dp
+    axis (`dp`, `dp_rank`, `dp_group`) is then the data replicas x cp: every rank holding
+    the same parameters, over which gradients are reduced and ZeRO shards; `data_dp` and
+    `data_rank` say which rows a rank reads (`data_dp` = the `dp` given), `cp_rank` its
+    place in its cp group. At cp=1 data_dp = dp and data_rank = dp_rank. `cp_mode`: "ring"
+    (keys and values passed around the cp ranks) or "ulysses" (all-to-all to head shards).
 
     With `expert_tp` (Megatron's expert tensor parallelism), MoE layers split each
     expert's hidden dimension over the tp group (`etp_group`, the tp group itself; None
@@ -259,24 +271,33 @@ class Topology:
 
     def __init__(self, pp: int = 1, dp: int | None = None, tp: int = 1, device_type: str | None = None,
                  device: str | None = None, ep: int = 1, expert_tp: bool = False,
-                 sequence_parallel: bool = False, dp_shard: int | None = None, alone: bool = False):
-        _check_sizes(pp=pp, dp=dp, tp=tp, ep=ep, dp_shard=dp_shard)
+                 sequence_parallel: bool = False, dp_shard: int | None = None, alone: bool = False, cp: int = 1,
+                 cp_mode: str = "ring"):
+        _check_sizes(pp=pp, dp=dp, tp=tp, ep=ep, dp_shard=dp_shard, cp=cp)
         for name, flag in (("expert_tp", expert_tp), ("alone", alone)):
             if not isinstance(flag, bool):
                 raise TypeError(f"Topology({name}=...) must be True or False, got {flag!r}")
         device = _one_device_arg(device, device_type)
+        if cp_mode not in CP_MODES:
+            raise ValueError(f"Topology(cp_mode={cp_mode!r}) is not one of {list(CP_MODES)}")
+        self.cp_mode = cp_mode
         self.dp_shard = dp_shard
         if not isinstance(sequence_parallel, bool):
             raise TypeError(f"sequence_parallel must be True or False, got {sequence_parallel!r}")
         if not alone and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # a launcher's
             init_distributed(device=device or "auto")
         if alone or not dist.is_initialized():
-            self._init_single(pp, dp, tp, device)
+            self._init_single(pp, dp, tp, device, cp)
             check_ep(ep, 1)
             check_dp_shard(dp_shard, 1)
             return
         self.world_size = dist.get_world_size()
-        self.pp, self.dp, self.tp = grid_sizes(self.world_size, pp, dp, tp)
+        if self.world_size % cp:
+            raise ValueError(f"Topology(cp={cp}) on {self.world_size} ranks: cp must divide the world size "
+                             f"(world = pp * dp * tp * cp)")
+        self.pp, data_dp, self.tp = grid_sizes(self.world_size // cp, pp, dp, tp)
+        self.cp, self.data_dp = cp, data_dp
+        self.dp = data_dp * cp  # the ranks holding the same parameters: data replicas x cp
         device_type = _group_device(device)
         self.device = (torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda"
                        else torch.device("cpu"))
@@ -288,6 +309,7 @@ class Topology:
             self.mesh.get_group(name) if size > 1 else None
             for name, size in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp))
         )
+        self._init_context_groups(device_type)
         self._init_expert_groups(ep, device_type)
         self.etp, self.etp_group = (self.tp, self.tp_group) if expert_tp else (1, None)
         self.sequence_parallel = sequence_parallel and self.tp > 1
@@ -335,6 +357,18 @@ class Topology:
                         self._twins[group] = twin
         return self._twins
 
+    def _init_context_groups(self, device_type: str) -> None:
+        """Context parallelism: each run of `cp` consecutive ranks of the dp axis holds the same
+        rows, each rank its two chunks of every sequence (`pipekit.layers.context`), and
+        attention passes keys and values over `cp_group` (the (pp, data_dp, cp, tp) mesh's cp
+        dimension). `data_rank` / `data_dp`: which rows this rank's replica reads, of how many."""
+        self.data_rank, self.cp_rank = divmod(self.dp_rank, self.cp)
+        self.cp_mesh = self.cp_group = None
+        if self.cp > 1:
+            self.cp_mesh = init_device_mesh(device_type, (self.pp, self.data_dp, self.cp, self.tp),
+                                            mesh_dim_names=("pp", "data", "cp", "tp"))
+            self.cp_group = self.cp_mesh.get_group("cp")
+
     def _init_expert_groups(self, ep: int, device_type: str) -> None:
         """Expert parallelism: each run of `ep` consecutive dp ranks shares out the experts
         (`ep_group`); the dp ranks holding the same experts form `edp_group` (dp // ep ranks),
@@ -350,18 +384,19 @@ class Topology:
             self.ep_group = self.moe_mesh.get_group("ep")
             self.edp_group = self.moe_mesh.get_group("edp") if self.edp > 1 else None
 
-    def _init_single(self, pp: int, dp: int | None, tp: int, device: str | None) -> None:
+    def _init_single(self, pp: int, dp: int | None, tp: int, device: str | None, cp: int = 1) -> None:
         """One plain process, no process groups: what `PipelineModule(topology=None)` uses."""
-        if (pp, dp or 1, tp) != (1, 1, 1):
+        if (pp, dp or 1, tp, cp) != (1, 1, 1, 1):
             raise RuntimeError(
-                f"Topology(pp={pp}, dp={dp}, tp={tp}) needs torch.distributed to be initialised, but no group "
+                f"Topology(pp={pp}, dp={dp}, tp={tp}, cp={cp}) needs torch.distributed to be initialised, but no group "
                 "is up and no launcher started more workers (RANK, WORLD_SIZE); launch with `pipekit "
                 "train` / torchrun, or in torch.multiprocessing workers call torch.distributed."
                 "init_process_group(...) (or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE and call "
                 "pipekit.init_distributed())"
             )
-        self.world_size = self.pp = self.dp = self.tp = 1
-        self.rank = self.pp_rank = self.dp_rank = self.tp_rank = 0
+        self.world_size = self.pp = self.dp = self.tp = self.cp = self.data_dp = 1
+        self.rank = self.pp_rank = self.dp_rank = self.tp_rank = self.cp_rank = self.data_rank = 0
+        self.cp_mesh = self.cp_group = None
         self.mesh = self.pp_group = self.dp_group = self.tp_group = None
         self.ep = self.edp = 1
         self.ep_rank = self.edp_rank = 0
@@ -380,7 +415,8 @@ class Topology:
 
     def __repr__(self) -> str:
         return (
-            f"Topology(pp={self.pp}, dp={self.dp}, tp={self.tp}" + (f", ep={self.ep}" if self.ep > 1 else "")
+            f"Topology(pp={self.pp}, dp={self.data_dp}, tp={self.tp}" + (f", cp={self.cp}" if self.cp > 1 else "")
+            + (f", ep={self.ep}" if self.ep > 1 else "")
             + f", rank={self.rank} -> pp_rank={self.pp_rank}, dp_rank={self.dp_rank}, tp_rank={self.tp_rank}"
             + (f", ep_rank={self.ep_rank}" if self.ep > 1 else "")
             + (f", expert_tp={self.etp}" if self.etp > 1 else "")

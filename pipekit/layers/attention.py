@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import einops
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .context import attention_core, chunk_index
 from .kv_cache import active_kv_cache
 from .linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
-from .parallel import current_tp_group, group_size
+from .parallel import current_context_parallel, current_tp_group, group_size
 from .rotary import apply_rotary, rotary_cos_sin, rotary_cos_sin_at
 
 
@@ -70,6 +72,7 @@ class CausalSelfAttention(nn.Module):
         self.k = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, bias=bias, init_std=init_std, group=group)
         self.v = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, bias=bias, init_std=init_std, group=group)
         self.o = RowParallelLinear(n_heads * self.head_dim, dim, bias=bias, init_std=out_std, group=group)
+        self.context = current_context_parallel()  # (cp group, mode) when built under context parallelism
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # one backward all-reduce for q, k and v together; sequence-parallel: the all-gather of the
@@ -79,6 +82,9 @@ class CausalSelfAttention(nn.Module):
         q = einops.rearrange(q, "b t (h d) -> b h t d", d=self.head_dim)  # (B, H/tp, T, hd)
         k = einops.rearrange(k, "b t (h d) -> b h t d", d=self.head_dim)  # (B, KV/tp, T, hd)
         v = einops.rearrange(v, "b t (h d) -> b h t d", d=self.head_dim)
+        if self.context is not None:
+            y = self._across_context(q, k, v, positions, *self.context)
+            return self.o(einops.rearrange(y, "b h t d -> b t (h d)"))
         if self.rope_theta is not None and positions is None:
             cos, sin = rotary_cos_sin(q.shape[2], self.head_dim, self.rope_theta, q.device, q.dtype)
             q, k = apply_rotary(q, k, cos, sin)
@@ -101,6 +107,25 @@ class CausalSelfAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o(einops.rearrange(y, "b h t d -> b t (h d)"))  # (B, T, H/tp * hd)
+
+
+    def _across_context(self, q, k, v, positions, group, mode: str) -> torch.Tensor:
+        """Attention over the whole sequence when this rank holds two chunks of it (context
+        parallelism, `pipekit.layers.context`): rotary at the tokens' real positions (their
+        global indices, or with packed documents their `positions`), the causal mask by global
+        index, within documents (a token's document is told by where it starts: its global
+        index less its position)."""
+        if active_kv_cache() is not None:
+            raise ValueError("a KV cache (incremental decoding) runs in one process, not under context parallelism")
+        T = q.shape[2]
+        index = chunk_index(T, group_size(group), dist.get_rank(group), device=q.device)  # (T,) global indices
+        if self.rope_theta is not None:
+            at = positions if positions is not None else index.expand(q.shape[0], T)
+            cos, sin = rotary_cos_sin_at(at, self.head_dim, self.rope_theta, q.dtype)  # (B, T, hd)
+            q, k = apply_rotary(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
+        doc = None if positions is None else index - positions  # (B, T): where each token's document starts
+        q, k, v = (t.contiguous() for t in (q, k, v))  # they travel between ranks (the ring, all-to-all)
+        return attention_core(q, k, v, mode=mode, group=group, index=index, doc=doc)
 
 
 def document_mask(positions: torch.Tensor) -> torch.Tensor:

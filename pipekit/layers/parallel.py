@@ -101,6 +101,22 @@ def expert_tensor_parallel(group) -> Iterator[Any]:
     yield from _scoped(_ETP_GROUP, group)
 
 
+_CP: contextvars.ContextVar[Any] = contextvars.ContextVar("pipekit_context_parallel", default=None)
+
+
+@contextlib.contextmanager
+def context_parallel(group, mode: str = "ring") -> Iterator[Any]:
+    """Make attention layers constructed inside the block split each sequence over the cp group
+    `group` (None or one rank: no context parallelism), crossing it by `mode` ("ring" or
+    "ulysses"; `pipekit.layers.context`)."""
+    yield from _scoped(_CP, (group, mode) if group is not None and group_size(group) > 1 else None)
+
+
+def current_context_parallel() -> tuple[Any, str] | None:
+    """(cp group, mode) set by the innermost `context_parallel(...)`, or None (no cp)."""
+    return _CP.get()
+
+
 _SP: contextvars.ContextVar[bool] = contextvars.ContextVar("pipekit_sequence_parallel", default=False)
 
 

@@ -33,6 +33,7 @@ from operator import attrgetter
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..layers import (
@@ -42,7 +43,8 @@ from ..layers import (
     TransformerBlock,
     VocabParallelEmbedding,
 )
-from ..layers.parallel import mark_sequence_parallel, normal_full, tp_slice
+from ..layers.context import chunk_index
+from ..layers.parallel import current_context_parallel, group_size, mark_sequence_parallel, normal_full, tp_slice
 from ..spec import LayerSpec, TiedLayerSpec
 from .common import (  # noqa: F401 - the shared helpers, importable from here as before
     FinalLayerNorm,
@@ -125,6 +127,7 @@ class GPT2Embedding(nn.Module):
         self.wpe = nn.Embedding(max_seq_len, dim, _weight=normal_full((max_seq_len, dim), init_std))
         if self.wte.sequence_parallel:  # the output is this rank's sequence slice: so are wpe's rows' gradients
             mark_sequence_parallel(self.wpe.weight)
+        self.context = current_context_parallel()  # cp: this rank's tokens sit at their chunks' positions
 
     def forward(self, ids: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> Any:
         if isinstance(ids, tuple):  # packed documents: (ids, positions) -> (hidden, positions)
@@ -136,7 +139,17 @@ class GPT2Embedding(nn.Module):
         T = ids.shape[1]
         if T > self.wpe.num_embeddings:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.wpe.num_embeddings} of the position table")
-        pos = torch.arange(T, device=ids.device) if positions is None else positions  # (T,) or (B, T)
+        if positions is not None:
+            pos = positions  # (B, T)
+        elif self.context is not None:  # context parallelism: the global positions of this rank's two chunks
+            group = self.context[0]
+            cp = group_size(group)
+            if T * cp > self.wpe.num_embeddings:
+                raise ValueError(f"sequence length {T * cp} (cp={cp} x {T}) exceeds max_seq_len="
+                                 f"{self.wpe.num_embeddings} of the position table")
+            pos = chunk_index(T, cp, dist.get_rank(group), device=ids.device)
+        else:
+            pos = torch.arange(T, device=ids.device)  # (T,)
         if self.wte.sequence_parallel:  # wte gives (B, T/tp, D), this rank's slice: its positions
             pos = tp_slice(pos, pos.dim() - 1, self.wte.group)
         return self.wte(ids) + self.wpe(pos)  # (B, T, D) + (T, D) or (B, T, D); sequence-parallel (B, T/tp, D)

@@ -266,8 +266,16 @@ def meta_activations(run: Run, rows: int, sp: bool) -> list[tuple[int, int]]:
     train mode under `SavedStorages`, the loss's saved bytes folded into the last layer.
     Nothing is allocated and nothing communicates (meta collectives only shape). Exact
     for what these layers save, whatever they save (fused attention, SP's gathered inputs);
-    routed experts see every token of the microbatch (no expert parallelism on meta)."""
+    routed experts see every token of the microbatch (no expert parallelism on meta).
+    Context parallelism (cp > 1): a rank's layers see seq_len / cp tokens, and attention saves
+    what it saves for that many (its own queries, keys, values, output and log-sum-exp; the
+    ring's one block in flight is not saved), so they are counted at that length."""
     group = FakeGroup(run.tp, 0) if run.tp > 1 else None
+    if run.cp > 1:
+        cfg = run.config
+        local = replace(cfg, train=replace(cfg.train, seq_len=cfg.train.seq_len // run.cp),
+                                    parallel=replace(cfg.parallel, cp=1))
+        run = replace(run, config=local)
     return meta_saved(run, rows, tp_group=group, sequence_parallel=sp and run.tp > 1)
 
 

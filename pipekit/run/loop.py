@@ -139,12 +139,12 @@ def batches(run: Run, topo: Topology, split: str = "train", path: str | None = N
     seed = t.seed if split == "train" else t.seed + 1
     if path is None:
         vocab = model_vocab(run.model)
-        shard = run.global_batch // topo.dp
-        rows = slice(topo.dp_rank * shard, (topo.dp_rank + 1) * shard)
+        shard = run.global_batch // topo.data_dp  # a replica's rows (its cp ranks read the same rows)
+        rows = slice(topo.data_rank * shard, (topo.data_rank + 1) * shard)
         stream = synthetic_batches(vocab, run.global_batch, t.seq_len, seed=seed)
         return ((x[rows], y[rows]) for x, y in itertools.islice(stream, start_step, None))
     ds = TokenDataset(path, split)
-    return BatchSampler(ds, run.global_batch, t.seq_len, dp_rank=topo.dp_rank, dp_size=topo.dp, seed=seed,
+    return BatchSampler(ds, run.global_batch, t.seq_len, dp_rank=topo.data_rank, dp_size=topo.data_dp, seed=seed,
                         start_step=start_step, pack=run.config.data.pack)
 
 
@@ -207,7 +207,8 @@ def _join(run: Run) -> tuple[Topology, str | None]:
     topo = Topology(pp=run.pp, dp=run.dp, tp=run.tp, ep=run.ep, device=device,
                     expert_tp=run.config.parallel.expert_tp,
                     sequence_parallel=run.config.parallel.sequence_parallel,
-                    dp_shard=run.config.parallel.dp_shard)
+                    dp_shard=run.config.parallel.dp_shard, cp=run.config.parallel.cp,
+                    cp_mode=run.config.parallel.cp_mode)
     return topo, reason if fell_back(run.config.train.device, device) else None
 
 

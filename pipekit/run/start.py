@@ -88,7 +88,7 @@ def _train_command(args: argparse.Namespace) -> int:
                                  grace=cfg.checkpoint.stop_grace_s, checkpoints=checkpoint_root(cfg))
         if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != cfg.world_size:
             print(f"pipekit train: torchrun started {os.environ['WORLD_SIZE']} workers but the config asks for "
-                  f"pp*dp*tp = {cfg.world_size}", file=sys.stderr)
+                  f"pp*dp*tp*cp = {cfg.world_size}", file=sys.stderr)
             return 2
         return launch.run_worker(run)
     finally:
