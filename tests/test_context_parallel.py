@@ -127,3 +127,59 @@ def test_packed_documents_at_cp2_equal_one_process(results):
         for family, r in packs.items():
             for what, diff in r["worst"].items():
                 assert diff <= TOL, f"rank {rank}, {family}: {what} differs by {diff:.3g} (at {r['where'][what]})"
+
+
+def _losses(out) -> list[float]:
+    import json
+
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return [r["loss"] for r in records if "loss" in r and r.get("kind", "step") == "step"]
+
+
+def test_pipekit_train_at_cp2_follows_the_cp1_curve(tmp_path):
+    """`pipekit train configs/llama_tiny.yaml parallel.cp=2` (2 workers, ring) and ulysses give the
+    losses of the same run at cp=1 (float32: within 1e-5)."""
+    from pathlib import Path
+
+    from pipekit.cli import main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs/llama_tiny.yaml")
+    common = ["parallel.pp=1", "train.steps=3", "train.seq_len=32", "train.micro_batch=2", "schedule.microbatches=2",
+              "data.val_every=0", "logging.progress=false", "logging.tensorboard=false", "logging.log_every=1",
+              "checkpoint.at_end=false"]
+    curves = {}
+    for name, more in {"cp1": [], "ring": ["parallel.cp=2"], "ulysses": ["parallel.cp=2", "parallel.cp_mode=ulysses"]
+                       }.items():
+        assert main(["train", config, *common, *more, f"logging.out_dir={tmp_path / name}"]) == 0, name
+        curves[name] = _losses(tmp_path / name)
+    assert len(curves["cp1"]) == 3
+    for name in ("ring", "ulysses"):
+        assert max(abs(a - b) for a, b in zip(curves[name], curves["cp1"])) < 1e-5, curves
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["train.seq_len=30", "parallel.cp=2"], "train.seq_len=30 is not divisible by 2 * parallel.cp = 4"),
+    (["parallel.cp=8", "parallel.cp_mode=ulysses", "train.seq_len=32"],
+     "parallel.cp_mode=ulysses splits the 4 attention heads of each tp rank"),
+    (["parallel.cp=2", "parallel.cp_mode=stripes"], "parallel.cp_mode"),
+    (["parallel.cp=0"], "parallel.cp"),
+])
+def test_bad_context_parallel_settings_are_refused_before_launch(overrides, said, capsys):
+    from pathlib import Path
+
+    from pipekit.cli import main
+
+    config = str(Path(__file__).resolve().parents[1] / "configs/llama_tiny.yaml")
+    assert main(["train", config, "parallel.pp=1", *overrides, "--show"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+
+
+def test_a_family_without_attention_refuses_cp(capsys):
+    from pathlib import Path
+
+    from pipekit.cli import main
+
+    toy = str(Path(__file__).resolve().parents[1] / "configs/toy.yaml")
+    assert main(["train", toy, "parallel.pp=1", "parallel.cp=2", "--show"]) == 2
+    assert "model.family=toy does not support" in capsys.readouterr().err
