@@ -207,6 +207,13 @@ class TrainConfig:
     micro_batch: int = 4  # sequences per microbatch
     global_batch: Optional[int] = None  # = micro_batch * schedule.microbatches * parallel.dp (checked)
     seq_len: int = 128
+    # sequence-length warm-up (DeepSpeed's seqlen curriculum): from seq_len_start (None: off) up to seq_len over
+    # seq_len_warmup_steps steps, rounded down to multiples of seq_len_multiple; seq_len_root 1: linear, 2:
+    # square root... (fixed_root). Each batch is cut to its step's length (pipekit/run/curriculum.py).
+    seq_len_start: Optional[int] = None
+    seq_len_warmup_steps: int = 0
+    seq_len_multiple: int = 8
+    seq_len_root: float = 1.0
     seed: int = 0
     dtype: str = "float32"  # float32 | float64: the dtype parameters are initialised (and kept) in
     device: str = "auto"  # auto | cpu | cuda (auto: CUDA when every node has a GPU per local worker)
@@ -829,6 +836,7 @@ def _check_model_fits(cfg: Config, model, specs: list, chunks: int) -> None:
     _check_expert_tp(cfg, model)
     _check_sequence_parallel(cfg, model)
     _check_context_parallel(cfg, model)
+    _check_seq_len_warmup(cfg)
     max_len = getattr(model, "max_seq_len", None)
     if max_len is not None and cfg.train.seq_len > max_len:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} exceeds model.max_seq_len={max_len}")
@@ -862,6 +870,27 @@ def _check_sequence_parallel(cfg: Config, model) -> None:
     if p.expert_tp:
         raise ConfigError("parallel.sequence_parallel=true does not support parallel.expert_tp=true yet (each "
                           "tp rank routes its own sequence slice); use one of them")
+
+
+def _check_seq_len_warmup(cfg: Config) -> None:
+    """train.seq_len_start..seq_len over seq_len_warmup_steps, in multiples of seq_len_multiple that
+    every split of the sequence divides (2*cp chunks; tp with sequence parallelism)."""
+    t, p = cfg.train, cfg.parallel
+    if t.seq_len_start is None:
+        return
+    _check_rules([
+        ("train.seq_len_start", t.seq_len_start, 1 <= t.seq_len_start <= t.seq_len,
+         f"in [1, train.seq_len={t.seq_len}] (where the warm-up starts)"),
+        ("train.seq_len_warmup_steps", t.seq_len_warmup_steps, t.seq_len_warmup_steps >= 1,
+         ">= 1 (the steps the warm-up takes)"),
+        ("train.seq_len_multiple", t.seq_len_multiple, t.seq_len_multiple >= 1, ">= 1"),
+        ("train.seq_len_root", t.seq_len_root, _finite(t.seq_len_root) and t.seq_len_root > 0,
+         "a number > 0 (1: linear)"),
+    ])
+    need = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+    if t.seq_len_multiple % need:
+        raise ConfigError(f"train.seq_len_multiple={t.seq_len_multiple} must be a multiple of {need} (every length "
+                          f"of the warm-up is split into 2*cp chunks, and over tp with sequence parallelism)")
 
 
 CP_FAMILIES = ("gpt2", "llama", "mixtral")  # the families whose attention crosses cp ranks

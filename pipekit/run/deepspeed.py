@@ -84,7 +84,8 @@ NOTED = {
 }
 _TOP = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "optimizer",
         "scheduler", "gradient_clipping", "zero_optimization", "fp16", "bf16", "steps_per_print",
-        "activation_checkpointing", "pipeline"}
+        "activation_checkpointing", "pipeline", "curriculum_learning"}
+_CURRICULUM = {"enabled", "curriculum_type", "min_difficulty", "max_difficulty", "schedule_type", "schedule_config"}
 _ACT = {"partition_activations", "cpu_checkpointing"}
 _PIPE = {"stages", "partition", "activation_checkpoint_interval"}
 _ZERO = {"stage", "offload_optimizer", "offload_param"}
@@ -155,6 +156,7 @@ def from_deepspeed(ds: dict | str, dp: int, base: Any = None) -> tuple[list[str]
     out += _precision(ds, notes)
     out += _checkpointing(ds.get("activation_checkpointing") or {})
     out += _pipeline(ds.get("pipeline") or {})
+    out += _curriculum(ds.get("curriculum_learning") or {})
     if "steps_per_print" in ds:
         out.append(f"logging.log_every={ds['steps_per_print']}")
     return out, notes
@@ -194,6 +196,33 @@ def _pipeline(block: dict) -> list[str]:
     if interval is not None:
         out.append(f"schedule.activation_checkpoint_interval={interval}")
     return out
+
+
+def _curriculum(block: dict) -> list[str]:
+    """curriculum_learning (seqlen; fixed_linear or fixed_root) as the sequence-length warm-up:
+    min_difficulty -> train.seq_len_start, max_difficulty -> train.seq_len, total_curriculum_step
+    -> train.seq_len_warmup_steps, difficulty_step -> train.seq_len_multiple, root_degree ->
+    train.seq_len_root (pipekit/run/curriculum.py: DeepSpeed's length at every step)."""
+    if not block.get("enabled", False):
+        return []
+    where = "ds_config curriculum_learning"
+    kind, schedule = block.get("curriculum_type", "seqlen"), block.get("schedule_type")
+    if kind != "seqlen":
+        raise ConfigError(f"{where}.curriculum_type={kind!r}: pipekit's curriculum is the sequence length; use seqlen")
+    if schedule not in ("fixed_linear", "fixed_root"):
+        raise ConfigError(f"{where}.schedule_type={schedule!r} is not one pipekit runs: give fixed_linear or "
+                          f"fixed_root")
+    cfg = block.get("schedule_config") or {}
+    missing = [k for k in ("min_difficulty", "max_difficulty") if k not in block]
+    missing += [f"schedule_config.{k}" for k in ("total_curriculum_step", "difficulty_step") if k not in cfg]
+    if schedule == "fixed_root" and "root_degree" not in cfg:
+        missing.append("schedule_config.root_degree")
+    if missing:
+        raise ConfigError(f"{where} needs {', '.join(missing)} (DeepSpeed has no default for them)")
+    return [f"train.seq_len_start={block['min_difficulty']}", f"train.seq_len={block['max_difficulty']}",
+            f"train.seq_len_warmup_steps={cfg['total_curriculum_step']}",
+            f"train.seq_len_multiple={cfg['difficulty_step']}",
+            f"train.seq_len_root={cfg.get('root_degree', 1) if schedule == 'fixed_root' else 1}"]
 
 
 def _autos(ds: Any, prefix: str) -> list[str]:
@@ -293,7 +322,9 @@ def _walk(ds: dict, prefix: str, notes: list[str]) -> None:
     """Refuse keys DeepSpeed would not know here (naming the nearest known one); note the NOTED."""
     known = {"": _TOP | {k for k in NOTED if "." not in k}, "zero_optimization.": _ZERO, "fp16.": _FP16,
              "bf16.": {"enabled"}, "optimizer.": {"type", "params"}, "optimizer.params.": _PARAMS,
-             "scheduler.": {"type", "params"}, "activation_checkpointing.": _ACT, "pipeline.": _PIPE}
+             "scheduler.": {"type", "params"}, "activation_checkpointing.": _ACT, "pipeline.": _PIPE,
+             "curriculum_learning.": _CURRICULUM,
+             "curriculum_learning.schedule_config.": {"total_curriculum_step", "difficulty_step", "root_degree"}}
     for key, value in ds.items():
         full = f"{prefix}{key}"
         if full in NOTED:
