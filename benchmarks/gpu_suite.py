@@ -1,11 +1,18 @@
-"""The one GPU command: pipekit's CUDA checks, its kernels' speed and memory, and end-to-end throughput.
+"""The one GPU command: pipekit's CUDA checks, end-to-end throughput, offload, its kernels' speed and memory.
 
     python benchmarks/gpu_suite.py                 # one GPU (an H200: at most ~8 minutes)
     python benchmarks/gpu_suite.py --quick         # smaller sizes, fewer repeats
-    python benchmarks/gpu_suite.py --only checks   # one section: checks | kernels | end_to_end
+    python benchmarks/gpu_suite.py --only checks   # one section: checks | end_to_end | offload | kernels
     python benchmarks/gpu_suite.py --cpu-smoke --out /tmp/gpu_suite.md   # every code path, tiny, on CPU
 
-Writes one markdown report (default benchmarks/results/gpu_suite.md) and prints it. Sections:
+Writes one markdown report (default benchmarks/results/gpu_suite.md) and prints it at the end.
+The file is rewritten whole (atomically) after every row, so a run killed part-way leaves
+every row finished so far. Each section has its own deadline (its share of --budget-s,
+`SHARES`, plus what the sections before it left unused): a row that would start after it is
+reported as skipped, and a row still running at the deadline (plus a grace) is stopped and
+reported as such. Inputs and models are built on the device (no large CPU randn). Dynamo is
+reset before every torch.compile, so no compile inherits another's shapes (marked dynamic).
+Sections, in the order they run:
 
 checks      what needs CUDA, each PASS / FAIL (with the error) / SKIP, none stopping the suite:
             every kernel (rms_norm and layer_norm, plain and with the residual; apply_rotary;
@@ -22,20 +29,30 @@ checks      what needs CUDA, each PASS / FAIL (with the error) / SKIP, none stop
             bf16/fp16 (8 bits of mantissa: the two sides round at different places).
             A kernel check also fails when the op took its reference instead of its Triton
             program (its outputs' autograd node is not the Triton Function's).
+end_to_end  tokens/s, MFU and peak memory of GPT-2 124M and a Mixtral-style MoE: the plain
+            PyTorch loop against pipekit in fp32, bf16, bf16 + compile, bf16 + compile + kernels.
+            The plain loop is what a user writes, nanoGPT's recipe: the model's layers as one
+            nn.Sequential built on the GPU, `F.cross_entropy` on the full logits, gradient
+            accumulation, `torch.optim.AdamW(fused=True)`, bf16 as `torch.autocast` (fp32
+            weights, bf16 matmuls), "+compile" as `torch.compile` of the whole model. pipekit
+            is its own recipe: bf16 weights with fp32 masters (`precision="bf16"`, ZeroOptimizer),
+            compile per layer; its rows without "+kernels" force kernels="torch" with the plain
+            head and loss, "+kernels" runs every Triton kernel, the fused head + loss
+            (`model.fused_loss`) and the fused AdamW. "pipekit / plain" is tokens/s over the
+            plain row of the same mode ("+kernels": the mode without them).
+offload     `ZeroOptimizer(offload="cpu")` (master weights, AdamW state and the step on the host)
+            against offload="none" on the GPU: device memory (max_memory_allocated over the
+            run) and step time, GPT-2 1.5B shapes (bf16, pp=1) by default (`--offload-flavour`).
 kernels     each kernel's forward + backward time (torch.cuda.Event, median of N) and peak
             memory above its inputs (torch.cuda.max_memory_allocated) at realistic sizes: 8k
             tokens, d=4096 (SwiGLU hidden 14336), vocab 128,256 for the linear cross-entropy,
             64 experts top-8 for the gemm; bf16; pipekit's Triton side against torch eager (the
-            reference), torch.compile of the reference, and Liger-Kernel when importable. Then
-            one AdamW step of a d x hidden fp32 master shard cut in 64k-element pieces (what
-            ZeroOptimizer gives torch's AdamW): FusedAdamW (one launch over them) against
-            torch.optim.AdamW foreach and fused.
-end_to_end  tokens/s, MFU and peak memory of GPT-2 124M and a Mixtral-style MoE (benchmarks/
-            gpu_throughput.py's runs): the plain PyTorch loop against pipekit in fp32, bf16,
-            bf16 + compile, bf16 + compile + kernels ("+kernels": every Triton kernel, the fused
-            head + loss `model.fused_loss` and the fused AdamW; pipekit's other rows force
-            kernels="torch" with the plain head, loss and optimizer, so they are the same math as
-            the plain loop's layers).
+            reference) and Liger-Kernel when importable, and — in a second pass, after every
+            other row, as it compiles each kernel — torch.compile of the reference. The fused
+            linear cross-entropy's peak memory over eager's is printed under the table (target
+            <= 1/4 at vocab 128k). Then one AdamW step of a d x hidden fp32 master shard cut in
+            64k-element pieces (what ZeroOptimizer gives torch's AdamW): FusedAdamW (one launch
+            over them) against torch.optim.AdamW foreach and fused.
 
 --cpu-smoke runs all of it at tiny sizes on the CPU so that the script's logic is tested
 without a GPU (tests/test_gpu_suite.py): Triton in its interpreter (TRITON_INTERPRET=1, set
@@ -54,10 +71,13 @@ if "--cpu-smoke" in sys.argv:  # before anything imports triton: its interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -66,10 +86,13 @@ from types import SimpleNamespace  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_throughput, beside this file
 import gpu_throughput as gt  # noqa: E402
 import pipekit  # noqa: E402
+from pipekit.atomic import write_atomic  # noqa: E402
 from pipekit.kernels import (  # noqa: E402
     apply_rotary,
     apply_rotary_reference,
@@ -89,10 +112,14 @@ from pipekit.kernels.adamw import FusedAdamW  # noqa: E402
 from pipekit.kernels.dispatch import triton_available  # noqa: E402
 from pipekit.layers.rotary import rotary_cos_sin  # noqa: E402
 from pipekit.models import flops_per_token, get_model, model_loss, model_specs  # noqa: E402
+from pipekit.spec import LayerSpec, TiedLayerSpec  # noqa: E402
 
-SECTIONS = ("checks", "kernels", "end_to_end")
+SECTIONS = ("checks", "end_to_end", "offload", "kernels")  # the order they run in
+SHARES = {"checks": 0.2, "end_to_end": 0.45, "offload": 0.15, "kernels": 0.2}  # of --budget-s, each section's
+GRACE_S = 30.0  # a row still running this long past its section's deadline is stopped
 BOUND = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}  # scale-relative, module docstring
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_suite.md"
+SEED, LR, WEIGHT_DECAY = 0, 3e-4, 0.1
 
 
 @dataclass
@@ -103,20 +130,104 @@ class Sizes:
     experts: int; top_k: int; expert_hidden: int  # noqa: E702
     repeats: int; e2e_flavour: str; e2e_steps: int; e2e_warmup: int  # noqa: E702
     e2e_microbatches: int; e2e_micro_batch: int; e2e_seq: int  # noqa: E702
+    offload_flavour: str = "1.5b"; offload_micro_batch: int = 4; offload_seq: int = 1024  # noqa: E702
+    offload_steps: int = 2  # noqa: E702
 
 
 def sizes(args) -> Sizes:
     if args.cpu_smoke:
-        return Sizes(33, 96, 77, 40, 64, 96, 2, 1, 131, 8, 2, 48, 2, "tiny", 1, 1, 2, 2, 16)
+        return Sizes(33, 96, 77, 40, 64, 96, 2, 1, 131, 8, 2, 48, 2, "tiny", 1, 1, 2, 2, 16, "tiny", 2, 16, 1)
     if args.quick:
-        return Sizes(1025, 1024, 32000, 2048, 2048, 5632, 16, 4, 32000, 64, 8, 1024, 5, "124m", 3, 2, 2, 8, 1024)
-    return Sizes(4097, 4096, 50257, 8192, 4096, 14336, 32, 8, 128256, 64, 8, 1536, 20, "124m", 5, 2, 4, 8, 1024)
+        return Sizes(1025, 1024, 32000, 2048, 2048, 5632, 16, 4, 32000, 64, 8, 1024, 5, "124m", 3, 2, 2, 8, 1024,
+                     args.offload_flavour or "774m", 2, 1024, 2)
+    return Sizes(4097, 4096, 50257, 8192, 4096, 14336, 32, 8, 128256, 64, 8, 1536, 20, "124m", 5, 2, 4, 8, 1024,
+                 args.offload_flavour or "1.5b", 4, 1024, 2)
+
+
+# ---- the report, the clock --------------------------------------------------------------------------
+class Report:
+    """The report as it grows: the header, then each section's text so far. `write()` puts the
+    whole of it in the file (atomically: a reader, or a run killed part-way, finds the last
+    whole version, never half a row); every section calls it after each row."""
+
+    def __init__(self, path: Path, header: str):
+        self.path, self.header, self.bodies = path, header, {}
+
+    def update(self, section: str, body: str) -> None:
+        self.bodies[section] = body
+        self.write()
+
+    def text(self, footer: str = "") -> str:
+        parts = [self.header, *(f"## {name}\n\n{body}" for name, body in self.bodies.items())]
+        return "\n\n".join(parts + ([footer] if footer else [])) + "\n"
+
+    def write(self, footer: str = "") -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(str(self.path), self.text(footer))
+
+
+class Deadline(Exception):
+    """Raised in a row still running GRACE_S past its section's deadline."""
+
+
+@dataclass
+class Clock:
+    """A section's deadline (time.monotonic()); `spent()` before a row, `limit()` around one."""
+    deadline: float
+
+    def spent(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    @contextlib.contextmanager
+    def limit(self):
+        """Raise Deadline in the block when it runs GRACE_S past the deadline (SIGALRM: the main
+        thread only, between Python bytecodes; elsewhere no limit)."""
+        if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+            yield
+            return
+
+        def stop(signum, frame):
+            raise Deadline(f"stopped {GRACE_S:.0f} s past the section's deadline")
+
+        previous = signal.signal(signal.SIGALRM, stop)
+        signal.setitimer(signal.ITIMER_REAL, max(self.left(), 0.0) + GRACE_S)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+
+SKIPPED = "skipped: the section's time budget is spent"
+
+
+def fresh_compile() -> None:
+    """Forget every graph dynamo has made (and the shapes it saw): a compile after another one
+    would otherwise trace dynamic shapes for what changed between them."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
 
 
 # ---- device plumbing: every CUDA-specific line is here -------------------------------------------
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def generator(device: torch.device, seed: int) -> torch.Generator:
+    """A seeded generator on `device`: inputs are drawn where they are used."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def randn(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0,
+          grad: bool = False) -> torch.Tensor:
+    """N(0, scale^2) of `shape` drawn on the generator's device, in `dtype`."""
+    x = torch.randn(*shape, generator=gen, device=gen.device)
+    return (x * scale if scale != 1.0 else x).to(dtype).requires_grad_(grad)
 
 
 def elapsed_ms(fn, device: torch.device, repeats: int) -> float:
@@ -152,6 +263,17 @@ def peak_mib(fn, device: torch.device) -> float | None:
     torch.cuda.synchronize(device)
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
+
+def clean_device(device: torch.device) -> None:
+    """Free what the last run left and start the peak-memory count again."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 # ---- checks ---------------------------------------------------------------------------------------
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -199,10 +321,10 @@ def compare(triton_fn, reference_fn, inputs: list[torch.Tensor], dtype: torch.dt
 def kernel_checks(sz: Sizes, device: torch.device, dtypes) -> list[tuple[str, Any]]:
     """(name, thunk) for every kernel check; each thunk returns its PASS detail or raises."""
     n, d, v = sz.check_tokens, sz.check_dim, sz.check_vocab
-    gen = torch.Generator().manual_seed(0)
+    gen = generator(device, 0)
 
-    def t(*shape, dtype, grad=True, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype).requires_grad_(grad)
+    def t(*shape, dtype, scale=1.0):
+        return randn(gen, *shape, dtype=dtype, scale=scale, grad=True)
 
     out: list[tuple[str, Any]] = []
     for dt in dtypes:
@@ -228,9 +350,8 @@ def kernel_checks(sz: Sizes, device: torch.device, dtypes) -> list[tuple[str, An
             lambda a, c: apply_rotary(a, c, cos, sin), lambda a, c: apply_rotary_reference(a, c, cos, sin),
             [q, k], dt, "_Rotary")))
         h, head = t(n, d, dtype=dt, scale=0.5), t(v, d, dtype=dt, scale=0.05)
-        labels = torch.randint(0, v, (n,), generator=gen)
+        labels = torch.randint(0, v, (n,), generator=gen, device=device)
         labels[::7] = -100  # some ignored tokens
-        labels = labels.to(device)
         out.append((f"linear_cross_entropy {name}", lambda h=h, head=head, labels=labels, dt=dt: compare(
             lambda a, c: linear_cross_entropy(a, c, labels), lambda a, c: linear_cross_entropy_eager(a, c, labels),
             [h, head], dt)))
@@ -242,8 +363,8 @@ def kernel_checks(sz: Sizes, device: torch.device, dtypes) -> list[tuple[str, An
 def adamw_pieces(n: int, device: torch.device, piece: int = 1 << 16) -> list[torch.Tensor]:
     """An n-element fp32 master shard as pieces of `piece` elements (views of one buffer, as
     ZeroOptimizer's), each with its part of one flat gradient as .grad."""
-    gen = torch.Generator().manual_seed(0)
-    flat, grad = (torch.randn(n, generator=gen).to(device) for _ in range(2))
+    gen = generator(device, 0)
+    flat, grad = (randn(gen, n) for _ in range(2))
     pieces = list(flat.split(piece))
     for p, g in zip(pieces, grad.split(piece)):
         p.grad = g
@@ -284,12 +405,11 @@ def gemm_check(sz: Sizes, device: torch.device, dtype: torch.dtype) -> str:
 
 def gemm_operands(rows: int, experts: int, i: int, o: int, device, dtype):
     """x (rows, i), w (experts, i, o) and group sizes summing to rows, the first two groups empty."""
-    gen = torch.Generator().manual_seed(1)
-    cuts = torch.sort(torch.randint(0, rows + 1, (experts - 3,), generator=gen)).values.tolist()
-    sizes_ = [0, 0] + [b - a for a, b in zip([0, *cuts], [*cuts, rows])]
-    x = (torch.randn(rows, i, generator=gen)).to(device, dtype).requires_grad_()
-    w = (torch.randn(experts, i, o, generator=gen) / i**0.5).to(device, dtype).requires_grad_()
-    return x, w, sizes_
+    cuts = torch.sort(torch.randint(0, rows + 1, (experts - 3,), generator=torch.Generator().manual_seed(1)))
+    sizes_ = [0, 0] + [b - a for a, b in zip([0, *cuts.values.tolist()], [*cuts.values.tolist(), rows])]
+    gen = generator(device, 1)
+    return randn(gen, rows, i, dtype=dtype, grad=True), randn(gen, experts, i, o, dtype=dtype, scale=i**-0.5,
+                                                              grad=True), sizes_
 
 
 class Skip(Exception):
@@ -349,8 +469,7 @@ def tiny_engine_losses(device: torch.device, precision: str, scaler, steps: int)
                                     microbatches=2, topology=pipekit.Topology(pp=1, dp=1, device=device.type))
     opt = ZeroOptimizer(module, "adamw", stage=0, lr=3e-3, loss_scaler=scaler)
     engine = pipekit.PipelineEngine(module, optimizer=opt)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (4, 33), generator=gen).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (4, 33), generator=generator(device, 0), device=device)
     return [engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])]), reduce_loss=True) for _ in range(steps)]
 
 
@@ -369,9 +488,10 @@ def fp16_check(device: torch.device) -> str:
 def compile_check(device: torch.device, backend: str) -> str:
     """torch.compile of one Llama block against the same block eager, forward and backward, fp32."""
     cfg = get_model("llama", "tiny", n_layers=1, dim=128)
-    block = model_specs(cfg)[1].build(seed=0, index=1).to(device)  # embedding, block, norm, head
+    block = model_specs(cfg)[1].build(seed=0, index=1, device=device)  # embedding, block, norm, head
+    fresh_compile()
     compiled = torch.compile(block, backend=backend)
-    x = torch.randn(2, 48, cfg.dim, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
+    x = randn(generator(device, 0), 2, 48, cfg.dim, grad=True)
     with kernels("torch"):
         want = forward_backward(lambda a: block(a), [x]) + [p.grad for p in block.parameters()]
         block.zero_grad(set_to_none=True)
@@ -382,10 +502,13 @@ def compile_check(device: torch.device, backend: str) -> str:
     return f"backend {backend}: worst {max(errs):.2g} <= {BOUND[torch.float32]:g} over {len(got)} tensors"
 
 
-def run_check(name: str, thunk) -> dict:
+def run_check(name: str, thunk, clock: Clock) -> dict:
     t0 = time.perf_counter()
+    if clock.spent():
+        return {"check": name, "status": "SKIP", "detail": SKIPPED, "s": 0.0}
     try:
-        detail, status = thunk(), "PASS"
+        with clock.limit():
+            detail, status = thunk(), "PASS"
     except Skip as e:
         detail, status = str(e), "SKIP"
     except Exception as e:  # noqa: BLE001 -- a failing check is reported, never stops the suite
@@ -399,7 +522,7 @@ def run_check(name: str, thunk) -> dict:
     return row
 
 
-def section_checks(sz: Sizes, device: torch.device, smoke: bool) -> str:
+def section_checks(sz: Sizes, device: torch.device, smoke: bool, report: Report, clock: Clock) -> None:
     dtypes = (torch.float32,) if smoke else (torch.bfloat16, torch.float32)
     checks = kernel_checks(sz, device, dtypes) if triton_available() else []
     if not triton_available():
@@ -411,15 +534,230 @@ def section_checks(sz: Sizes, device: torch.device, smoke: bool) -> str:
         ("fp16 + ZeroOptimizer + LossScaler", lambda: fp16_check(device)),
         ("torch.compile of a Llama block", lambda: compile_check(device, "eager" if smoke else "inductor")),
     ]
-    rows = [run_check(name, thunk) for name, thunk in checks]
     lines = [f"Error: max |got - want| / max |want| per output and gradient; bounds {BOUND[torch.float32]:g} in "
              f"fp32, {BOUND[torch.bfloat16]:g} in bf16/fp16. Kernel checks at {sz.check_tokens} tokens, "
              f"d={sz.check_dim}, vocab {sz.check_vocab}.", "",
              "| check | result | detail | s |", "|---|---|---|---:|"]
-    lines += [f"| {r['check']} | {r['status']} | {r['detail'].replace('|', '/')} | {r['s']:.1f} |" for r in rows]
+    rows = []
+    for name, thunk in checks:
+        r = run_check(name, thunk, clock)
+        rows.append(r)
+        lines.append(f"| {r['check']} | {r['status']} | {r['detail'].replace('|', '/')} | {r['s']:.1f} |")
+        report.update("checks", "\n".join(lines))
     counts = {s: sum(r["status"] == s for r in rows) for s in ("PASS", "FAIL", "SKIP")}
-    lines += ["", ", ".join(f"{v} {k}" for k, v in counts.items())]
-    return "\n".join(lines)
+    report.update("checks", "\n".join(lines + ["", ", ".join(f"{v} {k}" for k, v in counts.items())]))
+
+
+# ---- end to end -------------------------------------------------------------------------------------
+class _Tied(nn.Module):
+    """A later use of a tied module (the head of a tied embedding): `forward_fn(module, x)`."""
+
+    def __init__(self, module: nn.Module, forward_fn):
+        super().__init__()
+        self.module, self.forward_fn = module, forward_fn
+
+    def forward(self, x):
+        return self.forward_fn(self.module, x) if self.forward_fn else self.module(x)
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def plain_model(cfg, device: torch.device) -> nn.Sequential:
+    """The model's layers as one nn.Sequential, each built on `device` (seeded as pipekit seeds
+    them), tied layers sharing one module: ids (B, T) -> logits (B, T, V)."""
+    tied: dict[str, nn.Module] = {}
+    layers: list[nn.Module] = []
+    for i, spec in enumerate(model_specs(cfg)):
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in tied:
+                tied[spec.key] = spec.build(seed=SEED, index=i, device=device)
+            layers.append(tied[spec.key] if spec.forward_fn is None else _Tied(tied[spec.key], spec.forward_fn))
+        elif isinstance(spec, LayerSpec):
+            layers.append(spec.build(seed=SEED, index=i, device=device))
+        else:
+            layers.append(_Fn(spec))
+    return nn.Sequential(*layers)
+
+
+def plain_run(cfg, mode: str, batch, args, device: torch.device) -> dict:
+    """What a user writes (nanoGPT's loop): the model, F.cross_entropy on its logits, gradient
+    accumulation over the microbatches, AdamW (fused on CUDA); bf16 = torch.autocast (fp32
+    weights); "+compile" = torch.compile of the whole model."""
+    model = plain_model(cfg, device)
+    if mode.endswith("+compile"):
+        fresh_compile()
+        model = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=device.type == "cuda")
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=mode.startswith("bf16"))
+    xs, ys = (t.chunk(args.microbatches) for t in batch)
+
+    def step() -> float:
+        total = torch.zeros((), device=device)
+        for x, y in zip(xs, ys):
+            with amp:
+                logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            (loss / args.microbatches).backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total.item() / args.microbatches
+
+    with kernels("torch"):
+        return gt.timed(step, device, args.warmup, args.steps)
+
+
+def pipekit_run(cfg, mode: str, batch, args, device: torch.device) -> dict:
+    """gpu_throughput.pipekit_run, with the kernels mode the row names: "+kernels" runs every
+    kernel (kernels="triton", the fused head + loss `fused_loss`, the fused AdamW), the others
+    kernels="torch" with the plain head, loss and optimizer."""
+    base, on = mode.replace("+kernels", ""), "+kernels" in mode
+    if base.endswith("+compile"):
+        fresh_compile()
+    with kernels("triton" if on else "torch"):
+        return gt.pipekit_run(dataclasses.replace(cfg, fused_loss=on), base, batch, args, device, fused_adamw=on)
+
+
+def measure(run, cfg, mode: str, batch, args, device: torch.device) -> dict:
+    """One run in a clean state: its timings, tokens/s, MFU and peak memory."""
+    clean_device(device)
+    out = run(cfg, mode, batch, args, device)
+    tokens = args.microbatches * args.micro_batch * args.seq
+    out["tokens_per_s"] = tokens / out["step_s"]
+    out["mfu"] = flops_per_token(cfg, args.seq) * out["tokens_per_s"] / gt.PEAK_FLOPS
+    out["peak_memory_gib"] = peak_gib(device)
+    return out
+
+
+def e2e_models(sz: Sizes) -> dict:
+    if sz.e2e_flavour == "tiny":
+        return {"GPT-2 tiny": get_model("gpt2", "tiny", n_layers=2, dim=64, max_seq_len=32),
+                "Mixtral-style tiny": get_model("mixtral", "tiny", max_seq_len=32)}
+    return {"GPT-2 124M": get_model("gpt2", "124m"),
+            # Mixtral-style, ~1B total / ~0.3B active: 8 experts top-2, GQA, Mistral's vocabulary
+            "Mixtral-style 8x(1024->3584), 8 layers": get_model(
+                "mixtral", "tiny", vocab_size=32000, max_seq_len=1024, n_layers=8, dim=1024, n_heads=16,
+                n_kv_heads=4, hidden=3584)}
+
+
+def e2e_batch(cfg, args, device: torch.device):
+    """(ids, labels), drawn on the device."""
+    ids = torch.randint(0, cfg.vocab_size, (args.microbatches * args.micro_batch, args.seq + 1),
+                        generator=generator(device, 1), device=device)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def section_end_to_end(sz: Sizes, device: torch.device, smoke: bool, report: Report, clock: Clock) -> None:
+    modes = ["fp32", "fp32+kernels"] if smoke else ["fp32", "bf16", "bf16+compile", "bf16+compile+kernels"]
+    args = SimpleNamespace(microbatches=sz.e2e_microbatches, micro_batch=sz.e2e_micro_batch, seq=sz.e2e_seq,
+                           warmup=sz.e2e_warmup, steps=sz.e2e_steps)
+    tokens = args.microbatches * args.micro_batch * args.seq
+    lines = [f"One AdamW step over {args.microbatches} x {args.micro_batch} x {args.seq} = {tokens:,} tokens, median "
+             f"of {args.steps} after {args.warmup} warm-up; MFU = flops_per_token x tokens/s / "
+             f"{gt.PEAK_FLOPS / 1e12:.0f} TFLOP/s. plain: nanoGPT's loop (F.cross_entropy, fused AdamW, bf16 as "
+             "autocast over fp32 weights, torch.compile of the whole model); pipekit: bf16 weights with fp32 "
+             "masters, compile per layer; its rows without \"+kernels\" run kernels=\"torch\". pipekit / plain "
+             "compares with the plain row of the same mode (\"+kernels\": its mode without them)."
+             + (" --cpu-smoke: fp32 only (the interpreter's bf16 is wrong), no compile." if smoke else ""), "",
+             "| model | mode | run | tokens/s | pipekit / plain | MFU | peak GiB | final loss |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for model_name, cfg in e2e_models(sz).items():
+        batch = e2e_batch(cfg, args, device)
+        plain_tps: dict[str, float] = {}
+        for mode in modes:
+            for run_name, run in (("plain", plain_run), ("pipekit", pipekit_run)):
+                if run_name == "plain" and "+kernels" in mode:
+                    continue  # its baseline is the plain row of the mode without kernels
+                lines.append(e2e_row(model_name, cfg, mode, run_name, run, batch, args, device, clock, plain_tps))
+                report.update("end_to_end", "\n".join(lines))
+        lines.append(f"| {model_name} | | flops/token | {flops_per_token(cfg, args.seq):,} | | | | |")
+        report.update("end_to_end", "\n".join(lines))
+
+
+def e2e_row(model_name, cfg, mode, run_name, run, batch, args, device, clock: Clock, plain_tps: dict) -> str:
+    """One end-to-end row (its table line): measured, or skipped, or the error it raised."""
+    head = f"| {model_name} | {mode} | {run_name} |"
+    if clock.spent():
+        return f"{head} {SKIPPED} | | | | |"
+    try:
+        with clock.limit():
+            r = measure(run, cfg, mode, batch, args, device)
+    except Exception as e:  # noqa: BLE001 -- one failing row never stops the suite
+        return f"{head} error: {type(e).__name__}: {' '.join(str(e).split())[:200]} | | | | |"
+    finally:
+        gc.collect()
+    base = plain_tps.get(mode.replace("+kernels", ""))
+    if run_name == "plain":
+        plain_tps[mode] = r["tokens_per_s"]
+    ratio = "1.00" if run_name == "plain" else (f"{r['tokens_per_s'] / base:.2f}" if base else "-")
+    mfu = f"{r['mfu']:.1%}" if device.type == "cuda" else "-"
+    peak = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
+    print(f"  {model_name} {mode} {run_name}: {r['tokens_per_s']:,.0f} tokens/s", file=sys.stderr)
+    return f"{head} {r['tokens_per_s']:,.0f} | {ratio} | {mfu} | {peak} | {r['loss']:.4f} |"
+
+
+# ---- offload ----------------------------------------------------------------------------------------
+def offload_run(cfg, kind: str, sz: Sizes, device: torch.device) -> dict:
+    """GPT-2 in bf16 at pp=1 through PipelineEngine, ZeroOptimizer(stage=0, offload=kind): the
+    median step time after one warm-up step (which makes the AdamW state) and the device's peak
+    memory over the whole run (model, state, activations)."""
+    from pipekit.optim import ZeroOptimizer
+
+    clean_device(device)
+    module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=SEED, precision="bf16",
+                                    schedule="1f1b", microbatches=1,
+                                    topology=pipekit.Topology(pp=1, dp=1, device=device.type))
+    opt = ZeroOptimizer(module, "adamw", stage=0, lr=LR, weight_decay=WEIGHT_DECAY, offload=kind)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
+    args = SimpleNamespace(microbatches=1, micro_batch=sz.offload_micro_batch, seq=sz.offload_seq)
+    batch = e2e_batch(cfg, args, device)
+    with kernels("torch"):
+        r = gt.timed(lambda: engine.train_batch(iter([batch]), reduce_loss=True), device, 1, sz.offload_steps)
+    r["peak_memory_gib"] = peak_gib(device)
+    r["params"] = sum(p.numel() for p in module.parameters())
+    return r
+
+
+def section_offload(sz: Sizes, device: torch.device, smoke: bool, report: Report, clock: Clock) -> None:
+    cfg = (get_model("gpt2", "tiny", n_layers=2, dim=64, max_seq_len=32) if sz.offload_flavour == "tiny"
+           else get_model("gpt2", sz.offload_flavour))
+    lines = [f"GPT-2 {sz.offload_flavour} in bf16 (fp32 masters), pp=1, one microbatch of {sz.offload_micro_batch} x "
+             f"{sz.offload_seq} tokens, ZeroOptimizer(stage=0) AdamW: offload=\"cpu\" keeps the masters and the "
+             "AdamW state on the host and steps there (pinned, asynchronous copies) against offload=\"none\". "
+             f"Step: median of {sz.offload_steps} after one warm-up; device peak: max_memory_allocated over the "
+             "run. Target (issue 25): cpu <= 1.15x none's step time."
+             + (" --cpu-smoke: host and device are one, no memory figures." if smoke else ""), "",
+             "| offload | parameters | step ms | step / none | device peak GiB | peak / none | final loss |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    base: dict = {}
+    for kind in ("none", "cpu"):
+        if clock.spent():
+            lines.append(f"| {kind} | {SKIPPED} | | | | | |")
+        else:
+            try:
+                with clock.limit():
+                    r = offload_run(cfg, kind, sz, device)
+                clean_device(device)  # the run's model and state are gone by now
+            except Exception as e:  # noqa: BLE001 -- reported in the row
+                lines.append(f"| {kind} | error: {type(e).__name__}: {' '.join(str(e).split())[:200]} | | | | | |")
+            else:
+                base = base or r
+                peak = r["peak_memory_gib"]
+                ratio = f"{peak / base['peak_memory_gib']:.2f}" if peak is not None and base["peak_memory_gib"] else "-"
+                lines.append(f"| {kind} | {r['params']:,} | {r['step_s'] * 1e3:.1f} | "
+                             f"{r['step_s'] / base['step_s']:.2f} | {'-' if peak is None else f'{peak:.2f}'} | "
+                             f"{ratio} | {r['loss']:.4f} |")
+                print(f"  offload {kind}: {r['step_s'] * 1e3:.1f} ms", file=sys.stderr)
+            finally:
+                gc.collect()
+        report.update("offload", "\n".join(lines))
 
 
 # ---- kernels: time and memory ----------------------------------------------------------------------
@@ -436,17 +774,17 @@ def liger_functional():
 
 def bench_cases(sz: Sizes, device: torch.device, dtype: torch.dtype, lf) -> list[tuple]:
     """(name, pipekit op, its reference, Liger's op or None, inputs) at the suite's sizes; `lf`:
-    liger_kernel.transformers.functional, or None."""
-    gen = torch.Generator().manual_seed(0)
+    liger_kernel.transformers.functional, or None. Inputs are drawn on the device."""
+    gen = generator(device, 0)
     n, d = sz.tokens, sz.dim
 
     def t(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype).requires_grad_()
+        return randn(gen, *shape, dtype=dtype, scale=scale, grad=True)
 
     hd = d // sz.heads
     seq = n // 2  # two sequences
     cos, sin = (tab.to(device, dtype) for tab in rotary_cos_sin(seq, hd, 500000.0))
-    labels = torch.randint(0, sz.vocab, (n,), generator=gen).to(device)
+    labels = torch.randint(0, sz.vocab, (n,), generator=gen, device=device)
     lig = lf is not None
     cases: list[tuple] = [
         ("rms_norm", rms_norm, rms_norm_reference, lig and (lambda x, w: lf.liger_rms_norm(x, w, 1e-6)),
@@ -485,41 +823,75 @@ def fwd_bwd(fn, inputs: list[torch.Tensor]):
     return step
 
 
-def section_kernels(sz: Sizes, device: torch.device, smoke: bool, backend: str) -> str:
+def time_cell(mode: str, fn, inputs, sz: Sizes, device: torch.device, clock: Clock) -> tuple[str, float | None]:
+    """(the table cell, the peak MiB or None) of one implementation of one kernel."""
+    if clock.spent():
+        return SKIPPED, None
+    try:
+        with clock.limit(), kernels(mode):
+            step = fwd_bwd(fn, inputs)
+            ms = elapsed_ms(step, device, sz.repeats)
+            mib = peak_mib(step, device)
+        return f"{ms:.3f} ms" + (f", {mib:,.0f} MiB" if mib is not None else ""), mib
+    except Exception as e:  # noqa: BLE001 -- reported in the cell
+        return f"error: {type(e).__name__}: {' '.join(str(e).split())[:120]}", None
+    finally:
+        gc.collect()
+
+
+KERNEL_COLUMNS = ["pipekit triton", "torch eager", "torch.compile", "liger"]
+
+
+def section_kernels(sz: Sizes, device: torch.device, smoke: bool, backend: str, report: Report,
+                    clock: Clock) -> None:
+    """The kernels' table, then the AdamW one. Every implementation but torch.compile first, over
+    all kernels; then the torch.compile column (each kernel compiled afresh: the slow part)."""
     dtype = torch.float32 if smoke else torch.bfloat16
     lf = liger_functional()
-    rows = []
-    for name, op, ref, liger, inputs in bench_cases(sz, device, dtype, lf):
-        impls = {"pipekit triton": ("triton", op), "torch eager": ("torch", ref),
-                 "torch.compile": ("torch", torch.compile(ref, backend=backend, dynamic=False))}
+    cases = bench_cases(sz, device, dtype, lf)
+    rows = [{"kernel": name, "liger": "not installed" if lf is None else "-"} for name, *_ in cases]
+    peaks: dict[tuple[str, str], float | None] = {}
+    head = [f"Forward + backward (sum of the outputs), {str(dtype).replace('torch.', '')}, median of {sz.repeats} "
+            f"after one warm-up; peak: max_memory_allocated above the inputs. {sz.tokens} tokens, d={sz.dim}, "
+            f"hidden {sz.hidden}, {sz.heads}/{sz.kv_heads} heads, vocab {sz.vocab:,}, "
+            f"gemm {sz.experts} experts top-{sz.top_k} ({sz.dim} -> {sz.expert_hidden}); "
+            f"torch.compile backend {backend}, timed after every other column.", "",
+            "| kernel | " + " | ".join(KERNEL_COLUMNS) + " |", "|---|" + "---|" * len(KERNEL_COLUMNS)]
+
+    def show(tail: tuple[str, ...] = ()) -> None:
+        table = [f"| {r['kernel']} | " + " | ".join(r.get(c, "-").replace("|", "/") for c in KERNEL_COLUMNS) + " |"
+                 for r in rows]
+        report.update("kernels", "\n".join(head + table + ["", fused_ce_ratio(peaks), *tail]))
+
+    for row, (name, op, ref, liger, inputs) in zip(rows, cases):
+        impls = {"pipekit triton": ("triton", op), "torch eager": ("torch", ref)}
         if liger:
             impls["liger"] = ("torch", liger)
-        row = {"kernel": name}
         for label, (mode, fn) in impls.items():
-            try:
-                with kernels(mode):
-                    step = fwd_bwd(fn, inputs)
-                    ms = elapsed_ms(step, device, sz.repeats)
-                    mib = peak_mib(step, device)
-                row[label] = f"{ms:.3f} ms" + (f", {mib:,.0f} MiB" if mib is not None else "")
-            except Exception as e:  # noqa: BLE001 -- reported in the cell
-                row[label] = f"error: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
-            gc.collect()
-        row.setdefault("liger", "not installed" if lf is None else "-")
-        rows.append(row)
+            row[label], peaks[name, label] = time_cell(mode, fn, inputs, sz, device, clock)
         print(f"  timed {name}", file=sys.stderr)
-    cols = ["pipekit triton", "torch eager", "torch.compile", "liger"]
-    lines = [f"Forward + backward (sum of the outputs), {str(dtype).replace('torch.', '')}, median of {sz.repeats} "
-             f"after one warm-up; peak: max_memory_allocated above the inputs. {sz.tokens} tokens, d={sz.dim}, "
-             f"hidden {sz.hidden}, {sz.heads}/{sz.kv_heads} heads, vocab {sz.vocab:,}, "
-             f"gemm {sz.experts} experts top-{sz.top_k} ({sz.dim} -> {sz.expert_hidden}); "
-             f"torch.compile backend {backend}.", "",
-             "| kernel | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-    lines += [f"| {r['kernel']} | " + " | ".join(r.get(c, "-").replace("|", "/") for c in cols) + " |" for r in rows]
-    return "\n".join(lines + ["", adamw_table(sz, device)])
+        show()
+    adamw = adamw_table(sz, device, clock)
+    show(("", adamw))
+    for row, (_, _, ref, _, inputs) in zip(rows, cases):
+        if not clock.spent():
+            fresh_compile()
+        row["torch.compile"], _ = time_cell("torch", torch.compile(ref, backend=backend, dynamic=False), inputs,
+                                            sz, device, clock)
+        show(("", adamw))
 
 
-def adamw_table(sz: Sizes, device: torch.device) -> str:
+def fused_ce_ratio(peaks: dict) -> str:
+    """The line under the kernels' table: the fused linear cross-entropy's peak over eager's."""
+    ours, eager = peaks.get(("linear_cross_entropy", "pipekit triton")), peaks.get(("linear_cross_entropy",
+                                                                                   "torch eager"))
+    if ours is None or not eager:
+        return "linear_cross_entropy peak memory, pipekit / torch eager: - (no memory figures here)"
+    return (f"linear_cross_entropy peak memory, pipekit / torch eager: {ours / eager:.3f} "
+            f"(target <= 0.25): {ours:,.0f} / {eager:,.0f} MiB")
+
+
+def adamw_table(sz: Sizes, device: torch.device, clock: Clock) -> str:
     """One AdamW step of a dim x hidden fp32 master shard in 64k-element pieces: FusedAdamW
     (Triton, one launch) against torch.optim.AdamW's foreach and fused implementations."""
     n = sz.dim * sz.hidden
@@ -528,12 +900,16 @@ def adamw_table(sz: Sizes, device: torch.device) -> str:
              "torch fused": ("torch", lambda ps, **kw: torch.optim.AdamW(ps, fused=True, **kw))}
     row = {"kernel": "adamw"}
     for label, (mode, make) in impls.items():
+        if clock.spent():
+            row[label] = SKIPPED
+            continue
         try:
-            pieces = adamw_pieces(n, device)
-            opt = make(pieces, lr=1e-3, weight_decay=0.1)
-            with kernels(mode):
-                ms = elapsed_ms(opt.step, device, sz.repeats)
-                mib = peak_mib(opt.step, device)
+            with clock.limit():
+                pieces = adamw_pieces(n, device)
+                opt = make(pieces, lr=1e-3, weight_decay=0.1)
+                with kernels(mode):
+                    ms = elapsed_ms(opt.step, device, sz.repeats)
+                    mib = peak_mib(opt.step, device)
             row[label] = f"{ms:.3f} ms" + (f", {mib:,.0f} MiB" if mib is not None else "")
         except Exception as e:  # noqa: BLE001 -- reported in the cell
             row[label] = f"error: {type(e).__name__}: {' '.join(str(e).split())[:120]}"
@@ -546,79 +922,6 @@ def adamw_table(sz: Sizes, device: torch.device) -> str:
                       "| adamw | " + " | ".join(row[c].replace("|", "/") for c in cols) + " |"])
 
 
-# ---- end to end -------------------------------------------------------------------------------------
-def pipekit_run(cfg, mode: str, batch, args, device: torch.device) -> dict:
-    """gpu_throughput.pipekit_run, with the kernels mode the row names: "+kernels" runs every
-    kernel (kernels="triton", the fused head + loss `fused_loss`, the fused AdamW), the others
-    kernels="torch" with the plain head, loss and optimizer."""
-    base, on = mode.replace("+kernels", ""), "+kernels" in mode
-    with kernels("triton" if on else "torch"):
-        return gt.pipekit_run(dataclasses.replace(cfg, fused_loss=on), base, batch, args, device, fused_adamw=on)
-
-
-def plain_run(cfg, mode: str, batch, args, device: torch.device) -> dict:
-    with kernels("torch"):
-        return gt.plain_run(cfg, mode, batch, args, device)
-
-
-def e2e_models(sz: Sizes) -> dict:
-    if sz.e2e_flavour == "tiny":
-        return {"GPT-2 tiny": get_model("gpt2", "tiny", n_layers=2, dim=64, max_seq_len=32),
-                "Mixtral-style tiny": get_model("mixtral", "tiny", max_seq_len=32)}
-    return {"GPT-2 124M": get_model("gpt2", "124m"),
-            # Mixtral-style, ~1B total / ~0.3B active: 8 experts top-2, GQA, Mistral's vocabulary
-            "Mixtral-style 8x(1024->3584), 8 layers": get_model(
-                "mixtral", "tiny", vocab_size=32000, max_seq_len=1024, n_layers=8, dim=1024, n_heads=16,
-                n_kv_heads=4, hidden=3584)}
-
-
-def section_end_to_end(sz: Sizes, device: torch.device, smoke: bool, deadline: float) -> str:
-    modes = ["fp32", "fp32+kernels"] if smoke else ["fp32", "bf16", "bf16+compile", "bf16+compile+kernels"]
-    args = SimpleNamespace(microbatches=sz.e2e_microbatches, micro_batch=sz.e2e_micro_batch, seq=sz.e2e_seq,
-                           warmup=sz.e2e_warmup, steps=sz.e2e_steps)
-    tokens = args.microbatches * args.micro_batch * args.seq
-    lines = [f"One AdamW step over {args.microbatches} x {args.micro_batch} x {args.seq} = {tokens:,} tokens, median "
-             f"of {args.steps} after {args.warmup} warm-up; MFU = flops_per_token x tokens/s / "
-             f"{gt.PEAK_FLOPS / 1e12:.0f} TFLOP/s. pipekit rows without \"+kernels\" run kernels=\"torch\"; the "
-             "plain loop always does. pipekit / plain compares with the plain row of the same mode "
-             "(\"+kernels\": its mode without them)."
-             + (" --cpu-smoke: fp32 only (the interpreter's bf16 is wrong), no compile." if smoke else ""), "",
-             "| model | mode | run | tokens/s | pipekit / plain | MFU | peak GiB | final loss |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
-    for model_name, cfg in e2e_models(sz).items():
-        gen = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, cfg.vocab_size, (args.microbatches * args.micro_batch, args.seq + 1), generator=gen)
-        batch = (ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device))
-        plain_tps: dict[str, float] = {}
-        for mode in modes:
-            for run_name, run in (("plain", plain_run), ("pipekit", pipekit_run)):
-                if run_name == "plain" and "+kernels" in mode:
-                    continue  # its baseline is the plain row of the mode without kernels
-                if time.monotonic() > deadline:
-                    lines.append(f"| {model_name} | {mode} | {run_name} | skipped: the suite's time budget is spent "
-                                 "| | | | |")
-                    continue
-                try:
-                    r = gt.measure(run, cfg, mode, batch, args, device)
-                except Exception as e:  # noqa: BLE001 -- one failing row never stops the suite
-                    lines.append(f"| {model_name} | {mode} | {run_name} | error: {type(e).__name__}: "
-                                 f"{' '.join(str(e).split())[:200]} | | | | |")
-                    continue
-                finally:
-                    gc.collect()
-                base = plain_tps.get(mode.replace("+kernels", ""))
-                if run_name == "plain":
-                    plain_tps[mode] = r["tokens_per_s"]
-                ratio = "1.00" if run_name == "plain" else (f"{r['tokens_per_s'] / base:.2f}" if base else "-")
-                mfu = f"{r['mfu']:.1%}" if device.type == "cuda" else "-"
-                peak = f"{r['peak_memory_gib']:.1f}" if "peak_memory_gib" in r else "-"
-                lines.append(f"| {model_name} | {mode} | {run_name} | {r['tokens_per_s']:,.0f} | {ratio} | {mfu} | "
-                             f"{peak} | {r['loss']:.4f} |")
-                print(f"  {model_name} {mode} {run_name}: {r['tokens_per_s']:,.0f} tokens/s", file=sys.stderr)
-        lines.append(f"| {model_name} | | flops/token | {flops_per_token(cfg, args.seq):,} | | | | |")
-    return "\n".join(lines)
-
-
 # ---- the command ---------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -627,10 +930,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--only", choices=SECTIONS, action="append", help="run only this section (repeatable)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="every code path at tiny sizes on the CPU (Triton interpreter, fp32); numbers mean nothing")
-    p.add_argument("--budget-s", type=float, default=390.0,
-                   help="end-to-end rows still to start after this many seconds are skipped (default 390: "
-                        "the whole suite then ends within ~8 minutes on an H200)")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="the sections' deadlines, as shares of this many seconds (default 420: the whole suite "
+                        "then ends within ~8 minutes on an H200)")
+    p.add_argument("--offload-flavour", choices=("124m", "355m", "774m", "1.5b"), default=None,
+                   help="the GPT-2 of the offload rows (default 1.5b; --quick 774m)")
     return p.parse_args(argv)
+
+
+def section_clocks(sections: list[str], started: float, budget: float) -> dict[str, float]:
+    """Each section's deadline: the end of its share, the shares of the sections run laid end to end
+    over `budget` (a section that ends early leaves its time to the next)."""
+    total = sum(SHARES[s] for s in sections)
+    ends, at = {}, started
+    for s in sections:
+        at += budget * SHARES[s] / total
+        ends[s] = at
+    return ends
 
 
 def main(argv=None) -> int:
@@ -643,28 +959,32 @@ def main(argv=None) -> int:
     sz, backend = sizes(args), ("eager" if args.cpu_smoke else "inductor")
     info = gt.machine(device)
     command = " ".join(["python", "benchmarks/gpu_suite.py", *(sys.argv[1:] if argv is None else argv)])
-    parts = [f"# pipekit GPU suite\n\n`{command}`"
-             f" on {info['device']}, torch {info['torch']}, commit {info.get('commit', '?')}"
-             + (" (pipekit has uncommitted changes)" if info.get("pipekit_dirty") else "")
-             + (". **--cpu-smoke: tiny sizes on the CPU, the numbers mean nothing.**" if args.cpu_smoke else ".")]
-    for section in args.only or SECTIONS:
-        t0 = time.monotonic()
+    smoke = ". **--cpu-smoke: tiny sizes on the CPU, the numbers mean nothing.**" if args.cpu_smoke else "."
+    report = Report(args.out, f"# pipekit GPU suite\n\n`{command}`"
+                    f" on {info['device']}, torch {info['torch']}, commit {info.get('commit', '?')}"
+                    + (" (pipekit has uncommitted changes)" if info.get("pipekit_dirty") else "") + smoke)
+    report.write()
+    sections = [s for s in SECTIONS if s in (args.only or SECTIONS)]
+    ends = section_clocks(sections, started, args.budget_s)
+    for section in sections:
+        t0, clock = time.monotonic(), Clock(ends[section])
         print(f"{section} ...", file=sys.stderr)
         try:
             if section == "checks":
-                body = section_checks(sz, device, args.cpu_smoke)
-            elif section == "kernels":
-                body = section_kernels(sz, device, args.cpu_smoke, backend)
+                section_checks(sz, device, args.cpu_smoke, report, clock)
+            elif section == "end_to_end":
+                section_end_to_end(sz, device, args.cpu_smoke, report, clock)
+            elif section == "offload":
+                section_offload(sz, device, args.cpu_smoke, report, clock)
             else:
-                body = section_end_to_end(sz, device, args.cpu_smoke, started + args.budget_s)
+                section_kernels(sz, device, args.cpu_smoke, backend, report, clock)
         except Exception:  # noqa: BLE001 -- a broken section is reported, the others still run
-            body = "FAIL: the section stopped:\n\n```\n" + traceback.format_exc()[-3000:] + "```"
-        parts.append(f"## {section}\n\n{body}\n\n({time.monotonic() - t0:.0f} s)")
-    parts.append(f"Total {time.monotonic() - started:.0f} s.")
-    report = "\n\n".join(parts) + "\n"
-    print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
+            report.bodies[section] = (report.bodies.get(section, "") + "\n\nFAIL: the section stopped:\n\n```\n"
+                                      + traceback.format_exc()[-3000:] + "```")
+        report.update(section, f"{report.bodies.get(section, '')}\n\n({time.monotonic() - t0:.0f} s)")
+    footer = f"Total {time.monotonic() - started:.0f} s."
+    report.write(footer)
+    print(report.text(footer))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -15,6 +15,12 @@ accumulates a detached tensor per name during forward passes (not during the
 recomputation of activation checkpointing, which runs inside backward, nor
 during a pre-pass), and `metrics.pop()` returns and clears the step's sums.
 
+Under torch.compile a layer records through `record_metrics(key, values)` with a
+`metric_key(names)` it made once: a custom op that the compiled graph calls each time it
+runs, holding no name (the key is a tensor: an index into a table of names), so tracing
+neither breaks at the recording's checks nor guards on a name (a recompile per layer);
+the checks (in backward? in a pre-pass?) are made when it runs, as in eager.
+
 Layers that need the step as a whole (`StepStatistic`): a loss built on a
 statistic of the whole step's batch (the MoE global-batch balancing loss,
 whose expert loads are summed over the step's microbatches and dp ranks
@@ -28,6 +34,7 @@ autograd, inside `prepass(layers, dp_group)`, then the step itself, then
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 
@@ -59,7 +66,20 @@ class _Attach(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         shape, dtype, device = ctx.aux_meta
-        return grad, torch.full(shape, backward_scale(), dtype=dtype, device=device)
+        return grad, _scale_like(list(shape), dtype, device)
+
+
+@torch.library.custom_op("pipekit::backward_scale_like", mutates_args=())
+def _scale_like(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`backward_scale()` as a tensor of `shape`, read when the op runs: a custom op, so a
+    compiled backward calls it each time instead of keeping the value traced once (the scale of
+    the step that compiled it)."""
+    return torch.full(shape, backward_scale(), dtype=dtype, device=device)
+
+
+@_scale_like.register_fake
+def _(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def attach(x: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
@@ -162,3 +182,38 @@ class MetricsTracker:
 
 
 metrics = MetricsTracker()
+
+
+_KEY_NAMES: list[tuple[str, ...]] = []  # metric_key(names) holds i: the names of key i
+
+
+def metric_key(names: Sequence[str]) -> torch.Tensor:
+    """The handle `record_metrics` takes for these metric names: a 0-d int64 CPU tensor holding
+    their index in a per-process table, and the names as a Python attribute (a copy of the layer
+    keeps both; `.to()` leaves a plain attribute where it is)."""
+    _KEY_NAMES.append(tuple(names))
+    key = torch.tensor(len(_KEY_NAMES) - 1)
+    setattr(key, "metric_names", _KEY_NAMES[-1])  # noqa: B010 - a Python attribute of a tensor
+    return key
+
+
+def record_metrics(key: torch.Tensor, values: list[torch.Tensor]) -> None:
+    """`metrics.record(name, value)` for each of the key's names (`metric_key`) and `values`, in
+    order. A custom op: under torch.compile it is one opaque call in the graph, run each time the
+    graph runs (no graph break), and no name is traced (each would be a guard: a recompile per
+    layer). Declared to mutate `key` (it does not), so no compiler pass drops it as dead code."""
+    _record_metrics(key, [v.detach() for v in values])
+
+
+@torch.library.custom_op("pipekit::record_metrics", mutates_args=("key",))
+def _record_metrics(key: torch.Tensor, values: list[torch.Tensor]) -> None:
+    names = getattr(key, "metric_names", None)
+    if names is None:  # a copy of the key, made by a compiled graph (inductor passes the key itself)
+        names = _KEY_NAMES[int(key)]
+    for name, value in zip(names, values, strict=True):
+        metrics.record(name, value)
+
+
+@_record_metrics.register_fake
+def _(key: torch.Tensor, values: list[torch.Tensor]) -> None:
+    return None

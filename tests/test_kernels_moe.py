@@ -87,6 +87,16 @@ def test_strided_weight_and_expanded_gradient():
         torch.testing.assert_close(g, r, **TOL)
 
 
+def test_triton_under_cpu_autocast_takes_autocast_dtype_operands():
+    """Autocast does not cover a Triton program: the gemm casts x and w (fp32 here) to bf16 itself."""
+    x, w, _ = operands([3, 0, 5], 16, 24)
+    with kernels("triton"), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = grouped_gemm(x, w, [3, 0, 5])
+    assert y.dtype == torch.bfloat16
+    want = loop_mm(x.detach().bfloat16(), w.detach().bfloat16(), [3, 0, 5])
+    torch.testing.assert_close(y.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
 def test_registered_as_the_triton_gemm():
     assert GEMMS["triton"] is grouped_gemm
 

@@ -402,6 +402,24 @@ def test_empty_groups_in_every_gemm_keep_weight_gradients():
             torch.testing.assert_close(y, GEMMS["loop"](x, w, [int(s) for s in sizes]))
 
 
+def test_every_gemm_under_cpu_autocast_computes_in_its_dtype():
+    """Autocast covers a matmul (the loop) but not torch._grouped_mm: grouped_mm and auto cast
+    their operands themselves, so every gemm gives autocast's dtype and the bf16 loop's values."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 16, generator=gen, dtype=torch.float32)
+    w = torch.randn(3, 16, 32, generator=gen, dtype=torch.float32)
+    want = GEMMS["loop"](x.bfloat16(), w.bfloat16(), [2, 0, 7]).float()
+    for name in ("loop", "grouped_mm", "auto"):
+        for sizes in ([2, 0, 7], torch.tensor([2, 0, 7])):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = GEMMS[name](x, w, sizes)
+            assert y.dtype == torch.bfloat16, (name, y.dtype)
+            torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)
+    x64 = x.double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float64: autocast leaves it, so do the gemms
+        assert GEMMS["grouped_mm"](x64, w.double(), [2, 0, 7]).dtype == torch.float64
+
+
 @pytest.mark.skipif(megablocks_available(), reason="megablocks is installed here")
 def test_megablocks_gemm_asked_for_but_missing_is_a_clear_error():
     with pytest.raises(ValueError, match=r"gemm='megablocks' needs the megablocks package"):

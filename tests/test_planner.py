@@ -11,6 +11,7 @@ import pytest
 
 from pipekit.cli import main
 from pipekit.config import ConfigError, load_config, load_run
+from pipekit.kernels import kernels_mode
 from pipekit.partition import partition_weights
 from pipekit.plan import planner, profiler
 from pipekit.schedules import build_schedule, simulate
@@ -92,6 +93,21 @@ def test_profile_beats_parameters_where_cost_per_parameter_differs():
 
 
 # ---- profiles ---------------------------------------------------------------------------
+def test_profile_times_the_kernels_side_the_run_takes(monkeypatch):
+    """model.kernels applies to what `pipekit plan` and schedule.partition=profile time, as in train()."""
+    seen = []
+    real = profiler._profile_rows
+
+    def spy(*args, **kwargs):
+        seen.append(kernels_mode())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(profiler, "_profile_rows", spy)
+    monkeypatch.delenv("PIPEKIT_KERNELS", raising=False)
+    profiler.profile_layers(load_run(GPT, [*SMALL, "model.kernels=torch"]), reps=1)
+    assert seen and set(seen) == {"torch"} and kernels_mode() == "auto"
+
+
 def test_profile_measures_every_layer_and_scales_with_rows():
     run = load_run(GPT, SMALL)
     prof = profiler.profile_layers(run, reps=1)

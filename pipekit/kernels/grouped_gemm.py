@@ -35,7 +35,8 @@ accumulation; float32 inputs use input_precision "tf32" only when
 `torch.backends.cuda.matmul.allow_tf32` is set (as torch's own matmul), else "ieee".
 Under the interpreter every tile is cast to float32 first (bf16 `tl.dot` is wrong there).
 Outputs come back in x's dtype (dw in w's). x and w must share a dtype, else the
-reference runs.
+reference runs. Under autocast the Triton side takes both in autocast's dtype
+(`autocast_operands`: autocast does not cover a Triton program).
 """
 
 from __future__ import annotations
@@ -73,7 +74,15 @@ def host_sizes(sizes: Sizes) -> list[int]:
 
 def grouped_gemm_reference(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: Sizes) -> torch.Tensor:
     """A loop of `x[a:b] @ w[e]` over contiguous slices: the MoE gemm "loop" (`loop_mm` in
-    pipekit/moe/grouped.py is this function). A tensor of sizes is read on the host (`host_sizes`)."""
+    pipekit/moe/grouped.py is this function). A tensor of sizes is read on the host (`host_sizes`);
+    under torch.compile that read and the loop run outside the graph (one graph break), since a
+    graph traced through them would be specialised on the sizes: a recompile per routing."""
+    if isinstance(sizes, torch.Tensor) and torch.compiler.is_compiling():
+        return torch.compiler.disable(_loop)(x_NI, w_EIO, sizes)
+    return _loop(x_NI, w_EIO, sizes)
+
+
+def _loop(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: Sizes) -> torch.Tensor:
     sizes_list = host_sizes(sizes)
     # unbind, not w[e]: each w[e]'s backward would add a full (E, I, O) zero-padded gradient
     # (E^2 I O work: 7x slower at E=64); unbind's backward stacks the E pieces once
@@ -81,11 +90,28 @@ def grouped_gemm_reference(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: Sizes
 
 
 def grouped_gemm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: Sizes) -> torch.Tensor:
-    """y_NO, rows of group e times w[e]; Triton or the reference (`loop_mm`) by `use_triton`."""
-    if use_triton(x_NI, w_EIO) and x_NI.dtype == w_EIO.dtype and x_NI.dim() == 2 and w_EIO.dim() == 3:
-        offs, tile_start = _schedule(sizes, x_NI.device, _blocks(x_NI)[0])
-        return _GroupedGemm.apply(x_NI, w_EIO, offs, tile_start)
+    """y_NO, rows of group e times w[e]; Triton (on autocast's operands under autocast) or the
+    reference (`loop_mm`, whose matmuls autocast casts itself) by `use_triton`."""
+    if use_triton(x_NI, w_EIO) and x_NI.dim() == 2 and w_EIO.dim() == 3:
+        x_NI, w_EIO = autocast_operands(x_NI, w_EIO)
+        if x_NI.dtype == w_EIO.dtype:
+            offs, tile_start = _schedule(sizes, x_NI.device, _blocks(x_NI)[0])
+            return _GroupedGemm.apply(x_NI, w_EIO, offs, tile_start)
     return grouped_gemm_reference(x_NI, w_EIO, sizes)
+
+
+AUTOCAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what autocast casts (float64 it leaves)
+
+
+def autocast_operands(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in autocast's dtype when autocast is on for the first one's device, else as
+    they are: autocast covers a matmul but neither `torch._grouped_mm` nor a Triton program, so
+    a gemm built on those casts its operands itself, as autocast would (float64 left alone)."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.dtype in AUTOCAST_DTYPES else t for t in tensors)
 
 
 def _blocks(x: torch.Tensor) -> tuple[int, int, int]:

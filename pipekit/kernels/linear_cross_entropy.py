@@ -11,7 +11,9 @@ float64) for everything after: the
 log-sum-exp, the per-token loss and dlogits = (softmax - onehot) * weight / count,
 overwriting the logits, and turns dlogits into this chunk's rows of dh (N, D) and
 adds its share of dw (V, D) with two more matmuls. So the gradients are made in
-the forward pass and kept (dh in h's dtype, dw accumulated in float32 or float64);
+the forward pass and kept (dh in h's dtype; dw accumulated in w's dtype when h and w
+are bf16/fp16, by a matmul in that dtype with float32 accumulation per chunk, as Liger
+does, else in float32 or float64);
 backward only multiplies them by the incoming gradient (in place: one backward
 per forward, `retain_graph` double backward raises). Each reaches its tensor
 through its own small autograd node (`_Gradient`, 0 in value, added to the loss),
@@ -167,11 +169,16 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 def _chunked(h, w, labels, weights, ignore_index, reduction, chunk, n_real, vocab_start, group, triton_side,
              want_dh, want_dw):
     """(loss, dh, dw) of the module docstring's chunk loop, without autograd; dh (or dw) None
-    when not wanted. The loss is in float32 (float64 for float64 h), dh in h's dtype, dw in
-    float32 or float64."""
+    when not wanted. The loss is in float32 (float64 for float64 h), dh in h's dtype; dw in
+    w's dtype when h and w are both bf16 (or fp16): each chunk's share by a bf16 matmul
+    accumulating in float32 and added into dw in one addmm (Liger's way: the tensor cores' speed,
+    no float32 (V, D) buffer and no copy of it), else in float32 or float64."""
     d, v_local = h.shape[-1], w.shape[0]
     h2 = h.reshape(-1, d)  # (N, D)
     acc = torch.promote_types(h.dtype, torch.float32)  # logits, softmax, dw: float32 or float64
@@ -183,8 +190,9 @@ def _chunked(h, w, labels, weights, ignore_index, reduction, chunk, n_real, voca
     scale = valid.to(acc) if weights is None else weights.reshape(-1).to(acc) * valid
     if reduction == "mean":
         scale = scale / valid.sum().clamp(min=1)
+    low = h.dtype in LOW_PRECISION and w.dtype == h.dtype  # dw by h's own matmul, into w's dtype
     dh = torch.empty_like(h2) if want_dh else None
-    dw = torch.zeros(w.shape, dtype=acc, device=w.device) if want_dw else None
+    dw = torch.zeros(w.shape, dtype=w.dtype if low else acc, device=w.device) if want_dw else None
     loss = torch.zeros((), dtype=acc, device=h.device)
     step = _TritonStep if triton_side else _TorchStep
     for lo in range(0, h2.shape[0], chunk):
@@ -201,9 +209,12 @@ def _chunked(h, w, labels, weights, ignore_index, reduction, chunk, n_real, voca
         if not (want_dh or want_dw):
             continue
         step.grad_(x, tc, m + s.log(), scale[lo:hi])  # x is now dlogits (C, V_local)
+        g = x.to(h.dtype)  # bf16/fp16 dlogits for the two matmuls (no copy in fp32/fp64)
         if want_dh:
-            torch.matmul(x.to(h.dtype), w, out=dh[lo:hi])
-        if want_dw:
+            torch.matmul(g, w, out=dh[lo:hi])
+        if want_dw and low:
+            dw.addmm_(g.T, h2[lo:hi])
+        elif want_dw:
             dw.addmm_(x.T, h2[lo:hi].to(acc))
     if dh is not None:
         dh = _all_reduce(dh, group).view(h.shape)  # the partial sums over the vocabulary slices

@@ -78,19 +78,25 @@ class KVCache:
 
 
 _ACTIVE: ContextVar[KVCache | None] = ContextVar("pipekit_kv_cache", default=None)
+_open = 0  # `kv_cache` blocks open in this process, in any context: at 0 no ContextVar is read
 
 
 @contextmanager
 def kv_cache(max_len: int) -> Iterator[KVCache]:
     """A fresh `KVCache` of `max_len` positions, active for the attention layers inside the `with`."""
+    global _open
     cache = KVCache(max_len)
     token = _ACTIVE.set(cache)
+    _open += 1
     try:
         yield cache
     finally:
+        _open -= 1
         _ACTIVE.reset(token)
 
 
 def active_kv_cache() -> KVCache | None:
-    """The cache of the innermost `kv_cache` block, or None outside one."""
-    return _ACTIVE.get()
+    """The cache of the innermost `kv_cache` block, or None outside one. With no block open
+    anywhere (training) the ContextVar is not read: torch.compile cannot trace its `get`
+    (a graph break in every attention layer) but guards on the count."""
+    return _ACTIVE.get() if _open else None

@@ -19,10 +19,12 @@ picks one from `GEMMS`; register new ones with `register_gemm`.
   grouped_mm  `torch._grouped_mm` (one call for all groups): CUDA in bf16 in
               practice; torch 2.13 also runs it on CPU in float32/bf16. It
               needs rows of x and w[e] whose byte lengths are multiples of 16
-              (else, and for float64, the loop runs). A (device, dtype) where
-              its forward raises is remembered and the loop runs from then
-              on; a refusal in its backward is not caught. Offsets computed
-              on the device: no host sync.
+              (else, and for float64, the loop runs). Under torch.compile it
+              runs in bf16 only (its meta function, which tracing runs, takes
+              nothing else): a compiled float32/float16 call takes the loop. A
+              (device, dtype) where its forward raises is remembered and the
+              loop runs from then on; a refusal in its backward is not caught.
+              Offsets computed on the device: no host sync.
   megablocks  `grouped_gemm.ops.gmm` through megablocks (CUDA, bf16); only
               when asked for by name, never required; on a CPU tensor it runs
               the loop. Not exercised by pipekit's tests (no CUDA there). Its
@@ -35,6 +37,11 @@ picks one from `GEMMS`; register new ones with `register_gemm`.
   auto        triton when kernels are forced to "triton" (`model.kernels=triton`,
               PIPEKIT_KERNELS; float64 excepted), else grouped_mm where it runs,
               else loop. In kernels "auto" it never picks triton.
+
+Autocast covers neither `torch._grouped_mm` nor a Triton gemm, so under autocast
+(on x's device) grouped_mm and triton first cast x and w to autocast's dtype, as
+autocast does for a matmul (float64 stays float64); the loop's matmuls are
+autocast's own.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from collections.abc import Callable
 import torch
 
 from ..kernels.dispatch import kernels_mode, use_triton
-from ..kernels.grouped_gemm import Sizes, grouped_gemm, grouped_gemm_reference, host_sizes
+from ..kernels.grouped_gemm import Sizes, autocast_operands, grouped_gemm, grouped_gemm_reference, host_sizes
 
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, Sizes], torch.Tensor]
 
@@ -80,15 +87,20 @@ _REFUSED: set[tuple[str, torch.dtype]] = set()  # (device type, dtype) where _gr
 
 
 def grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` may run on these operands (dtype, 16-byte alignment, no earlier refusal)."""
+    """Whether `torch._grouped_mm` may run on these operands (dtype, 16-byte alignment, no earlier
+    refusal; under torch.compile bf16 only, the one dtype its meta function takes)."""
     if not hasattr(torch, "_grouped_mm") or (x.device.type, x.dtype) in _REFUSED or x.dtype != w.dtype:
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if x.dtype not in ((torch.bfloat16,) if torch.compiler.is_compiling() else GROUPED_MM_DTYPES):
         return False
     return all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-1]))
 
 
+GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what it may run in eagerly
+
+
 def torch_grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, sizes: Sizes) -> torch.Tensor:
+    x_NI, w_EIO = autocast_operands(x_NI, w_EIO)
     if not grouped_mm_runs(x_NI, w_EIO):
         return loop_mm(x_NI, w_EIO, sizes)
     offs = sizes_on(sizes, x_NI.device).cumsum(0, dtype=torch.int32)

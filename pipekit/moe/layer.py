@@ -24,6 +24,7 @@ from .grouped import check_gemm
 from .router import Router, Routing
 
 BIAS_UPDATES = ("forward", "step")
+METRICS = ("tokens_per_expert", "max_load", "mean_load", "dropped", "aux_loss", "z_loss")  # recorded per call
 
 
 class MoEMLP(nn.Module, auxloss.StepStatistic):
@@ -165,6 +166,7 @@ class MoEMLP(nn.Module, auxloss.StepStatistic):
         self.register_buffer("step_load", torch.zeros(n_experts, dtype=torch.long) if self.needs_prepass else None,
                              persistent=False)
         self._step_load_ready = False  # step_load holds this step's completed loads
+        self._metrics_key = auxloss.metric_key([f"{self.name}/{m}" for m in METRICS])
         if sp:  # replicated over tp, each copy fed by its rank's tokens: gradients summed over tp
             mark_sequence_parallel(*self.parameters())
 
@@ -239,11 +241,11 @@ class MoEMLP(nn.Module, auxloss.StepStatistic):
             self._update_bias(group)
 
     def _record(self, routing: Routing, state: DispatchState) -> None:
+        """This call's metrics to `auxloss.metrics` through the layer's key (under torch.compile: one
+        opaque op in the graph, no name in it to guard on, no graph break)."""
         counts = routing.counts_E.float()
-        for key, value in (("tokens_per_expert", counts), ("max_load", counts.max()), ("mean_load", counts.mean()),
-                           ("dropped", state.plan.dropped), ("aux_loss", routing.aux_loss),
-                           ("z_loss", routing.z_loss)):
-            auxloss.metrics.record(f"{self.name}/{key}", value)
+        auxloss.record_metrics(self._metrics_key, [counts, counts.max(), counts.mean(), state.plan.dropped,
+                                                   routing.aux_loss, routing.z_loss])
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, dispatcher={self.dispatcher!r}"

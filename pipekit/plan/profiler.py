@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from ..config import Run
+from ..kernels import kernels
 from ..layers.lora import add_adapters, freeze
 from ..models import model_loss, model_specs, model_vocab, synthetic_batches
 from ..optim.factory import make_optimizer
@@ -327,26 +328,33 @@ def profile_layers(run: Run, *, rows: int | None = None, reps: int = 5, threads:
 
     `rows`: sequences per microbatch (default `train.micro_batch`); a second profile at
     half as many rows gives the row-independent part of each cost. `threads`: the
-    intra-op threads to time with (None: leave torch's setting)."""
+    intra-op threads to time with (None: leave torch's setting). The layers run on the side
+    `model.kernels` picks, as `train` runs them (`pipekit plan`, schedule.partition=profile in
+    the launcher and in the workers all come here)."""
     rows = rows or run.config.train.micro_batch
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        module, batch = whole_model(run, device)
-        # the run's optimizer: its gradient hooks run in every backward timed below, as in a run
-        _ = make_optimizer(module, run.config.optimizer, run.precision)
-        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-        _profile_rows(module, batch, rows, 0, sync)  # a whole untimed pass: the allocator's first big blocks
-        layers, loss = _profile_rows(module, batch, rows, reps, sync)
-        fixed = None
-        if rows >= 2:
-            small, small_loss = _profile_rows(module, batch, rows // 2, reps, sync)
-            fixed = [_intercept(big, lit, rows, rows // 2) for big, lit in zip(layers + [loss], small + [small_loss])]
-        per_param = _optimizer_seconds_per_param(run, module, sync)
+        with kernels(run.config.model.kernels):  # the side the run's layers take: what a run times
+            return _profile_layers(run, rows, reps, device, threads or old_threads)
     finally:
         torch.set_num_threads(old_threads)
-    where = f"{device}, {threads or old_threads} thread{'s' if (threads or old_threads) > 1 else ''}"
+
+
+def _profile_layers(run: Run, rows: int, reps: int, device: str, threads: int) -> Profile:
+    module, batch = whole_model(run, device)
+    # the run's optimizer: its gradient hooks run in every backward timed below, as in a run
+    _ = make_optimizer(module, run.config.optimizer, run.precision)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    _profile_rows(module, batch, rows, 0, sync)  # a whole untimed pass: the allocator's first big blocks
+    layers, loss = _profile_rows(module, batch, rows, reps, sync)
+    fixed = None
+    if rows >= 2:
+        small, small_loss = _profile_rows(module, batch, rows // 2, reps, sync)
+        fixed = [_intercept(big, lit, rows, rows // 2) for big, lit in zip(layers + [loss], small + [small_loss])]
+    per_param = _optimizer_seconds_per_param(run, module, sync)
+    where = f"{device}, {threads} thread{'s' if threads > 1 else ''}"
     return Profile(layers, loss, rows, fixed, per_param, f"measured on {where}")
 
 
