@@ -388,7 +388,8 @@ class Topology:
         """One plain process, no process groups: what `PipelineModule(topology=None)` uses."""
         if (pp, dp or 1, tp, cp) != (1, 1, 1, 1):
             raise RuntimeError(
-                f"Topology(pp={pp}, dp={dp}, tp={tp}, cp={cp}) needs torch.distributed to be initialised, but no group "
+                f"Topology(pp={pp}, dp={dp}, tp={tp}{f', cp={cp}' if cp > 1 else ''}) needs torch.distributed to be "
+                "initialised, but no group "
                 "is up and no launcher started more workers (RANK, WORLD_SIZE); launch with `pipekit "
                 "train` / torchrun, or in torch.multiprocessing workers call torch.distributed."
                 "init_process_group(...) (or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE and call "
