@@ -112,7 +112,7 @@ from pipekit.kernels.adamw import FusedAdamW  # noqa: E402
 from pipekit.kernels.dispatch import triton_available  # noqa: E402
 from pipekit.layers.rotary import rotary_cos_sin  # noqa: E402
 from pipekit.models import flops_per_token, get_model, model_loss, model_specs  # noqa: E402
-from pipekit.spec import LayerSpec, TiedLayerSpec  # noqa: E402
+from pipekit.testing import reference_model  # noqa: E402
 
 SECTIONS = ("checks", "end_to_end", "offload", "kernels")  # the order they run in
 SHARES = {"checks": 0.2, "end_to_end": 0.45, "offload": 0.15, "kernels": 0.2}  # of --budget-s, each section's
@@ -549,41 +549,10 @@ def section_checks(sz: Sizes, device: torch.device, smoke: bool, report: Report,
 
 
 # ---- end to end -------------------------------------------------------------------------------------
-class _Tied(nn.Module):
-    """A later use of a tied module (the head of a tied embedding): `forward_fn(module, x)`."""
-
-    def __init__(self, module: nn.Module, forward_fn):
-        super().__init__()
-        self.module, self.forward_fn = module, forward_fn
-
-    def forward(self, x):
-        return self.forward_fn(self.module, x) if self.forward_fn else self.module(x)
-
-
-class _Fn(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return self.fn(x)
-
-
 def plain_model(cfg, device: torch.device) -> nn.Sequential:
     """The model's layers as one nn.Sequential, each built on `device` (seeded as pipekit seeds
     them), tied layers sharing one module: ids (B, T) -> logits (B, T, V)."""
-    tied: dict[str, nn.Module] = {}
-    layers: list[nn.Module] = []
-    for i, spec in enumerate(model_specs(cfg)):
-        if isinstance(spec, TiedLayerSpec):
-            if spec.key not in tied:
-                tied[spec.key] = spec.build(seed=SEED, index=i, device=device)
-            layers.append(tied[spec.key] if spec.forward_fn is None else _Tied(tied[spec.key], spec.forward_fn))
-        elif isinstance(spec, LayerSpec):
-            layers.append(spec.build(seed=SEED, index=i, device=device))
-        else:
-            layers.append(_Fn(spec))
-    return nn.Sequential(*layers)
+    return reference_model(model_specs(cfg), SEED, device=device)
 
 
 def plain_run(cfg, mode: str, batch, args, device: torch.device) -> dict:

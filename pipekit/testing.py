@@ -54,17 +54,18 @@ class _Fn(nn.Module):
         return self.fn(x)
 
 
-def reference_model(specs: list, seed: int) -> nn.Sequential:
-    """The whole spec list as one nn.Sequential (no tensor parallelism), tied layers sharing one module."""
+def reference_model(specs: list, seed: int, device: str | torch.device | None = None) -> nn.Sequential:
+    """The whole spec list as one nn.Sequential (no tensor parallelism), tied layers sharing one
+    module, each layer built on `device` (None: the CPU)."""
     tied: dict[str, nn.Module] = {}
     mods: list[nn.Module] = []
     for i, spec in enumerate(specs):
         if isinstance(spec, TiedLayerSpec):
             if spec.key not in tied:
-                tied[spec.key] = spec.build(seed=seed, index=i)
+                tied[spec.key] = spec.build(seed=seed, index=i, device=device)
             mods.append(_Tied(tied[spec.key], spec.forward_fn))
         elif isinstance(spec, LayerSpec):
-            mods.append(spec.build(seed=seed, index=i))
+            mods.append(spec.build(seed=seed, index=i, device=device))
         else:
             mods.append(_Fn(spec))
     return nn.Sequential(*mods)
