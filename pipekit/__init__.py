@@ -31,6 +31,7 @@ def _interrupted_while_starting() -> None:
 
 try:
     from .engine import PipelineEngine, PipelineError
+    from .microbatch import Microbatches
     from .partition import partition
     from .pipeline import PipelineModule
     from .spec import LayerSpec, TiedLayerSpec
@@ -50,6 +51,7 @@ __all__ = [
     "PipelineModule",
     "PipelineEngine",
     "PipelineError",
+    "Microbatches",
 ]
 
 # Modules that moved into the application's rooms: their old names still import (the same module object).

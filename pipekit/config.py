@@ -199,6 +199,10 @@ class DataConfig:
     # (labels -100); the model gets each token's position in its document and attends within it. false: a row is
     # a window of the token stream, crossing documents. Needs a prepared dataset and a gpt2/llama/mixtral model.
     pack: bool = False
+    # with pack=true: cut each microbatch's padding tail, down to its longest row's last labelled place rounded up
+    # to train.seq_len_multiple, so the microbatches of a step differ in length (pipekit.Microbatches); the loss
+    # and gradients do not change (causal attention: nothing before the cut reads the tail)
+    trim_padding: bool = False
 
 
 @dataclass
@@ -646,7 +650,11 @@ _PACKED_FAMILIES = ("gpt2", "llama", "mixtral")  # the zoo models that take (ids
 
 
 def _check_pack(cfg: Config) -> None:
-    """data.pack=true: documents from a prepared dataset, into a model that takes their positions."""
+    """data.pack=true: documents from a prepared dataset, into a model that takes their positions;
+    data.trim_padding only with it."""
+    if cfg.data.trim_padding and not cfg.data.pack:
+        raise ConfigError("data.trim_padding=true cuts the padding of packed rows, but data.pack=false: rows of the "
+                          "token stream have no padding; set data.pack=true, or data.trim_padding=false")
     if not cfg.data.pack:
         return
     if cfg.data.source == "synthetic":
@@ -873,24 +881,29 @@ def _check_sequence_parallel(cfg: Config, model) -> None:
 
 
 def _check_seq_len_warmup(cfg: Config) -> None:
-    """train.seq_len_start..seq_len over seq_len_warmup_steps, in multiples of seq_len_multiple that
-    every split of the sequence divides (2*cp chunks; tp with sequence parallelism)."""
+    """train.seq_len_start..seq_len over seq_len_warmup_steps (and data.trim_padding's lengths), in
+    multiples of seq_len_multiple that every split of the sequence divides (2*cp chunks; tp with
+    sequence parallelism)."""
     t, p = cfg.train, cfg.parallel
-    if t.seq_len_start is None:
+    if t.seq_len_start is None and not cfg.data.trim_padding:
         return
-    _check_rules([
-        ("train.seq_len_start", t.seq_len_start, 1 <= t.seq_len_start <= t.seq_len,
-         f"in [1, train.seq_len={t.seq_len}] (where the warm-up starts)"),
-        ("train.seq_len_warmup_steps", t.seq_len_warmup_steps, t.seq_len_warmup_steps >= 1,
-         ">= 1 (the steps the warm-up takes)"),
-        ("train.seq_len_multiple", t.seq_len_multiple, t.seq_len_multiple >= 1, ">= 1"),
-        ("train.seq_len_root", t.seq_len_root, _finite(t.seq_len_root) and t.seq_len_root > 0,
-         "a number > 0 (1: linear)"),
-    ])
+    rules: list[tuple[str, Any, bool, str]] = [
+        ("train.seq_len_multiple", t.seq_len_multiple, t.seq_len_multiple >= 1, ">= 1")]
+    if t.seq_len_start is not None:
+        rules += [
+            ("train.seq_len_start", t.seq_len_start, 1 <= t.seq_len_start <= t.seq_len,
+             f"in [1, train.seq_len={t.seq_len}] (where the warm-up starts)"),
+            ("train.seq_len_warmup_steps", t.seq_len_warmup_steps, t.seq_len_warmup_steps >= 1,
+             ">= 1 (the steps the warm-up takes)"),
+            ("train.seq_len_root", t.seq_len_root, _finite(t.seq_len_root) and t.seq_len_root > 0,
+             "a number > 0 (1: linear)"),
+        ]
+    _check_rules(rules)
     need = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+    what = "of the warm-up" if t.seq_len_start is not None else "of a trimmed microbatch (data.trim_padding)"
     if t.seq_len_multiple % need:
         raise ConfigError(f"train.seq_len_multiple={t.seq_len_multiple} must be a multiple of {need} (every length "
-                          f"of the warm-up is split into 2*cp chunks, and over tp with sequence parallelism)")
+                          f"{what} is split into 2*cp chunks, and over tp with sequence parallelism)")
 
 
 CP_FAMILIES = ("gpt2", "llama", "mixtral")  # the families whose attention crosses cp ranks
@@ -1009,6 +1022,12 @@ class Run:
     @property
     def family(self) -> str:
         return self.config.model.family
+
+    @property
+    def zero_shards(self) -> int:
+        """The ranks holding the same parameters, over which gradients are reduced and ZeRO
+        shards: the data replicas x cp (`Topology.dp`)."""
+        return self.dp * self.cp
 
     @property
     def global_batch(self) -> int:

@@ -33,8 +33,10 @@ from the shapes of a microbatch's inputs, agreed once, at the first step
 (train or eval; see `pipekit.handshake.InputShapes`): the rank of stage 0 posts its shapes to
 the other pipeline ranks and each tells it whether it was given inputs, so
 all ranks always agree on what is exchanged and later steps exchange nothing.
-If every rank was given its inputs then, shapes may change from step to step
-(each rank sizes from its own) and a rank that later passes None fails with
+If every rank was given its inputs then, shapes may change from step to step,
+and from microbatch to microbatch in a batch given as `pipekit.Microbatches`
+(each rank sizes from its own; the stage shapes of a length seen before are
+reused, not traced again), and a rank that later passes None fails with
 an error saying why; if some rank was given none, the first step's shapes are
 fixed (as torch.distributed.pipelining fixes them at its first step) and the
 rank of stage 0 refuses inputs of other shapes, naming both, before sending
@@ -77,7 +79,7 @@ import torch.distributed as dist
 from . import auxloss, comm, split_backward
 from .handshake import InputShapes
 from .layers.context import shard_sequence
-from .microbatch import all_tensors, cast_floats, leaf, next_batch, rebuild, split_microbatches, to_device
+from .microbatch import Microbatches, all_tensors, cast_floats, leaf, next_batch, rebuild, split_microbatches, to_device
 from .optim import Marks, Skip, ZeroOptimizer
 from .pipeline import PipelineModule
 from .rules import check_clip, check_overlap
@@ -85,6 +87,8 @@ from .schedules import Action, Kind, Schedule, TimelineEvent
 from .schedules.ir import WEIGHT_GRAD_KINDS
 from .spec import TiedLayerSpec
 from .topology import Topology, default_timeout
+
+_IO_SHAPES_KEPT = 32  # microbatch input shapes whose stage (input, output) metas an engine keeps
 
 
 class PipelineError(RuntimeError):
@@ -104,7 +108,7 @@ class Step:
     training: bool
     micro_in: list | None  # this rank's microbatch inputs (None: not given)
     micro_labels: list | None  # its microbatch labels (None: not given)
-    io: list = field(default_factory=list)  # per virtual stage: (input, output) as meta tensors
+    io: list = field(default_factory=list)  # per microbatch, per virtual stage: (input, output) as meta tensors
     loss: StepLoss = field(init=False)  # the microbatches' loss weights and losses
     posted: list = field(default_factory=list)  # sends in flight: (work, tensor)
     stash: dict = field(default_factory=dict)  # -> (stage input, stage output or weighted loss)
@@ -221,8 +225,9 @@ class PipelineEngine:
         self.step_state: Step | None = None
         self.tie_groups = module.tie_groups
         self.backward_passes = Backward(module, self.actions)  # B, I, W: their parameters and passes
-        self._io: dict[bool, tuple] = {}  # module.training -> (input shapes, `stage_io_meta` for them)
-        self._shapes = InputShapes(self.topo, self.timeout, module.local_stages, module.stage_rank(0))
+        self._io: dict[tuple, list] = {}  # (module.training, input shapes) -> `stage_io_meta`, least recent first
+        self._shapes = InputShapes(self.topo, self.timeout, module.local_stages, module.stage_rank(0),
+                                  self.num_microbatches)
         self._step_layers = auxloss.step_layers(module)  # layers with work around a step (auxloss.StepStatistic)
         if self.schedule.overlaps:
             self._open_lanes()
@@ -270,13 +275,19 @@ class PipelineEngine:
 
     # ---- set-up -------------------------------------------------------
     def _stage_io(self, example_input) -> list:
-        """Every stage's (input, output) meta tensors, kept per mode (training, eval) for the
-        input shapes last seen in it: a layer may give other shapes in eval (a fused loss's head)."""
-        key = tuple((t.shape, t.dtype) for t in all_tensors(example_input))
-        mode = self.module.training
-        if self._io.get(mode, (None,))[0] != key:
-            self._io[mode] = (key, self.module.stage_io_meta(example_input))
-        return self._io[mode][1]
+        """Every stage's (input, output) meta tensors for microbatch inputs shaped as
+        `example_input`, kept per mode (training, eval) and shapes: a layer may give other
+        shapes in eval (a fused loss's head), and a length seen before (length-bucketed
+        microbatches, a sequence-length warm-up) is not traced again. The last
+        `_IO_SHAPES_KEPT` shapes are kept."""
+        key = (self.module.training, tuple((t.shape, t.dtype) for t in all_tensors(example_input)))
+        io = self._io.pop(key, None)
+        if io is None:
+            io = self.module.stage_io_meta(example_input)
+            if len(self._io) >= _IO_SHAPES_KEPT:
+                self._io.pop(next(iter(self._io)))  # the least recently used
+        self._io[key] = io
+        return io
 
     # ---- the public steps ---------------------------------------------
     def train_batch(self, data=None, *, reduce_loss: bool = False):
@@ -334,7 +345,8 @@ class PipelineEngine:
     def eval_batch(self, data=None, return_outputs: bool = False, *, reduce_loss: bool = False):
         """Forward only, on the same data as `train_batch` (None where a rank needs none).
         Returns the loss as `train_batch` does (None without a loss_fn), or `(loss, outputs)`
-        with the last stage's outputs concatenated over microbatches (None off the last stage)."""
+        with the last stage's outputs concatenated over microbatches (None off the last stage;
+        a list, one per microbatch, when their shapes differ past the first dimension)."""
         self.module.eval()
         step = self._run(self.eval_actions, next_batch(data), training=False)
         loss = step.loss.value(reduce_loss, self.topo, self.timeout) if self.module.has_loss else None
@@ -343,30 +355,45 @@ class PipelineEngine:
         outs: torch.Tensor | tuple[torch.Tensor, ...] | None = None
         if self.last_stage in self.module.local_stages:
             parts = step.outputs
+            if len({tuple(t.shape[1:]) for p in parts for t in all_tensors(p)[:1]}) > 1:
+                return loss, parts  # microbatches of different lengths: one output each
             outs = torch.cat(parts) if isinstance(parts[0], torch.Tensor) else tuple(map(torch.cat, zip(*parts)))
         return loss, outs
 
     # ---- this rank's data -----------------------------------------------
     def _prepare(self, batch) -> tuple[list | None, list | None]:
         """Check, move and split this rank's batch: (microbatch inputs, microbatch labels),
-        each None where not given."""
+        each None where not given. A `Microbatches` batch comes cut already: each
+        microbatch keeps its own shape."""
+        if isinstance(batch, Microbatches):
+            if len(batch) != self.num_microbatches:
+                raise ValueError(f"Microbatches holds {len(batch)} microbatches, but the schedule runs "
+                                 f"{self.num_microbatches}; give one (inputs, labels) pair per microbatch")
+            given_in, given_labels = batch.inputs(), batch.labels()
+            self._check_needs(given_in, given_labels)
+            return (None if given_in is None else [self._moved_inputs(x, "inputs") for x in given_in],
+                    None if given_labels is None else [self._context_chunks(to_device(y, self.topo.device), "labels")
+                                                       for y in given_labels])
         if batch is None:
             inputs = labels = None
         elif isinstance(batch, (tuple, list)) and len(batch) == 2:
             inputs, labels = (tuple(x) if isinstance(x, list) else x for x in batch)  # a DataLoader's lists
         else:
             size = f" of {len(batch)}" if isinstance(batch, (tuple, list)) else ""
-            raise TypeError(f"a batch must be a pair (inputs, labels), or None on a rank that needs no data; "
-                            f"got {type(batch).__name__}{size}")
+            raise TypeError(f"a batch must be a pair (inputs, labels), pipekit.Microbatches, or None on a rank that "
+                            f"needs no data; got {type(batch).__name__}{size}")
         self._check_needs(inputs, labels)
         micro_in = micro_labels = None
         if inputs is not None:
-            inputs = cast_floats(to_device(inputs, self.topo.device), self.module.param_dtype)
-            micro_in = split_microbatches(self._context_chunks(inputs, "inputs"), self.num_microbatches, "inputs")
+            micro_in = split_microbatches(self._moved_inputs(inputs, "inputs"), self.num_microbatches, "inputs")
         if labels is not None:
             labels = to_device(labels, self.topo.device)
             micro_labels = split_microbatches(self._context_chunks(labels, "labels"), self.num_microbatches, "labels")
         return micro_in, micro_labels
+
+    def _moved_inputs(self, inputs, what: str):
+        """Inputs on the device, floats in the module's dtype, this cp rank's chunks."""
+        return self._context_chunks(cast_floats(to_device(inputs, self.topo.device), self.module.param_dtype), what)
 
     def _context_chunks(self, x, what: str):
         """Context parallelism (cp > 1): this rank's two chunks of every sequence in `x` (a tensor
@@ -400,8 +427,7 @@ class PipelineEngine:
         """Run one action list over `batch`; the Step it leaves (also `self.step_state`)."""
         micro_in, micro_labels = self._prepare(batch)
         step = self.step_state = Step(actions, training, micro_in, micro_labels)
-        example = self._shapes.example(None if micro_in is None else micro_in[0], step.posted)
-        step.io = self._stage_io(example)
+        step.io = [self._stage_io(example) for example in self._shapes.examples(micro_in, step.posted)]
         step.loss = StepLoss.weigh(self.module, micro_labels, self.topo)
         step.recv_due.extend(a for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B))
         self.timeline = []
@@ -450,7 +476,7 @@ class PipelineEngine:
         else:
             x = st.inbox.pop((s, m))
         out = self.module.forward_stage(s, x)
-        self._check_shapes(out, st.io[s][1], f"stage {s} output")
+        self._check_shapes(out, st.io[m][s][1], f"stage {s} output")
         if s == self.last_stage:
             self._finish_forward(st, x, out, m)
             return
@@ -530,7 +556,7 @@ class PipelineEngine:
         st.posted += comm.send(st.outbox.pop((a.stage, Kind.SEND_B, a.microbatch)), self._peer(a.stage - 1))
 
     def _recv_forward(self, st: Step, a: Action) -> None:
-        x = rebuild(st.io[a.stage][0], self._received(st, a))
+        x = rebuild(st.io[a.microbatch][a.stage][0], self._received(st, a))
         st.inbox[(a.stage, a.microbatch)] = leaf(x) if st.training else x
 
     def _recv_backward(self, st: Step, a: Action) -> None:
@@ -542,9 +568,9 @@ class PipelineEngine:
         while st.recv_due and len(st.recv_posted) < max(self.recv_ahead, at_least):
             a = st.recv_due.popleft()
             if a.kind is Kind.RECV_F:
-                like, src = all_tensors(st.io[a.stage][0]), self._peer(a.stage - 1)
+                like, src = all_tensors(st.io[a.microbatch][a.stage][0]), self._peer(a.stage - 1)
             else:
-                like, src = comm.float_entries(st.io[a.stage][1]), self._peer(a.stage + 1)
+                like, src = comm.float_entries(st.io[a.microbatch][a.stage][1]), self._peer(a.stage + 1)
             st.recv_posted.append((a, comm.post_recv(like, src, self.topo.device)))
 
     def _received(self, st: Step, a: Action) -> list[torch.Tensor]:
@@ -710,12 +736,18 @@ class StepLoss:
         counted over every microbatch and dp replica (one all-reduce over dp on the last
         stage), so masked labels give the one-process loss at any m and dp; for the replica's
         own loss it weighs valid_m / (its replica's valid). No valid token: weight 0. Any
-        other loss weighs 1/M: the mean over microbatches."""
+        other loss weighs 1/M, the mean over microbatches, or, where microbatches hold
+        different numbers of rows (`pipekit.Microbatches`), rows_m / rows: the mean over
+        the replica's rows."""
         m, device = module.schedule.microbatches, topo.device
         here = (module.num_stages - 1) in module.local_stages
         ignore = getattr(module.loss_fn, "ignore_index", None)
         if (ignore is None or not here or labels is None
                 or not torch.is_tensor(labels[0])):  # given on the last stage's rank (`PipelineEngine._check_needs`)
+            rows = [y.shape[0] if torch.is_tensor(y) and y.dim() else 1 for y in labels or ()]
+            if here and len(set(rows)) > 1:
+                by_rows = torch.tensor(rows, dtype=torch.float64, device=device) / sum(rows)
+                return cls(by_rows, by_rows, here)
             even = torch.full((m,), 1.0 / m, dtype=torch.float64, device=device)
             return cls(even, even, here)
         counts = torch.stack([(y != ignore).sum() for y in labels]).double()

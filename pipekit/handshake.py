@@ -55,9 +55,10 @@ class InputShapes:
     given inputs then cannot do without them later (it could not know the shapes).
     """
 
-    def __init__(self, topo, timeout, stages: list[int], owner: int):
-        """`topo`: the Topology; `stages`: this rank's virtual stages; `owner`: the pp rank of stage 0."""
-        self.topo, self.timeout = topo, timeout
+    def __init__(self, topo, timeout, stages: list[int], owner: int, microbatches: int):
+        """`topo`: the Topology; `stages`: this rank's virtual stages; `owner`: the pp rank of stage 0;
+        `microbatches`: a step's."""
+        self.topo, self.timeout, self.microbatches = topo, timeout, microbatches
         self.stages = stages
         self.owner = owner
         self.first: tuple | None = None  # the owner's shapes at the first step
@@ -69,9 +70,18 @@ class InputShapes:
         t = self.topo
         return f"rank {t.rank} (pp_rank {t.pp_rank}, dp_rank {t.dp_rank}, stages {self.stages})"
 
-    def example(self, example, posted: list):
-        """The microbatch inputs `example` (None: none given), or meta tensors shaped as the
-        first step's, to size this step's buffers; the first step's sends go to `posted`."""
+    def examples(self, micro_in: list | None, posted: list) -> list:
+        """Per microbatch: its inputs (`micro_in`, None: none given), or meta tensors shaped
+        as the first step's, to size this step's buffers; the first step's sends go to
+        `posted`. Microbatches of different shapes (`pipekit.Microbatches`) need every
+        pipeline rank to size from its own inputs."""
+        m = self.microbatches
+        if micro_in is None:
+            return [self._example(None, posted)] * m
+        first = self._example(micro_in[0], posted)
+        return [first, *(self._example(x, posted) for x in micro_in[1:])]
+
+    def _example(self, example, posted: list):
         mine = None if example is None else _shapes(example)
         if self.had_inputs is None:
             self._first_step(mine, posted)
@@ -93,8 +103,8 @@ class InputShapes:
             raise ValueError(
                 f"{self._where()}: the inputs' microbatch shapes changed from {_shape_text(self.first)} at the "
                 f"first step to {_shape_text(mine)}, but pipeline rank(s) {fixed} passed no inputs then and size "
-                "their buffers from the first step's shapes; keep the shapes fixed, or pass the inputs on every "
-                "pipeline rank from the first step on"
+                "their buffers from the first step's shapes; keep the shapes fixed (microbatches of other lengths "
+                "included), or pass the inputs on every pipeline rank from the first step on"
             )
         return example
 

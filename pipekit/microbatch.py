@@ -9,6 +9,39 @@ from __future__ import annotations
 import torch
 
 
+class Microbatches(list):
+    """A step's batch already cut into its microbatches: `Microbatches([(inputs, labels), ...])`,
+    one pair per microbatch, each of its own shape (length-bucketed or trimmed batches; a
+    rank that needs no inputs or labels passes None in their place, as for a whole batch).
+
+    `PipelineEngine.train_batch` / `eval_batch` take it where they take a batch (or an
+    iterator may give it). Each microbatch's loss then weighs as in one process looping over
+    the same microbatches: for a token-level loss by its valid tokens (as for a whole
+    batch), for any other loss by its rows."""
+
+    def inputs(self) -> list | None:
+        """Each microbatch's inputs (a list over microbatches), None if none were given."""
+        return self._column(0, "inputs")
+
+    def labels(self) -> list | None:
+        """Each microbatch's labels (a list over microbatches), None if none were given."""
+        return self._column(1, "labels")
+
+    def _column(self, i: int, what: str) -> list | None:
+        for m, pair in enumerate(self):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(f"Microbatches holds one (inputs, labels) pair per microbatch; item {m} is "
+                                f"{type(pair).__name__}")
+        column = [tuple(pair[i]) if isinstance(pair[i], list) else pair[i] for pair in self]
+        given = [x is not None for x in column]
+        if not any(given):
+            return None
+        if not all(given):
+            raise ValueError(f"Microbatches: {what} given for microbatches {[m for m, g in enumerate(given) if g]} "
+                             f"but None for {[m for m, g in enumerate(given) if not g]}; give them for all or none")
+        return column
+
+
 def split_microbatches(batch, num_microbatches: int, what: str) -> list:
     """Split a tensor or tuple of tensors along dim 0 into equal microbatches."""
     items = batch if isinstance(batch, tuple) else (batch,)

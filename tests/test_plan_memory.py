@@ -387,3 +387,54 @@ def test_plan_accepts_a_lora_config_and_counts_frozen_weights_apart(capsys):
     assert best["params"] == 2 * (trained + sum(p.frozen_dense for p in planned))
     assert main(["plan", LLAMA, *small]) == 0
     assert "frozen" in capsys.readouterr().out.splitlines()[1]  # the layer table's header
+
+
+def test_zero_shards_over_the_data_replicas_and_cp():
+    """ZeRO shards over every rank holding the same parameters, dp x cp (`Topology.dp`): the
+    state of dp=1 x cp=2 is that of dp=2 x cp=1 at each stage; the activations halve with cp."""
+    small = [*QUIET, "parallel.pp=1", "train.seq_len=64", "model.max_seq_len=64", "train.micro_batch=2"]
+    at_cp = load_run(LLAMA, [*small, "parallel.dp=1", "parallel.cp=2"])
+    at_dp = load_run(LLAMA, [*small, "parallel.dp=2", "parallel.cp=1"])
+    assert at_cp.zero_shards == at_dp.zero_shards == 2
+    params = memplan.rank_params(at_cp, memplan.layer_params(at_cp))
+    for zero in (1, 2, 3):
+        a, b = memplan.state_memory(params, at_cp, zero), memplan.state_memory(params, at_dp, zero)
+        assert a == b, zero
+        assert a.optimizer == pytest.approx(memplan.state_memory(params, at_cp, 0).optimizer / 2)
+    saved_cp = sum(s for s, _ in memplan.meta_activations(at_cp, 2, False))
+    saved_dp = sum(s for s, _ in memplan.meta_activations(at_dp, 2, False))
+    assert saved_cp == pytest.approx(saved_dp / 2, rel=0.05)
+
+
+LONG = [*QUIET, "parallel.pp=2", "parallel.dp=2", "train.seq_len=256", "model.max_seq_len=256",
+        "train.micro_batch=1", "schedule.microbatches=4", "--schedule", "1f1b", "--microbatches", "4",
+        "--no-profile", "--latency", "1e-4", "--json"]
+
+
+def test_plan_offers_context_parallelism_when_activations_dominate(capsys):
+    """Llama tiny at 256 tokens: activations dominate, so the plan shows the best row at cp=2
+    (dp=1, twice the microbatches: the same global batch), its activations halved, and
+    recommends it where only it fits."""
+    assert main(["plan", LLAMA, *LONG, "--memory-gb", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    best = report["memory_plan"]["recommended"]
+    assert best["bytes"]["activations"] >= 0.5 * best["bytes"]["total"]
+    (row,) = report["context_parallel"]["rows"]
+    assert (row["cp"], row["dp"], row["microbatches"]) == (2, 1, 8)
+    assert row["bytes"]["activations"] == pytest.approx(best["bytes"]["activations"] / 2, rel=0.1)
+    assert main(["plan", LLAMA, *LONG, "--memory-gb", "0.0001"]) == 0  # nothing fits: the least memory's row
+    report = json.loads(capsys.readouterr().out)
+    least, (row,) = report["memory_plan"]["least_memory"], report["context_parallel"]["rows"]
+    assert not report["memory_plan"]["fits"] and report["context_parallel"]["recommended"] is None
+    assert row["bytes"]["total"] < least["bytes"]["total"]
+    budget = (row["bytes"]["total"] + least["bytes"]["total"]) / 2 / GIB  # between the two: only cp=2 fits
+    assert main(["plan", LLAMA, *LONG, "--memory-gb", f"{budget:.9f}"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert not report["memory_plan"]["fits"]
+    picked = report["context_parallel"]
+    assert picked["recommended"]["cp"] == 2 and picked["recommended"]["fits"]
+    command = picked["command"].split()
+    assert "parallel.cp=2" in command and "parallel.dp=1" in command and "schedule.microbatches=8" in command
+    assert command.count("schedule.microbatches=8") == 1 and "schedule.microbatches=4" not in command
+    run = load_run(LLAMA, [o for o in command[3:] if "=" in o])  # the command's config resolves
+    assert run.cp == 2 and run.global_batch == load_run(LLAMA, [o for o in LONG if "=" in o]).global_batch == 8

@@ -98,10 +98,14 @@ def _plan_config(args: argparse.Namespace) -> int:
     memory_of = {id(c): m for c, m in zip(candidates, memory)}
     command = _recommended_command(args.config, overrides, best)
     rows = memplan.memory_plan(run, profile, comm, candidates, budget) if budget is not None else None
+    context: tuple[list[memplan.ContextRow], list[str]] = ([], [])
     if rows:
         best = rows[0].candidate
         command = _recommended_command(args.config, overrides, best, memplan.row_overrides(rows[0]))
         best.timeline = rows[0].timeline
+        if not rows[0].fits or memplan.activations_dominate(rows[0]):  # long sequences: would another cp help?
+            assert budget is not None
+            context = memplan.context_rows(run, profile, rows[0], budget)
     if args.json:
         print(json.dumps({"profile": profile.source, "comm": {k: getattr(comm, k) for k in
                                                                ("latency", "bandwidth", "collective",
@@ -111,9 +115,14 @@ def _plan_config(args: argparse.Namespace) -> int:
                           "candidates_memory": _settings(run),
                           "recommended": planner.candidate_record(best, tokens, memory_of[id(best)]),
                           "command": command,
-                          **({"memory_plan": _memory_record(rows, args.memory_gb)} if rows else {})}))
+                          **({"memory_plan": _memory_record(rows, args.memory_gb)} if rows else {}),
+                          **({"context_parallel": _context_record(args.config, overrides, rows, context)}
+                             if context[0] or context[1] else {})}))
     else:
         _print_plan(run, profile, comm, candidates, memory, sources, args, command, rows)
+        if context[0] or context[1]:
+            assert rows is not None
+            _print_context(run, args.config, overrides, rows, context, args.memory_gb)
     title = (f"{best.schedule}, pp={run.pp}, {best.microbatches} x {best.micro_batch} rows, "
              f"predicted {best.step_seconds * 1e3:.1f} ms, bubble {best.bubble_fraction:.3f}")
     if args.trace:
@@ -206,6 +215,58 @@ def _print_memory(run: Run, rows: list[memplan.MemoryRow], budget_gb: float, com
           f"{c.boundaries}, {best.option.label()}: {best.step_seconds * 1e3:.1f} ms per step, "
           f"{best.memory.total / 2**30:.2f} GiB of {budget_gb:g} per rank{note}")
     print(f"  {command}\n")
+
+
+def _context_command(config, overrides, rows: list[memplan.MemoryRow], c: memplan.ContextRow) -> str:
+    keys = {o.split("=", 1)[0] for o in c.overrides}
+    plan = [o for o in memplan.row_overrides(rows[0]) if o.split("=", 1)[0] not in keys]
+    return _recommended_command(config, overrides, rows[0].candidate, [*plan, *c.overrides])
+
+
+def _context_pick(rows: list[memplan.MemoryRow], context: list[memplan.ContextRow]) -> memplan.ContextRow | None:
+    """The cp to recommend: the smallest that fits where the plan's best row does not, or,
+    where it fits, the smallest that cuts its worst rank's total by a quarter or more; None
+    if neither."""
+    best = rows[0]
+    for c in context:
+        if c.fits and (not best.fits or c.memory.total <= 0.75 * best.memory.total):
+            return c
+    return None
+
+
+def _context_record(config, overrides, rows, context) -> dict:
+    found, refused = context
+    pick = _context_pick(rows, found)
+    return {"rows": [c.record() for c in found], "refused": refused,
+            "recommended": pick.record() if pick else None,
+            "command": _context_command(config, overrides, rows, pick) if pick else None}
+
+
+def _print_context(run: Run, config, overrides, rows, context, budget_gb: float) -> None:
+    """Activations dominate (or nothing fits): the plan's best row at every other cp of the same ranks."""
+    found, refused = context
+    best = rows[0]
+    share = best.memory.activations / best.memory.total if best.memory.total else 0.0
+    print(f"\nactivations are {share:.0%} of the best plan's worst rank: context parallelism cuts them (the same "
+          f"{best.candidate.microbatches} x {best.candidate.micro_batch} rows and global batch, the ranks of dp x cp "
+          "regrouped; memory only: step time at another cp is not predicted, the profile is at the config's length):")
+    table = [["cp", "dp", "microbatches", "activ. GiB", "total GiB", ""]]
+    table.append([str(run.cp), str(run.dp), str(best.candidate.microbatches),
+                  f"{best.memory.activations / 2**30:.3f}", f"{best.memory.total / 2**30:.3f}",
+                  ("fits" if best.fits else "over budget") + " (the plan above)"])
+    table += [[str(c.cp), str(c.dp), str(c.microbatches), f"{c.memory.activations / 2**30:.3f}",
+               f"{c.memory.total / 2**30:.3f}", "fits" if c.fits else "over budget"] for c in found]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    print("\n".join("  ".join(cell.rjust(w) for cell, w in zip(r, widths)).rstrip() for r in table))
+    for line in refused:
+        print(f"  not possible: {line}")
+    pick = _context_pick(rows, found)
+    if pick is None:
+        print("context parallelism: no cp of these ranks fits the budget and cuts a quarter of the memory\n")
+        return
+    print(f"recommended for memory: cp={pick.cp}, dp={pick.dp}: {pick.memory.total / 2**30:.2f} GiB of "
+          f"{budget_gb:g} per rank")
+    print(f"  {_context_command(config, overrides, rows, pick)}\n")
 
 
 def _settings(run: Run) -> str:

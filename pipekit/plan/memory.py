@@ -34,9 +34,9 @@ Bytes are the run's precision policy's: param bytes `param_dtype`, gradient byte
 under bf16/fp16, as its own table says), master and moments `master_dtype`.
 Ψ on a rank: the dense parameters of its stages / tp (every one counted as split:
 norm weights and MoE routers, in fact replicated over tp, are well under 1% of a
-block), sharded over N = dp; the routed experts' parameters / ep (and / tp with
-`parallel.expert_tp`), sharded over N = edp = dp / ep (a group over N = 1 is whole:
-nothing gathered, its gradients in `grads`).
+block), sharded over N = dp x cp (the ranks holding the same parameters); the routed
+experts' parameters / ep (and / tp with `parallel.expert_tp`), sharded over N = edp =
+dp x cp / ep (a group over N = 1 is whole: nothing gathered, its gradients in `grads`).
 
 Activations per rank: a stage's microbatch holds its saved bytes from its F to its B/W,
 so a rank's peak is `planner.activation_peaks` of the per-stage sums below. Per layer
@@ -52,6 +52,12 @@ fused kernel a real run takes (torch's meta path is the math one). With activati
 checkpointing a block holds its output (as counted, / t with SP), plus once per rank
 the largest of its blocks' saved bytes (the block recomputed in backward). Routed
 experts on meta see all the microbatch's tokens (no expert parallelism there).
+
+Context parallelism (`context_rows`): the same ranks of the data axis (dp x cp) regrouped
+into another cp, each other (cp, dp) with the global batch kept (the same rows per
+microbatch, dp x microbatches kept), counted as above for the best row's candidate and
+setting: a rank's layers then see seq_len / cp tokens. Memory only: the profile times
+the layers at the config's own length, so no step time is predicted for another cp.
 
 Fallback, when the layers cannot run on meta (the reason is printed with the plan):
 the profile's tp=1 saved bytes M, per transformer block M · (10 + 24/t + 5as/(ht)) /
@@ -79,7 +85,7 @@ from typing import cast
 
 from omegaconf import OmegaConf
 
-from ..config import Config, ConfigError, Run, check_config, resolve
+from ..config import CP_FAMILIES, Config, ConfigError, Run, check_config, resolve
 from ..layers.parallel import FakeGroup
 from ..models import model_specs
 from ..schedules import Schedule, build_schedule
@@ -231,8 +237,8 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
     moments = (2 if o.name == "adamw" else (1 if o.momentum else 0)) * policy.master_dtype.itemsize
     mem = Memory()
     mem.params += (params.frozen_dense + params.frozen_expert) * width
-    for n, shards, whole in ((params.dense, run.dp, gathered_params.dense),
-                             (params.expert, run.dp // run.ep, gathered_params.expert)):
+    for n, shards, whole in ((params.dense, run.zero_shards, gathered_params.dense),
+                             (params.expert, run.zero_shards // run.ep, gathered_params.expert)):
         mem.params += n * width / (shards if zero >= 3 else 1)
         mem.grads += n * grad / (shards if zero >= 2 else 1)
         on_device = o.offload == "none"
@@ -353,7 +359,7 @@ def adjusted_layers(run: Run, layers: list[LayerCost], splits: list[Params], com
             extra_b += c.F
         if option.zero >= 3:
             mine = rank_params(run, [split])
-            for n, shards in ((mine.dense, run.dp), (mine.expert, run.dp // run.ep)):
+            for n, shards in ((mine.dense, run.zero_shards), (mine.expert, run.zero_shards // run.ep)):
                 if n and shards > 1:
                     gather = comm.latency + (shards - 1) / shards * n * width / comm.bandwidth
                     extra_f += gather
@@ -419,10 +425,10 @@ def run_memory(run: Run, profile: Profile, candidates: list[Candidate]) -> tuple
 
 # ---- the plan --------------------------------------------------------------------------
 def options(run: Run) -> list[Option]:
-    """Every (ZeRO stage, SP, AC); SP only where tp > 1, ZeRO stages 1-3 only where dp > 1
+    """Every (ZeRO stage, SP, AC); SP only where tp > 1, ZeRO stages 1-3 only where dp x cp > 1
     (over one rank they shard nothing)."""
     sps = (False, True) if run.tp > 1 else (False,)
-    zeros = ZERO_STAGES if run.dp > 1 else (0,)
+    zeros = ZERO_STAGES if run.zero_shards > 1 else (0,)
     return [Option(z, sp, ac) for z in zeros for sp in sps for ac in (False, True)]
 
 
@@ -474,6 +480,64 @@ def memory_plan(run: Run, profile: Profile, comm: CommModel, candidates: list[Ca
     best.sort(key=lambda r: (not r.fits, r.step_seconds if r.fits else r.memory.total,
                              r.option.zero, r.option.sp, r.option.ac))
     return best
+
+
+# ---- context parallelism -------------------------------------------------------------------
+@dataclass
+class ContextRow:
+    """The best memory row's candidate and setting at another context-parallel degree."""
+
+    cp: int
+    dp: int
+    microbatches: int
+    memory: Memory  # the worst rank's
+    fits: bool
+    overrides: list[str]
+
+    def record(self) -> dict:
+        return {"cp": self.cp, "dp": self.dp, "microbatches": self.microbatches, "fits": self.fits,
+                "bytes": {**{k: getattr(self.memory, k) for k in COMPONENTS}, "total": self.memory.total},
+                "overrides": self.overrides}
+
+
+def activations_dominate(row: MemoryRow) -> bool:
+    """Whether activations are the largest share of the row's worst rank: at least half its bytes."""
+    return row.memory.activations >= 0.5 * row.memory.total
+
+
+def context_rows(run: Run, profile: Profile, row: MemoryRow, budget: float) -> tuple[list[ContextRow], list[str]]:
+    """`row`'s candidate and setting at every other cp the data axis allows (see the module
+    docstring), smallest cp first; and one line per cp the config's checks refuse, saying why."""
+    axis, cand, option, cfg = run.zero_shards, row.candidate, row.option, run.config
+    if run.family not in CP_FAMILIES:
+        return [], [f"model.family={run.family} has no context-parallel attention ({', '.join(CP_FAMILIES)} do)"]
+    rows, refused = [], []
+    for cp in range(1, axis + 1):
+        if axis % cp or cp == run.cp:
+            continue
+        dp = axis // cp
+        if (cand.microbatches * run.dp) % dp:
+            refused.append(f"cp={cp}: dp={dp} does not divide dp x microbatches = {cand.microbatches * run.dp}")
+            continue
+        micro = cand.microbatches * run.dp // dp
+        overrides = [f"parallel.cp={cp}", f"parallel.dp={dp}", f"schedule.microbatches={micro}"]
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(
+                [*row_overrides(row), *overrides]))
+            other = cast(Config, OmegaConf.to_object(merged))
+            check_config(other)
+            at = resolve(other)
+            schedule = build_schedule(cand.schedule, at.pp, micro, cand.chunks_per_rank)
+        except (ConfigError, ValueError) as e:
+            refused.append(f"cp={cp}: {e}")
+            continue
+        layers = profile.at(cand.micro_batch)
+        held, recompute, _ = planned_activations(at, layers, cand.micro_batch, option.sp, option.ac)
+        mems = rank_memory(at, schedule, cand.boundaries, option.zero, held, recompute, layer_params(at),
+                           tied_keys(at))
+        worst = max(mems, key=lambda m: m.total)
+        rows.append(ContextRow(cp, dp, micro, worst, worst.total <= budget, overrides))
+    return rows, refused
 
 
 # ---- the report ------------------------------------------------------------------------

@@ -17,6 +17,13 @@ the same rows at any layout, and after a resume, since L depends on the step alo
 tokens per step grow with L (DeepSpeed's behaviour). Shapes change between steps; every
 rank is given its batch, so each sizes its buffers from its own inputs
 (`pipekit.handshake.InputShapes`). Validation runs at the full length.
+
+Trimmed padding (`data.trim_padding`, packed rows): each microbatch of a step is cut
+after its rows' last labelled place, rounded up to `train.seq_len_multiple` (at most
+the batch's length), and the step is handed to the engine as `pipekit.Microbatches`,
+microbatches of different lengths. Under causal attention nothing before the cut reads
+what is cut, and the labels cut are all ignored, so the loss and gradients are those of
+the untrimmed batch; only the work on padding goes.
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from __future__ import annotations
 import math
 
 import torch
+
+from ..data import IGNORE_INDEX
+from ..microbatch import Microbatches, split_microbatches
 
 
 def seq_len_at(t, step: int) -> int:
@@ -51,3 +61,25 @@ def warmed_up(data, t, start_step: int):
     """The batches of `data` (from step start_step + 1 on) each cut to its step's length."""
     for step, batch in enumerate(data, start=start_step + 1):
         yield truncated(batch, seq_len_at(t, step))
+
+
+def trimmed(batch, microbatches: int, multiple: int, ignore_index: int = IGNORE_INDEX) -> Microbatches:
+    """`batch` (inputs, labels) split into `microbatches`, each cut after the last place any of
+    its rows has a label other than `ignore_index`, rounded up to `multiple` (see the module
+    docstring)."""
+    inputs, labels = batch
+    inputs = tuple(inputs) if isinstance(inputs, list) else inputs
+    out = []
+    for x, y in zip(split_microbatches(inputs, microbatches, "inputs"),
+                    split_microbatches(labels, microbatches, "labels")):
+        full = y.shape[1]
+        places = (y != ignore_index).any(dim=0).nonzero()
+        used = int(places[-1]) + 1 if places.numel() else 1
+        out.append(truncated((x, y), min(-(-used // multiple) * multiple, full)))
+    return Microbatches(out)
+
+
+def trimmed_batches(data, microbatches: int, multiple: int):
+    """The batches of `data`, each as its trimmed `Microbatches`."""
+    for batch in data:
+        yield trimmed(batch, microbatches, multiple)

@@ -47,7 +47,7 @@ from ..precision import default_dtype
 from ..schedules import Schedule, TimelineEvent, mean_costs, render_png, simulate, to_chrome_trace
 from ..topology import Topology, fell_back, init_distributed, local_workers, resolve_device
 from . import reports
-from .curriculum import warmed_up
+from .curriculum import trimmed_batches, warmed_up
 from .metrics import Logger, moe_summary
 from .resume import checkpoint_root, clear_old_checkpoints, is_own, resume, save
 from .terminal import detach_from_closed_terminal
@@ -223,6 +223,8 @@ def _steps(run: Run, topo: Topology, engine: PipelineEngine, log: Logger, path: 
     train_data = batches(run, topo, "train", path, start_step=start)
     if cfg.train.seq_len_start is not None:  # sequence-length warm-up: each batch cut to its step's length
         train_data = warmed_up(train_data, cfg.train, start)
+    if cfg.data.trim_padding:  # each microbatch cut to its own used length
+        train_data = trimmed_batches(train_data, cfg.schedule.microbatches, cfg.train.seq_len_multiple)
     root, saved_at = checkpoint_root(cfg), None
     divergence = Divergence(cfg.train.max_skipped_steps, start, resumed_from)
     has_moe = getattr(run.model, "n_experts", None) is not None
