@@ -251,3 +251,16 @@ def test_a_length_that_2cp_does_not_divide_fails_naming_t_and_cp():
     with pytest.raises(ValueError, match=r"^T=12 is not divisible by 2\*cp=8 \(cp=4\)") as err:
         shard_sequence(torch.zeros(2, 12), 4, 0)
     assert "\n" not in str(err.value)
+
+
+def test_a_kv_cache_under_context_parallelism_is_refused_in_one_line():
+    """Incremental decoding holds the whole sequence's keys on one rank: a layer built under cp
+    refuses it before any communication (the cp group is never touched)."""
+    from pipekit.layers.kv_cache import kv_cache
+
+    attn = CausalSelfAttention(32, 4, 2, rope_theta=10000.0)
+    attn.context = (object(), "ring")  # as built under context parallelism (a group it must not reach)
+    x, positions = torch.randn(1, 4, 32), torch.arange(4)[None]
+    with kv_cache(8), pytest.raises(ValueError, match=r"^a KV cache \(incremental decoding\) runs in one process, "
+                                                      "not under context parallelism$"):
+        attn(x, positions)

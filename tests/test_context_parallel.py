@@ -6,7 +6,8 @@ batch within 1e-10. Each cp rank holds chunks i and 2cp-1-i of every sequence
 (`pipekit.layers.context`); attention crosses the cp ranks by ring or Ulysses. Layouts:
 GPT-2 (learned positions at the chunks' real positions) and Llama (grouped-query heads,
 rotary at the real positions) at cp=2 (x dp=2) and cp=4, ring and Ulysses; cp=2 x pp=2
-with 1F1B and ZBV; cp=2 x tp=2 with sequence parallelism; cp=2 x dp=2 with ZeRO-3;
+with 1F1B, ZBV, GPipe, ZB-H1 (Ulysses), interleaved 1F1B and DualPipe-V (both with
+activation checkpointing: the ring runs again in the recompute); cp=2 x tp=2 with sequence parallelism; cp=2 x dp=2 with ZeRO-3;
 Mixtral experts at cp=2 x dp=2 x ep=2; packed documents (positions and boundaries from
 the data) at cp=2; a seq_len that is not a power of two (12 at cp=2, 24 at cp=4).
 """
@@ -42,6 +43,10 @@ CASES = [
     ("llama", 16, 1, 1, 2, 2, "ring", "gpipe", 2, 1, {"sequence_parallel": True}),
     ("gpt2", 16, 1, 2, 1, 2, "ring", "1f1b", 2, 3, {}),
     ("mixtral", 16, 1, 2, 1, 2, "ring", "1f1b", 2, 1, {"ep": 2}),
+    ("gpt2", 16, 2, 1, 1, 2, "ring", "gpipe", 2, 0, {}),
+    ("llama", 16, 2, 1, 1, 2, "ring", "interleaved_1f1b", 4, 1, {"activation_checkpoint_interval": 1}),
+    ("llama", 16, 2, 1, 1, 2, "ulysses", "zb_h1", 2, 0, {}),
+    ("gpt2", 16, 2, 1, 1, 2, "ring", "dualpipe_v", 4, 1, {"activation_checkpoint_interval": 1}),
 ]
 
 
@@ -52,9 +57,11 @@ def adamw(params):
 def _build(family, pp, dp, tp, cp, mode, schedule, microbatches, stage, more):
     cfg = get_model(family, "tiny", **MODELS[family])
     specs = model_specs(cfg)
+    more = dict(more)
+    module_kw = {k: more.pop(k) for k in ("activation_checkpoint_interval",) if k in more}
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, cp=cp, cp_mode=mode, **more)
     module = pipekit.PipelineModule(specs, loss_fn=model_loss(cfg), topology=topo, seed=SEED,
-                                    schedule=build_schedule(schedule, pp, microbatches))
+                                    schedule=build_schedule(schedule, pp, microbatches), **module_kw)
     zero = ZeroOptimizer(module, "adamw", stage=stage, lr=1e-2, weight_decay=0.1, clip_grad_norm=CLIP)
     return cfg, specs, topo, module, pipekit.PipelineEngine(module, optimizer=zero)
 
