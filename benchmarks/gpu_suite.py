@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_suite.py                 # one GPU (an H200: at most ~8 minutes)
     python benchmarks/gpu_suite.py --quick         # smaller sizes, fewer repeats
-    python benchmarks/gpu_suite.py --only checks   # one section: checks | end_to_end | offload | kernels
+    python benchmarks/gpu_suite.py --only checks   # one section: checks | end_to_end | offload | finetune | kernels
     python benchmarks/gpu_suite.py --cpu-smoke --out /tmp/gpu_suite.md   # every code path, tiny, on CPU
 
 Writes one markdown report (default benchmarks/results/gpu_suite.md) and prints it at the end.
@@ -43,6 +43,11 @@ end_to_end  tokens/s, MFU and peak memory of GPT-2 124M and a Mixtral-style MoE:
 offload     `ZeroOptimizer(offload="cpu")` (master weights, AdamW state and the step on the host)
             against offload="none" on the GPU: device memory (max_memory_allocated over the
             run) and step time, GPT-2 1.5B shapes (bf16, pp=1) by default (`--offload-flavour`).
+finetune    full fine-tuning against LoRA rank 16 (attention q, k, v, o and the MLP's gate, up,
+            down; every other weight frozen, `pipekit.layers.lora.add_adapters`, as `model.lora`
+            applies it) of a Llama of 1.1B parameters (dim 2048, 16 layers, 16 heads, 8 kv heads,
+            hidden 5632, vocab 32000), bf16 weights, fp32 masters and AdamW state on the trained
+            parameters, one microbatch of 4 x 1024 tokens, pp=1: device peak memory and step time.
 kernels     each kernel's forward + backward time (torch.cuda.Event, median of N) and peak
             memory above its inputs (torch.cuda.max_memory_allocated) at realistic sizes: 8k
             tokens, d=4096 (SwiGLU hidden 14336), vocab 128,256 for the linear cross-entropy,
@@ -114,8 +119,9 @@ from pipekit.layers.rotary import rotary_cos_sin  # noqa: E402
 from pipekit.models import flops_per_token, get_model, model_loss, model_specs  # noqa: E402
 from pipekit.testing import reference_model  # noqa: E402
 
-SECTIONS = ("checks", "end_to_end", "offload", "kernels")  # the order they run in
-SHARES = {"checks": 0.2, "end_to_end": 0.45, "offload": 0.15, "kernels": 0.2}  # of --budget-s, each section's
+SECTIONS = ("checks", "end_to_end", "offload", "finetune", "kernels")  # the order they run in
+SHARES = {"checks": 0.2, "end_to_end": 0.4, "offload": 0.12, "finetune": 0.08,
+          "kernels": 0.2}  # of --budget-s, each section's
 GRACE_S = 30.0  # a row still running this long past its section's deadline is stopped
 BOUND = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}  # scale-relative, module docstring
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "gpu_suite.md"
@@ -132,11 +138,13 @@ class Sizes:
     e2e_microbatches: int; e2e_micro_batch: int; e2e_seq: int  # noqa: E702
     offload_flavour: str = "1.5b"; offload_micro_batch: int = 4; offload_seq: int = 1024  # noqa: E702
     offload_steps: int = 2  # noqa: E702
+    finetune: str = "1b"; finetune_micro_batch: int = 4; finetune_seq: int = 1024; finetune_steps: int = 3  # noqa: E702
 
 
 def sizes(args) -> Sizes:
     if args.cpu_smoke:
-        return Sizes(33, 96, 77, 40, 64, 96, 2, 1, 131, 8, 2, 48, 2, "tiny", 1, 1, 2, 2, 16, "tiny", 2, 16, 1)
+        return Sizes(33, 96, 77, 40, 64, 96, 2, 1, 131, 8, 2, 48, 2, "tiny", 1, 1, 2, 2, 16, "tiny", 2, 16, 1,
+                     "tiny", 2, 16, 1)
     if args.quick:
         return Sizes(1025, 1024, 32000, 2048, 2048, 5632, 16, 4, 32000, 64, 8, 1024, 5, "124m", 3, 2, 2, 8, 1024,
                      args.offload_flavour or "774m", 2, 1024, 2)
@@ -729,6 +737,77 @@ def section_offload(sz: Sizes, device: torch.device, smoke: bool, report: Report
         report.update("offload", "\n".join(lines))
 
 
+# ---- fine-tuning ----------------------------------------------------------------------------------------
+FINETUNE_TARGETS = r"attn\.(q|k|v|o)$|mlp\.(gate|up|down)$"  # benchmarks/finetune_memory.py's
+
+
+def finetune_model(name: str):
+    if name == "tiny":
+        return get_model("llama", "tiny", dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=96, vocab_size=131,
+                         max_seq_len=32)
+    return get_model("llama", "tiny", dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, hidden=5632,
+                     vocab_size=32000, max_seq_len=2048)
+
+
+def finetune_run(cfg, lora: bool, sz: Sizes, device: torch.device) -> dict:
+    """Llama in bf16 at pp=1 through PipelineEngine, ZeroOptimizer(stage=0) AdamW over the trained
+    parameters (all of them, or LoRA-16's adapters): the median step after one warm-up and the
+    device's peak memory over the whole run."""
+    from pipekit.layers.lora import add_adapters
+    from pipekit.optim import ZeroOptimizer
+
+    clean_device(device)
+    module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=SEED, precision="bf16",
+                                    schedule="1f1b", microbatches=1,
+                                    topology=pipekit.Topology(pp=1, dp=1, device=device.type))
+    if lora:
+        add_adapters(module, FINETUNE_TARGETS, 16, 32.0, seed=SEED)  # on the weights' device, in their dtype
+    opt = ZeroOptimizer(module, "adamw", stage=0, lr=LR, weight_decay=WEIGHT_DECAY)
+    engine = pipekit.PipelineEngine(module, optimizer=opt)
+    args = SimpleNamespace(microbatches=1, micro_batch=sz.finetune_micro_batch, seq=sz.finetune_seq)
+    batch = e2e_batch(cfg, args, device)
+    with kernels("torch"):
+        r = gt.timed(lambda: engine.train_batch(iter([batch]), reduce_loss=True), device, 1, sz.finetune_steps)
+    r["peak_memory_gib"] = peak_gib(device)
+    r["trained"] = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    r["params"] = sum(p.numel() for p in module.parameters())
+    return r
+
+
+def section_finetune(sz: Sizes, device: torch.device, smoke: bool, report: Report, clock: Clock) -> None:
+    cfg = finetune_model(sz.finetune)
+    lines = [f"Llama ({'tiny' if sz.finetune == 'tiny' else '1.1B: dim 2048, 16 layers, 16/8 heads, hidden 5632'}) "
+             f"in bf16 (fp32 masters and AdamW state for the trained parameters), pp=1, one microbatch of "
+             f"{sz.finetune_micro_batch} x {sz.finetune_seq} tokens: full fine-tuning against LoRA rank 16 on "
+             "q, k, v, o, gate, up, down (every other weight frozen). Step: median of "
+             f"{sz.finetune_steps} after one warm-up; device peak: max_memory_allocated over the run."
+             + (" --cpu-smoke: no memory figures." if smoke else ""), "",
+             "| run | trained / all parameters | step ms | step / full | device peak GiB | peak / full | final loss |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    base: dict = {}
+    for name, lora in (("full", False), ("LoRA-16", True)):
+        if clock.spent():
+            lines.append(f"| {name} | {SKIPPED} | | | | | |")
+        else:
+            try:
+                with clock.limit():
+                    r = finetune_run(cfg, lora, sz, device)
+                clean_device(device)
+            except Exception as e:  # noqa: BLE001 -- reported in the row
+                lines.append(f"| {name} | error: {type(e).__name__}: {' '.join(str(e).split())[:200]} | | | | | |")
+            else:
+                base = base or r
+                peak = r["peak_memory_gib"]
+                ratio = f"{peak / base['peak_memory_gib']:.2f}" if peak is not None and base["peak_memory_gib"] else "-"
+                lines.append(f"| {name} | {r['trained']:,} / {r['params']:,} | {r['step_s'] * 1e3:.1f} | "
+                             f"{r['step_s'] / base['step_s']:.2f} | {'-' if peak is None else f'{peak:.2f}'} | "
+                             f"{ratio} | {r['loss']:.4f} |")
+                print(f"  finetune {name}: {r['step_s'] * 1e3:.1f} ms", file=sys.stderr)
+            finally:
+                gc.collect()
+        report.update("finetune", "\n".join(lines))
+
+
 # ---- kernels: time and memory ----------------------------------------------------------------------
 def liger_functional():
     """liger_kernel.transformers.functional when it imports (and CUDA is here: Liger is CUDA-only), else None."""
@@ -945,6 +1024,8 @@ def main(argv=None) -> int:
                 section_end_to_end(sz, device, args.cpu_smoke, report, clock)
             elif section == "offload":
                 section_offload(sz, device, args.cpu_smoke, report, clock)
+            elif section == "finetune":
+                section_finetune(sz, device, args.cpu_smoke, report, clock)
             else:
                 section_kernels(sz, device, args.cpu_smoke, backend, report, clock)
         except Exception:  # noqa: BLE001 -- a broken section is reported, the others still run

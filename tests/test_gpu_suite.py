@@ -24,7 +24,7 @@ CHECKS = ("rms_norm float32", "rms_norm + residual float32", "layer_norm + resid
           "apply_rotary float32", "swiglu float32", "geglu float32", "linear_cross_entropy float32",
           "moe triton gemm float32", "NCCL path at world size 1", "torch._grouped_mm vs the loop gemm",
           "fp16 + ZeroOptimizer + LossScaler", "torch.compile of a Llama block", "fused adamw float32")
-SECTIONS = ("## checks", "## end_to_end", "## offload", "## kernels")
+SECTIONS = ("## checks", "## end_to_end", "## offload", "## finetune", "## kernels")
 
 
 def smoke(out: pathlib.Path, *extra: str) -> list[str]:
@@ -53,9 +53,15 @@ def test_cpu_smoke_writes_every_section(tmp_path):
                 "| Mixtral-style tiny | fp32 | pipekit |", "| Mixtral-style tiny | fp32+kernels |"):
         assert row in e2e, row
     assert "nanoGPT" in e2e and "F.cross_entropy" in e2e  # the plain loop says what it is
-    offload = report.split("## offload")[1].split("## kernels")[0]
+    offload = report.split("## offload")[1].split("## finetune")[0]
     for kind in ("none", "cpu"):
         assert f"\n| {kind} | " in offload and f"| {kind} | error" not in offload, offload
+    finetune = report.split("## finetune")[1].split("## kernels")[0]
+    for name in ("full", "LoRA-16"):
+        assert f"\n| {name} | " in finetune and f"| {name} | error" not in finetune, finetune
+    trained = [int(line.split("|")[2].split("/")[0].replace(",", "")) for line in finetune.splitlines()
+               if line.startswith(("| full |", "| LoRA-16 |"))]
+    assert len(trained) == 2 and 0 < trained[1] < trained[0] / 2, trained  # the adapters alone train
 
 
 def test_a_killed_run_leaves_every_row_it_finished(tmp_path):
