@@ -9,7 +9,8 @@ rotary at the real positions) at cp=2 (x dp=2) and cp=4, ring and Ulysses; cp=2 
 with 1F1B, ZBV, GPipe, ZB-H1 (Ulysses), interleaved 1F1B and DualPipe-V (both with
 activation checkpointing: the ring runs again in the recompute); cp=2 x tp=2 with
 sequence parallelism; cp=2 x dp=2 with ZeRO-3; Mixtral experts at cp=2 x dp=2 x ep=2;
-packed documents (positions and boundaries from the data) at cp=2; a seq_len that is not a power of two (12 at cp=2, 24 at cp=4).
+packed documents (positions and boundaries from the data) at cp=2; a seq_len that is not
+a power of two (12 at cp=2, 24 at cp=4).
 """
 
 from __future__ import annotations
