@@ -176,6 +176,9 @@ class OptimizerConfig:
     #                        files under offload_dir (nvme, streamed a few buckets at a time); the step on the CPU
     offload_dir: Optional[str] = None  # offload=nvme: the directory the state files go in (a fast local disk)
     pin_memory: bool = True  # offload: page-locked host buffers for the device<->host copies (CUDA only)
+    offload_params: str = "none"  # none | cpu: zero_stage=3's parameter shards and their gradients in host memory
+    #                               between uses (FSDP2's CPUOffloadPolicy), and so their step on the CPU
+    #                               (optimizer.offload=none steps as cpu; nvme keeps the state in files)
 
 
 @dataclass
@@ -557,6 +560,22 @@ def check_config(cfg: Config) -> None:
         )
 
 
+def _check_offload_params(o: OptimizerConfig) -> None:
+    """optimizer.offload_params: none or cpu, at zero_stage=3 only, not with the fused GPU kernel."""
+    if o.offload_params == "nvme":
+        raise ConfigError("optimizer.offload_params=nvme: ZeRO-3 here is FSDP2, whose parameter offload is host "
+                          "memory only; use optimizer.offload_params=cpu (and optimizer.offload=nvme for the "
+                          "optimizer state)")
+    _check_choice("optimizer.offload_params", o.offload_params, ("none", "cpu"))
+    if o.offload_params != "none" and o.zero_stage != 3:
+        raise ConfigError(f"optimizer.offload_params={o.offload_params} offloads ZeRO-3's parameter shards, but "
+                          f"optimizer.zero_stage={o.zero_stage}; set optimizer.zero_stage=3, or "
+                          f"optimizer.offload_params=none (optimizer.offload moves the optimizer at any stage)")
+    if o.offload_params != "none" and str(o.fused).lower() == "true":
+        raise ConfigError(f"optimizer.fused=true is the GPU kernel, but optimizer.offload_params={o.offload_params} "
+                          f"steps the shards on the CPU; use optimizer.fused=auto or false")
+
+
 def _check_optimizer(cfg: Config) -> None:
     o = cfg.optimizer
     if o.name != "adamw" and str(o.fused).lower() == "true":
@@ -571,6 +590,7 @@ def _check_optimizer(cfg: Config) -> None:
     if o.offload != "none" and str(o.fused).lower() == "true":
         raise ConfigError(f"optimizer.fused=true is the GPU kernel, but optimizer.offload={o.offload} steps on the "
                           f"CPU; use optimizer.fused=auto or false with offload")
+    _check_offload_params(o)
     _check_rules([
         ("optimizer.lr", o.lr, _finite(o.lr) and o.lr > 0, "a finite number > 0"),
         ("optimizer.min_lr", o.min_lr, _finite(o.min_lr) and 0 <= o.min_lr <= o.lr,
@@ -1020,14 +1040,14 @@ class Run:
         return self.pp * self.dp * self.tp * self.cp
 
     @property
-    def family(self) -> str:
-        return self.config.model.family
-
-    @property
     def zero_shards(self) -> int:
         """The ranks holding the same parameters, over which gradients are reduced and ZeRO
         shards: the data replicas x cp (`Topology.dp`)."""
         return self.dp * self.cp
+
+    @property
+    def family(self) -> str:
+        return self.config.model.family
 
     @property
     def global_batch(self) -> int:
@@ -1072,6 +1092,8 @@ NO_EFFECT: list[tuple[str, Any, str]] = [
     ("optimizer.eps", lambda c, m: c.optimizer.name == "sgd", "AdamW's; optimizer.name=sgd divides by nothing"),
     ("optimizer.reshard_after_forward", lambda c, m: c.optimizer.zero_stage != 3,
      "only ZeRO-3 gathers parameters, and optimizer.zero_stage={c.optimizer.zero_stage}"),
+    ("optimizer.offload_params", lambda c, m: c.optimizer.offload_params != "none" and c.parallel.dp == 1,
+     "ZeRO-3 shards the parameters over dp, and parallel.dp=1: nothing is sharded, so nothing is offloaded"),
     ("fp16.", lambda c, m: c.train.precision != "fp16",
      "loss scaling is for train.precision=fp16, and this run's is {c.train.precision}"),
     ("model.token_drop_policy", lambda c, m: getattr(m, "capacity_factor", None) is None,

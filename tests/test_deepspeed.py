@@ -74,7 +74,8 @@ def test_precision_keys():
     ({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2}, "is not a multiple of"),
     ({"scheduler": {"type": "WarmupLRR", "params": {}}}, "ds_config scheduler.type='WarmupLRR' is not a DeepSpeed "
                                                          "scheduler pipekit runs; did you mean WarmupLR?"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "does not offload the parameters"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
+     "parameter offload is host memory only"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "pin_memroy": True}}}, "did you mean pin_memory?"),
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "device=nvme needs nvme_path"),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, "ratio=0.3"),
@@ -161,7 +162,7 @@ TABLE = {
                        "offload_optimizer.pipeline_write has no effect"),
     "ratio": ({"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}}, ConfigError("ratio=0.5")),
     "zero_optimization.offload_param": ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-                                        ConfigError("does not offload the parameters")),
+                                        "optimizer.offload_params=cpu"),
     "fp16": ({"fp16": {"enabled": True}}, "train.precision=fp16"),
     "enabled": ({"bf16": {"enabled": True}}, "train.precision=bf16"),
     "loss_scale": ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale=128"),
@@ -272,3 +273,40 @@ def test_each_migration_table_key_does_what_the_table_says(key):
     overrides, notes = from_deepspeed(ds, 1)
     said = " ".join([*overrides, *notes])
     assert expected in said, f"{key}: {expected!r} not in {overrides} / {notes}"
+
+
+def test_offload_param_is_parameter_offload_at_stage_3_and_a_note_below():
+    """DeepSpeed 0.19.8 offloads parameters at ZeRO stage 3 only (below it the block is read and
+    ignored) and pins by default; pipekit: optimizer.offload_params=cpu at stage 3, one
+    optimizer.pin_memory for both offload blocks, a note below stage 3, nvme refused in one line
+    saying why, its NVMe-only keys noted, a typo refused."""
+    def mapped(zero: dict, dp: int = 2) -> tuple[list[str], list[str]]:
+        return from_deepspeed({"zero_optimization": zero}, dp)
+
+    out, notes = mapped({"stage": 3, "offload_param": {"device": "cpu"}})
+    assert {"optimizer.zero_stage=3", "optimizer.offload_params=cpu", "optimizer.pin_memory=True"} <= set(out)
+    assert not any(o.startswith("optimizer.offload=") for o in out) and not notes, (out, notes)
+    assert load_config(str(ROOT / "configs/toy.yaml"), ["parallel.dp=2", *out]).optimizer.offload_params == "cpu"
+    out, _ = mapped({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False},
+                     "offload_optimizer": {"device": "cpu", "pin_memory": False}})
+    assert {"optimizer.offload_params=cpu", "optimizer.offload=cpu", "optimizer.pin_memory=False"} <= set(out)
+    out, notes = mapped({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": False},
+                         "offload_optimizer": {"device": "cpu"}})
+    assert "optimizer.pin_memory=True" in out and any("pin_memory differ" in n for n in notes), (out, notes)
+    out, notes = mapped({"stage": 2, "offload_param": {"device": "cpu"}})
+    assert not any("offload_params" in o for o in out)
+    assert any("offload_param has no effect at zero_optimization.stage 2" in n for n in notes), notes
+    out, notes = mapped({"stage": 3, "offload_param": {"device": "none", "buffer_size": 1e8, "max_in_cpu": 1e9}})
+    assert not any("offload_params" in o for o in out)
+    assert sum("offload_param.buffer_size has no effect" in n or "offload_param.max_in_cpu has no effect" in n
+               for n in notes) == 2, notes
+    with pytest.raises(ConfigError, match=r"offload_param\.device=nvme: pipekit's ZeRO-3 is FSDP2, whose parameter "
+                                          r"offload is host memory only") as e:
+        mapped({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}})
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="did you mean pin_memory"):
+        mapped({"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}})
+    auto, _ = mapped({"stage": "auto", "offload_param": {"device": "cpu"}})  # the config's stage: checked there
+    with pytest.raises(ConfigError, match="optimizer.offload_params=cpu offloads ZeRO-3's parameter shards, but "
+                                          "optimizer.zero_stage=0"):
+        load_config(str(ROOT / "configs/toy.yaml"), ["parallel.dp=2", *auto])

@@ -322,22 +322,19 @@ def test_the_zero2_offload_fp16_config_maps_with_one_note_per_key_without_effect
     assert run.config.optimizer.offload == "cpu" and run.config.train.precision == "fp16"
 
 
-def test_the_hf_trainers_zero3_bf16_config_maps_but_for_offload_param_which_is_refused():
+def test_the_hf_trainers_zero3_bf16_config_maps():
     """The Hugging Face Trainer's ZeRO-3 config: parameters and optimizer offloaded, bf16, WarmupCosineLR,
     "auto" wherever the Trainer fills a value in from its own arguments (pipekit: from its config).
-    offload_param (the parameter shards themselves in host memory) is not in pipekit: refused in
-    one line naming it; without it, the rest maps: "auto" keys keep the config's values (listed in
-    one note), the scheduler's "auto" steps are the run's."""
+    offload_param (the parameter shards themselves in host memory) is optimizer.offload_params=cpu;
+    "auto" keys keep the config's values (listed in one note), the scheduler's "auto" steps are the
+    run's."""
     from pipekit.config import merged_config
 
     ds = json.loads((CONFIGS / "zero3_bf16.json").read_text())
-    with pytest.raises(ConfigError, match=r"offload_param\.device=cpu: pipekit does not offload the parameters") as e:
-        from_deepspeed(ds, dp=2)
-    assert "\n" not in str(e.value)
-    ds["zero_optimization"].pop("offload_param")
     base = merged_config(None, [*PIPEKIT, "parallel.dp=2", "train.steps=7", "optimizer.warmup_steps=3"])
     overrides, notes = from_deepspeed(ds, dp=2, base=base)
-    assert {"optimizer.zero_stage=3", "optimizer.offload=cpu"} <= set(overrides)
+    assert {"optimizer.zero_stage=3", "optimizer.offload=cpu", "optimizer.offload_params=cpu",
+            "optimizer.pin_memory=True"} <= set(overrides)
     assert not any(o.split("=")[0] in ("optimizer.lr", "optimizer.beta1", "optimizer.clip_grad_norm",
                                        "train.micro_batch", "train.precision") for o in overrides), overrides
     scheduler = json.loads(next(o for o in overrides if o.startswith("optimizer.scheduler={")).split("=", 1)[1])
@@ -347,22 +344,20 @@ def test_the_hf_trainers_zero3_bf16_config_maps_but_for_offload_param_which_is_r
     assert len(auto) == 1 and "gradient_clipping" in auto[0] and "bf16.enabled" in auto[0], notes
     run = load_run(None, [*PIPEKIT, "parallel.dp=2", "train.precision=bf16", *overrides])
     assert run.config.optimizer.zero_stage == 3 and run.config.train.precision == "bf16"
+    assert run.config.optimizer.offload_params == "cpu"
 
 
 def test_the_two_configs_train_with_pipekit_train(tmp_path):
     """Both files through `pipekit train --deepspeed` (dp=2 on this CPU: 2 gloo workers), 2 steps
-    each: ZeRO-2, cpu offload, fp16 loss scaling, WarmupLR; and ZeRO-3 (offload_param removed),
-    cpu offload, bf16 from the config, WarmupCosineLR with "auto" steps."""
+    each: ZeRO-2, cpu offload, fp16 loss scaling, WarmupLR; and ZeRO-3 with the parameters and
+    the optimizer offloaded, bf16 from the config, WarmupCosineLR with "auto" steps."""
     from pipekit.cli import main
 
-    ds3 = json.loads((CONFIGS / "zero3_bf16.json").read_text())
-    ds3["zero_optimization"].pop("offload_param")
-    (tmp_path / "zero3.json").write_text(json.dumps(ds3))
     common = [*PIPEKIT, "parallel.dp=2", "train.steps=2", "data.val_every=0", "logging.progress=false",
               "logging.tensorboard=false", "data.source=synthetic", "checkpoint.every=0", "checkpoint.at_end=false"]
     zero2 = ["train.micro_batch=2", "train.global_batch=null"]
     for name, path, more in (("zero2", CONFIGS / "zero2_offload_fp16.json", zero2),
-                             ("zero3", tmp_path / "zero3.json", ["train.precision=bf16", "train.micro_batch=2",
+                             ("zero3", CONFIGS / "zero3_bf16.json", ["train.precision=bf16", "train.micro_batch=2",
                                                                  "schedule.microbatches=2"])):
         out = tmp_path / name
         code = main(["train", *common, f"logging.out_dir={out}", "--deepspeed", str(path), *more])

@@ -10,18 +10,37 @@ of an nvme-offloaded ZeRO-2 run at pp=2 x dp=2 resumes without offload at ZeRO-1
 dp=4, and a checkpoint without offload resumes with cpu offload at ZeRO-3: one more step
 gives the saving side's loss and weights (1e-10). On this CPU-only machine `cpu` offload
 holds the same memory as none; the copies and the host step are the GPU run's.
+
+Parameter offload (`offload_params="cpu"`, ZeRO-3: FSDP2's CPUOffloadPolicy) in the same
+group: pp=2 x dp=2 float64 (with no optimizer offload, which steps as cpu, and with nvme) and
+bf16 give bitwise the losses and weights of ZeRO-3 without it, no parameter byte on the
+device; a checkpoint saved with it resumes without it at ZeRO-1 pp=1 x dp=4, and one saved
+without it resumes with it (and optimizer offload cpu). While those runs train and save, every
+tensor handed to a torch.distributed collective is checked (`HostSpy`): none is a host-held
+tensor of parameter offload (on a GPU, host memory that NCCL cannot take), and each is on the
+topology's device. The moving helper (`gather_rows`) and the step's device are unit-tested
+with a fake collective and a fake topology on the meta device.
 """
 
 from __future__ import annotations
 
+import types
+from contextlib import nullcontext
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import pipekit
 from pipekit.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from pipekit.config import ConfigError, load_config, load_run
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.optim import ZeroOptimizer
+from pipekit.optim.fsdp import gather_rows, host_shard
 from pipekit.testing import in_float64, run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SEED, BATCH, SEQ, STEPS, CLIP = 3, 8, 8, 3, 0.5
 GPT2 = dict(vocab_size=40, max_seq_len=16, n_layers=3, dim=16, n_heads=4)
@@ -30,13 +49,14 @@ MIXTRAL = dict(vocab_size=40, max_seq_len=16, n_layers=2, dim=16, n_heads=4, n_k
 BUCKET_MB = 0.004  # 512 float64 gradients: a dozen buckets per rank
 
 
-def _engine(pp, dp, stage, offload="none", root=None, precision="fp32", bucket_mb=BUCKET_MB, tp=1, ep=1):
+def _engine(pp, dp, stage, offload="none", root=None, precision="fp32", bucket_mb=BUCKET_MB, tp=1, ep=1,
+            params="none"):
     cfg = get_model("mixtral", "tiny", **MIXTRAL) if ep > 1 else get_model("gpt2", "tiny", **GPT2)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, ep=ep)
     module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo,
                                     seed=SEED, schedule="1f1b", microbatches=2, precision=precision)
     zero = ZeroOptimizer(module, "adamw", stage=stage, lr=1e-2, weight_decay=0.1, clip_grad_norm=CLIP,
-                         bucket_mb=bucket_mb, offload=offload, offload_dir=root)
+                         bucket_mb=bucket_mb, offload=offload, offload_dir=root, offload_params=params)
     return pipekit.PipelineEngine(module, optimizer=zero)
 
 
@@ -51,12 +71,64 @@ def _batches(n: int, seed: int) -> list[torch.Tensor]:
     return [torch.randint(0, 40, (BATCH, SEQ + 1), generator=gen) for _ in range(n)]
 
 
-def _run(stage, offload, root, precision="fp32", pp=2, dp=2, **more) -> dict:
+class HostSpy:
+    """While on (`with`), every tensor handed to a torch.distributed collective is checked: that
+    it is none of parameter offload's host-held tensors (the shards, their gradients, their master
+    weights, the offload's host gradient buffers: host memory on a GPU run, which NCCL cannot
+    take) and that it is on the topology's device. `bad`: what failed; `seen`: tensors checked,
+    by collective."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast",
+             "all_to_all_single", "send", "recv", "isend", "irecv")
+
+    def __init__(self, zero: ZeroOptimizer):
+        self.zero, self.bad, self.saved = zero, [], {}
+        self.seen: dict[str, int] = {}
+
+    def host(self) -> set[int]:
+        zero, out = self.zero, set()
+        held = [t for b in zero.buckets if b.host for t in (b.param_buf, b.master)]
+        held += [g for g in (zero.offload.host_grads if zero.offload is not None else []) if g is not None]
+        for p in zero.module.parameters():
+            if host_shard(p):
+                held += [p.to_local()] + ([p.grad.to_local()] if p.grad is not None else [])
+        out = {t.untyped_storage().data_ptr() for t in held}
+        return out - {0}
+
+    def check(self, name: str, tensors: list) -> None:
+        host, device = self.host(), self.zero.topology.device
+        for t in tensors:
+            self.seen[name] = self.seen.get(name, 0) + 1
+            if t.untyped_storage().data_ptr() in host or t.device != device:
+                self.bad.append(f"{name}: a {tuple(t.shape)} tensor on {t.device}")
+
+    def __enter__(self) -> HostSpy:
+        for name in self.NAMES:
+            real = self.saved[name] = getattr(dist, name)
+
+            def spied(*args, _real=real, _name=name, **kwargs):
+                found = [t for a in (*args, *kwargs.values())
+                         for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+                self.check(_name, found)
+                return _real(*args, **kwargs)
+            setattr(dist, name, spied)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, real in self.saved.items():
+            setattr(dist, name, real)
+
+
+def _run(stage, offload, root, precision="fp32", pp=2, dp=2, spy=False, **more) -> dict:
     engine = _engine(pp, dp, stage, offload, root, precision, **more)
-    losses = [_train(engine, ids) for ids in _batches(STEPS, 4)]
     zero = engine.optimizer
+    with HostSpy(zero) if spy else nullcontext() as watch:
+        losses = [_train(engine, ids) for ids in _batches(STEPS, 4)]
     out = {"losses": losses, "weights": {n: t.clone() for n, t in full_state_dict(engine.module).items()},
-           "norm": zero.last_grad_norm, "buckets": len(zero.buckets), "memory": zero.memory_bytes()}
+           "norm": zero.last_grad_norm, "buckets": len(zero.buckets), "memory": zero.memory_bytes(),
+           "host buckets": sum(b.host for b in zero.buckets)}
+    if watch is not None:
+        out["spy"] = (watch.bad, watch.seen)
     if offload == "nvme":
         out["peak_resident"] = zero.offload.peak_resident
         out["resident_after"] = len(zero.offload.resident_now)
@@ -72,37 +144,58 @@ def bitwise(root: str) -> dict:
     out["tp=2 x dp=2, ZeRO-2"] = {kind: _run(2, kind, f"{root}/tp", pp=1, tp=2) for kind in ("none", "nvme")}
     out["dp=4 x ep=2 experts, ZeRO-1"] = {kind: _run(1, kind, f"{root}/ep", pp=1, dp=4, ep=2)
                                           for kind in ("none", "nvme")}
+    # parameter offload, against ZeRO-3 without it: alone (its step as offload=cpu), and with nvme
+    out["ZeRO-3, parameters offloaded"] = {"none": out[3]["none"],
+                                           **{kind: _run(3, "none" if kind == "cpu" else kind, f"{root}/p", spy=True,
+                                                         params="cpu") for kind in ("cpu", "nvme")}}
     return out
 
 
 def bf16(root: str) -> dict:
     torch.set_default_dtype(torch.float32)
-    return {kind: _run(1, kind, f"{root}/bf16", precision="bf16") for kind in ("none", "nvme")}
+    runs = {kind: _run(1, kind, f"{root}/bf16", precision="bf16") for kind in ("none", "nvme")}
+    runs["ZeRO-3"] = _run(3, "none", f"{root}/bf16", precision="bf16")
+    runs["ZeRO-3, parameters offloaded"] = _run(3, "none", f"{root}/bf16", precision="bf16", params="cpu")
+    return runs
 
 
 @in_float64
 def resumes(root: str) -> dict:
     batches = _batches(3, 8)
     out = {}
-    plans = {"nvme z2 pp2 -> none z1 pp1": ((2, 2, 2, "nvme"), (1, 4, 1, "none")),
-             "none z1 pp1 -> cpu z3 pp2": ((1, 4, 1, "none"), (2, 2, 3, "cpu"))}
+    plans = {"nvme z2 pp2 -> none z1 pp1": ((2, 2, 2, "nvme", "none"), (1, 4, 1, "none", "none")),
+             "params z3 pp2 -> none z1 pp1": ((2, 2, 3, "none", "cpu"), (1, 4, 1, "none", "none")),
+             "none z1 pp1 -> params+cpu z3 pp2": ((1, 4, 1, "none", "none"), (2, 2, 3, "cpu", "cpu"))}
     for name, (a, b) in plans.items():
-        saving = _engine(*a, root=f"{root}/state")
+        saving = _engine(*a[:4], root=f"{root}/state", params=a[4])
         for ids in batches[:2]:
             _train(saving, ids)
         path = f"{root}/{name.split()[0]}-{a[2]}"
-        save_checkpoint(path, saving.module, saving.optimizer)
-        resumed = _engine(*b, root=f"{root}/state")
+        with HostSpy(saving.optimizer) as watch:  # the checkpoint's gathers of host-held shards: on the device
+            save_checkpoint(path, saving.module, saving.optimizer)
+        resumed = _engine(*b[:4], root=f"{root}/state", params=b[4])
         load_checkpoint(path, resumed.module, resumed.optimizer)
         losses = (_train(saving, batches[2]), _train(resumed, batches[2]))
         after, other = full_state_dict(saving.module), full_state_dict(resumed.module)
         out[name] = {"loss": abs(losses[0] - losses[1]),
-                     "weights": max((t - other[n]).abs().max().item() for n, t in after.items())}
+                     "weights": max((t - other[n]).abs().max().item() for n, t in after.items()),
+                     "spy": (watch.bad, watch.seen)}
     return out
 
 
+def spy_control(root: str) -> dict:
+    """HostSpy flags a host-held shard and a tensor off the topology's device (no collective)."""
+    engine = _engine(2, 2, 3, root=root, params="cpu")
+    spy = HostSpy(engine.optimizer)
+    shard = next(b for b in engine.optimizer.buckets if b.host)
+    spy.check("a host shard", [shard.param_buf[:2]])
+    spy.check("a fresh tensor", [torch.zeros(2)])
+    spy.check("off the device", [torch.zeros(2, device="meta")])
+    return {"bad": spy.bad, "seen": sum(spy.seen.values())}
+
+
 def check(root: str) -> tuple:
-    return bitwise(root), bf16(root), resumes(root)
+    return bitwise(root), bf16(root), resumes(root), spy_control(f"{root}/control")
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +204,7 @@ def results(tmp_path_factory):
 
 
 def test_offload_is_bitwise_no_offload_at_zero_1_2_3(results):
-    for rank, (by_stage, _, _) in enumerate(results):
+    for rank, (by_stage, *_) in enumerate(results):
         for stage, runs in by_stage.items():
             base = runs["none"]
             assert base["norm"] is not None and base["norm"] > CLIP, f"{stage}: the clipping never acted"
@@ -127,7 +220,7 @@ def test_offload_is_bitwise_no_offload_at_zero_1_2_3(results):
 
 
 def test_nvme_keeps_a_few_buckets_in_memory_and_the_state_on_disk(results):
-    for rank, (by_stage, _, _) in enumerate(results):
+    for rank, (by_stage, *_) in enumerate(results):
         for stage, runs in by_stage.items():
             nvme = runs["nvme"]
             where = f"rank {rank}, ZeRO-{stage}"
@@ -141,16 +234,142 @@ def test_nvme_keeps_a_few_buckets_in_memory_and_the_state_on_disk(results):
 
 
 def test_offload_in_bf16_is_bitwise(results):
-    for rank, (_, runs, _) in enumerate(results):
+    for rank, (_, runs, *_) in enumerate(results):
         assert runs["nvme"]["losses"] == runs["none"]["losses"], f"rank {rank}"
         for name, t in runs["none"]["weights"].items():
             assert torch.equal(runs["nvme"]["weights"][name], t), f"rank {rank}: {name}"
 
 
 def test_offloaded_checkpoints_resume_without_offload_at_another_layout_and_back(results):
-    for rank, (_, _, resumed) in enumerate(results):
+    for rank, (_, _, resumed, _) in enumerate(results):
         for name, r in resumed.items():
             assert r["loss"] <= 1e-10 and r["weights"] <= 1e-10, f"rank {rank}, {name}: {r}"
+
+
+def test_parameter_offload_keeps_every_shard_on_the_host_and_changes_no_bit(results):
+    """The bitwise comparison itself is test_offload_is_bitwise_no_offload_at_zero_1_2_3's (its
+    "ZeRO-3, parameters offloaded" case); here: the shards really are host-held, nothing of theirs
+    is counted on the device, and bf16 (fp32 host master weights beside bf16 host shards) is
+    bitwise too."""
+    for rank, (by_stage, runs, *_) in enumerate(results):
+        for kind, run in by_stage["ZeRO-3, parameters offloaded"].items():
+            if kind == "none":
+                continue
+            where = f"rank {rank}, offload_params=cpu, offload={kind}"
+            assert run["host buckets"] == run["buckets"] > 0, f"{where}: {run['host buckets']} of {run['buckets']}"
+            memory = run["memory"]
+            assert memory["params"] == memory["grads"] == 0, f"{where}: {memory}"
+            assert memory["host"] + memory["disk"] >= 4 * by_stage[3]["none"]["memory"]["params"], where
+        base, offloaded = runs["ZeRO-3"], runs["ZeRO-3, parameters offloaded"]
+        assert offloaded["host buckets"] > 0 and offloaded["memory"]["params"] == 0, f"rank {rank}"
+        assert offloaded["losses"] == base["losses"], f"rank {rank}, bf16"
+        for name, t in base["weights"].items():
+            assert torch.equal(offloaded["weights"][name], t), f"rank {rank}, bf16: {name}"
+
+
+def test_no_collective_is_handed_a_host_held_tensor_of_parameter_offload(results):
+    """While parameter-offloaded runs train (the tied embedding's gradient summed over pp, the
+    norm, the touched flags, the non-finite marks, the p2p of activations) and save checkpoints
+    (the shards and their optimizer state gathered whole), each tensor handed to torch.distributed
+    is on the topology's device and none is a host-held one; the spy does flag one (and a tensor
+    off the device) when shown it. (FSDP's own gathers do not pass through `torch.distributed`'s
+    module attributes; FSDP moves the shards to the device itself.)"""
+    for rank, (by_stage, _, resumed, control) in enumerate(results):
+        spied = [(f"training, offload={kind}", run["spy"])
+                 for kind, run in by_stage["ZeRO-3, parameters offloaded"].items() if "spy" in run]
+        spied += [(f"saving {name}", r["spy"]) for name, r in resumed.items() if name.startswith("params")]
+        assert len(spied) == 3, spied
+        for what, (bad, seen) in spied:
+            assert not bad, f"rank {rank}, {what}: {bad[:5]} ({seen} tensors checked)"
+            assert seen.get("all_gather" if what.startswith("saving") else "all_reduce", 0) > 0, (rank, what, seen)
+        assert control["seen"] == 3 and len(control["bad"]) == 2, f"rank {rank}: {control}"
+        assert control["bad"][0].startswith("a host shard") and control["bad"][1].startswith("off the device")
+
+
+def test_gather_rows_gathers_on_the_device_it_is_given_and_gives_back_on_the_shards(monkeypatch):
+    """The helper that moves a host-held shard for a collective: the all-gather is handed tensors
+    on `device` only (a fake all-gather on the meta device: it stops the call there), and the
+    whole tensor comes back on the shard's device, rows in rank order (a fake all-gather of two
+    ranks, the other holding the short last rows)."""
+    class Stop(Exception):
+        pass
+
+    handed = []
+
+    def fake_gather(parts, flat, group=None):
+        handed.extend([flat, *parts])
+        raise Stop
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_gather", fake_gather)
+    with pytest.raises(Stop):
+        gather_rows(torch.ones(3, 2), (5, 2), None, device=torch.device("meta"))
+    assert handed and all(t.device.type == "meta" for t in handed), [t.device for t in handed]
+
+    def two_ranks(parts, flat, group=None):
+        parts[0].copy_(flat)
+        parts[1].copy_(torch.full_like(flat, 7.0))
+
+    monkeypatch.setattr(dist, "all_gather", two_ranks)
+    mine = torch.arange(6.0).view(3, 2)
+    whole = gather_rows(mine, (5, 2), None, device=torch.device("cpu"))
+    assert whole.device == mine.device and whole.shape == (5, 2)
+    assert torch.equal(whole, torch.cat([mine, torch.full((2, 2), 7.0)]))
+
+
+def test_the_steps_collectives_run_on_the_topologys_device_not_the_buckets():
+    """Under parameter offload the buckets' tensors are host tensors; the step's norm, touched
+    flags and non-finite marks are made on `Updater.device()`: the topology's (here a fake one on
+    the meta device, the buckets on the CPU)."""
+    from pipekit.optim.buckets import Bucket
+    from pipekit.optim.collectives import Collectives
+    from pipekit.optim.stage import Stage
+    from pipekit.optim.step import Updater
+
+    p = torch.nn.Parameter(torch.ones(4))
+    b = Bucket([p], 0, None, 0, host=True)
+    b.param_buf = b.master = p.data.view(-1)
+    topo = types.SimpleNamespace(device=torch.device("meta"), pp_group=None, tp_group=None)
+    updater = Updater([b], Stage(3), Collectives(), None, topology=topo, master_dtype=torch.float32, fused=False,
+                      bucket_numel=4, offloaded=True)
+    assert updater.device() == torch.device("meta") and b.param_buf.device.type == "cpu"
+    updater.current = [torch.ones(4, device="meta")]
+    assert updater.norm().device.type == "meta"
+
+
+def test_parameter_offload_values_are_checked():
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"offload_params='cpu' offloads the parameter shards of ZeRO stage 3, but "
+                                         r"stage=1"):
+        ZeroOptimizer(module, stage=1, offload_params="cpu")
+    with pytest.raises(ValueError, match="parameter offload is host memory only"):
+        ZeroOptimizer(module, stage=3, offload_params="nvme")
+    with pytest.raises(ValueError, match=r"offload_params='disk' is not one of \['none', 'cpu'\]"):
+        ZeroOptimizer(module, stage=3, offload_params="disk")
+    with pytest.raises(ValueError, match="fused=True is the device kernel, but offload_params='cpu'"):
+        ZeroOptimizer(module, stage=3, offload_params="cpu", fused=True)
+
+
+@pytest.mark.parametrize("given, said", [
+    (["optimizer.zero_stage=2"], "optimizer.offload_params=cpu offloads ZeRO-3's parameter shards, but "
+                                 "optimizer.zero_stage=2; set optimizer.zero_stage=3, or "
+                                 "optimizer.offload_params=none"),
+    (["optimizer.zero_stage=3", "optimizer.offload_params=nvme"], "parameter offload is host memory only"),
+    (["optimizer.zero_stage=3", "optimizer.offload_params=disk"], "optimizer.offload_params='disk' is not one of"),
+    (["optimizer.zero_stage=3", "optimizer.fused=true"], "optimizer.fused=true is the GPU kernel, but "
+                                                         "optimizer.offload_params=cpu"),
+])
+def test_parameter_offload_is_refused_before_launch_in_one_line(given, said):
+    toy = str(ROOT / "configs/toy.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(toy, ["optimizer.offload_params=cpu", *given])
+    assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_parameter_offload_at_dp_1_is_noted_as_doing_nothing():
+    toy = str(ROOT / "configs/toy.yaml")
+    run = load_run(toy, ["parallel.dp=1", "optimizer.zero_stage=3", "optimizer.offload_params=cpu"])
+    assert any(n.startswith("optimizer.offload_params=cpu has no effect") for n in run.notices), run.notices
 
 
 def test_offload_values_are_checked():

@@ -17,7 +17,9 @@ run per parameter part for the fused one).
 
 Buckets are made in launch order: stages before shared tied keys, and within a run the
 parameters whose gradients complete first. At stage 3 each FSDP shard is a bucket of
-its own, aliasing FSDP's local tensor. Nothing here communicates.
+its own, aliasing FSDP's local tensor; where FSDP keeps that shard in host memory
+(parameter offload: `Bucket.host`), the bucket's gradient buffer is made on the device for each
+step only (`ZeroOptimizer`). Nothing here communicates.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from torch import nn
 
 from ..spec import TiedLayerSpec
 from ..topology import Topology
-from .fsdp import replica_group, shard_group, sharded
+from .fsdp import host_shard, replica_group, shard_group, sharded
 from .stage import Stage
 
 PIECE = 1 << 16  # the wrapped optimizer sees a master shard as pieces of this many elements (cache-sized on a CPU)
@@ -50,6 +52,7 @@ class Bucket:
     ep_group: Any = None  # experts: the group their parameters are sharded over (summed in the norm)
     shard_group: Any = None  # stage 3: the dp group FSDP shards its one parameter over (this is its shard)
     replica_group: Any = None  # stage 3, hybrid sharding: the groups holding the same shard
+    host: bool = False  # stage 3, parameter offload: FSDP keeps this shard (param_buf) in host memory
     param_buf: torch.Tensor = field(init=False)
     offsets: dict = field(default_factory=dict)  # id(param) -> (start, numel)
     grad_buf: torch.Tensor | None = None  # full bucket (stages 0, 1; stage 2 while in flight)
@@ -183,15 +186,17 @@ def _pieces(b: Bucket, first: int, n_owned: int, fused: bool) -> list:
 
 def _shard_bucket(p: nn.Parameter, gi: int, counted, segment, layout: Layout) -> Bucket:
     """Stage 3: a bucket over FSDP's local shard of `p`, aliased, not copied (FSDP gathers
-    the layer from that storage), whose gradient FSDP has already reduced."""
-    b = Bucket([p], gi, None, segment, shard_group=shard_group(p), replica_group=replica_group(p))
+    the layer from that storage), whose gradient FSDP has already reduced. A host-held shard's
+    gradient buffer is left to the step (made on the device for it: `ZeroOptimizer`)."""
+    b = Bucket([p], gi, None, segment, shard_group=shard_group(p), replica_group=replica_group(p),
+               host=host_shard(p))
     local_part = local(p).detach()
     b.param_buf = local_part.view(-1)
     n = b.param_buf.numel()
     b.offsets[id(p)] = (0, n)
     if counted(p) and n:
         b.counted_ranges.append((0, n))
-    b.grad_buf = torch.zeros(n, dtype=layout.grad_dtype, device=local_part.device)
+    b.grad_buf = None if b.host else torch.zeros(n, dtype=layout.grad_dtype, device=local_part.device)
     b.master = b.param_buf if b.param_buf.dtype == layout.master_dtype else b.param_buf.to(layout.master_dtype)
     size = max(n, 1) if layout.fused else PIECE
     b.pieces = [(a, min(a + size, n), p) for a in range(0, n, size)]

@@ -32,6 +32,17 @@ experts without replicas (dp = ep) and frozen parameters.
 
 FSDP's parameters are DTensors: the attributes pipekit keeps on a parameter
 (`tp_shard_dim`, `expert_parallel`, ...) are copied onto them.
+
+Parameter offload (`offload_params=True`, config `optimizer.offload_params=cpu`): FSDP2's
+`CPUOffloadPolicy` keeps each sharded parameter (and the gradient shard its reduce-scatter
+gives) in host memory between uses, pinned on CUDA: copied to the device for each all-gather,
+the reduced gradient copied back. Such a parameter is marked (`host_shard`), and whatever
+pipekit communicates of it runs on its mesh's device (`comm_device`), never on the host
+tensor itself: `gather_rows` (checkpoints, optimizer state) copies the shard there for the
+all-gather and gives the whole tensor back on the shard's device; the optimizer takes its
+gradient into a buffer on the device for the step (`ZeroOptimizer`), where the norm, the
+non-finite marks, the tied sums and the tp sums are made. On a CPU-only run the host is the
+device, but the copies are the GPU run's.
 """
 
 from __future__ import annotations
@@ -44,8 +55,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["assign", "autograd_params", "gather_rows", "gathered_for", "gathered_params", "own_rows",
-           "reduce_gradients", "replica_group", "shard_group", "shard_groups", "shard_layers", "sharded", "whole"]
+__all__ = ["assign", "autograd_params", "comm_device", "gather_rows", "gathered_for", "gathered_params",
+           "host_shard", "own_rows", "reduce_gradients", "replica_group", "shard_group", "shard_groups",
+           "shard_layers", "sharded", "whole"]
+
+HOST_SHARD = "pipekit_host_shard"  # the attribute `shard_layers` sets on a parameter FSDP keeps on the host
 
 
 def sharded(p: torch.Tensor) -> bool:
@@ -55,17 +69,42 @@ def sharded(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor)
 
 
-def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: torch.dtype | None = None) -> list[Any]:
+def host_shard(p: torch.Tensor) -> bool:
+    """Whether FSDP keeps `p`'s shard in host memory between uses (parameter offload)."""
+    return bool(getattr(p, HOST_SHARD, False))
+
+
+def comm_device(p: torch.Tensor) -> torch.device:
+    """The device the collectives over FSDP parameter `p`'s mesh run on (the topology's: a
+    GPU, or the CPU under gloo), wherever its shard lives."""
+    mesh = p.device_mesh  # type: ignore[attr-defined]  # a DTensor
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: torch.dtype | None = None,
+                 offload_params: bool = False, pin_memory: bool = True) -> list[Any]:
     """`fully_shard` every layer of `module` (a PipelineModule) over its topology's dp group;
     the wrapped layers, in module order (none at dp=1: nothing to shard). The parameters keep
     their dtype (a bf16 model gathers bf16); gradients are accumulated over the step and
-    reduced in `reduce_dtype` (None: the parameters')."""
+    reduced in `reduce_dtype` (None: the parameters'). `offload_params`: the shards and their
+    gradients in host memory between uses (FSDP2's CPUOffloadPolicy; `pin_memory`: page-locked,
+    where the device is a GPU), each such parameter marked `host_shard`."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     topo = module.topology
     if topo.dp_group is None:
         return []
+    offload = (CPUOffloadPolicy(pin_memory=pin_memory and topo.device.type == "cuda") if offload_params else
+               OffloadPolicy())
     mesh = topo.fsdp_mesh()
     split_experts = topo.ep > 1  # experts split over ep: their replicas are the edp group's
     edp = topo.edp_group if split_experts else None
@@ -78,7 +117,8 @@ def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: t
         experts = {p for p in params if split_experts and getattr(p, "expert_parallel", False)}
         if experts and expert_mesh is not None:  # the experts' own shards over their edp replicas, first
             for part in _holders(layer, experts):
-                fully_shard(part, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+                fully_shard(part, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                            offload_policy=offload)
                 wrapped.append(part)
             experts = set()
         kept = {p for p in layer.parameters() if not p.requires_grad} | experts
@@ -88,7 +128,7 @@ def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: t
         if tied:  # a later use calls forward_fn(layer, x), not the layer: FSDP must see that call too
             layer.call_tied = types.MethodType(_call_tied, layer)
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=kept or None,
-                    mp_policy=policy)
+                    mp_policy=policy, offload_policy=offload)
         if tied:
             register_fsdp_forward_method(layer, "call_tied")
         wrapped.append(layer)
@@ -96,6 +136,8 @@ def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: t
         for key, value in attrs.get(name, {}).items():
             if not hasattr(p, key):
                 setattr(p, key, value)
+        if offload_params and sharded(p):
+            setattr(p, HOST_SHARD, True)
     for layer in wrapped:
         layer.set_requires_gradient_sync(False)
         layer.set_reshard_after_backward(reshard_after_forward)
@@ -116,15 +158,16 @@ def gathered_params(layers: list[Any]) -> dict[int, torch.Tensor]:
 
 
 # ---- the optimizer's side: ZeroOptimizer at stage 3 --------------------------------
-def shard_groups(module, groups: list[dict], *, reshard_after_forward: bool,
-                 reduce_dtype: torch.dtype) -> tuple[list[Any], list[dict]]:
+def shard_groups(module, groups: list[dict], *, reshard_after_forward: bool, reduce_dtype: torch.dtype,
+                 offload_params: bool = False, pin_memory: bool = True) -> tuple[list[Any], list[dict]]:
     """Shard the layers of `module` (`shard_layers`); (the wrapped layers, `groups` with the
     module's parameters replaced by FSDP's, found by name)."""
     if module is None or not hasattr(module, "topology"):
         raise ValueError("ZeRO stage 3 shards the layers of a PipelineModule: pass the module (as params, "
                          "or module=)")
     names = {id(p): n for n, p in module.named_parameters()}
-    layers = shard_layers(module, reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype)
+    layers = shard_layers(module, reshard_after_forward=reshard_after_forward, reduce_dtype=reduce_dtype,
+                          offload_params=offload_params, pin_memory=pin_memory)
     now = dict(module.named_parameters())
     return layers, [{**g, "params": [now[names[id(p)]] if id(p) in names else p for p in g["params"]]}
                     for g in groups]
@@ -230,18 +273,21 @@ def _rows(total: int, n: int, rank: int) -> tuple[int, int]:
     return min(rank * size, total), min((rank + 1) * size, total)
 
 
-def gather_rows(local: torch.Tensor, shape: torch.Size | tuple, group) -> torch.Tensor:
+def gather_rows(local: torch.Tensor, shape: torch.Size | tuple, group,
+                device: torch.device | None = None) -> torch.Tensor:
     """The whole tensor of `shape` from every rank's dim-0 shard (`local`, any shape holding its
-    elements) over `group`: one all-gather of equal, padded pieces."""
+    elements) over `group`: one all-gather of equal, padded pieces, on `device` (the group's:
+    `comm_device`; None: `local`'s), where `local` is copied; the whole tensor is given back on
+    `local`'s device (a host shard's stays in host memory)."""
     n, rows = dist.get_world_size(group), shape[0] if len(shape) else 1
     per_row = max(1, int(torch.Size(shape).numel()) // max(rows, 1))
     piece = -(-rows // n) * per_row if rows else 0
-    flat = torch.zeros(piece, dtype=local.dtype, device=local.device)
+    flat = torch.zeros(piece, dtype=local.dtype, device=device or local.device)
     flat[:local.numel()] = local.reshape(-1)
     parts = [torch.empty_like(flat) for _ in range(n)]
     dist.all_gather(parts, flat, group=group)
     whole = torch.cat([part[:(_rows(rows, n, r)[1] - _rows(rows, n, r)[0]) * per_row] for r, part in enumerate(parts)])
-    return whole.view(shape)
+    return whole.view(shape).to(local.device)
 
 
 def own_rows(full: torch.Tensor, group) -> torch.Tensor:
@@ -262,8 +308,12 @@ def replica_group(p: torch.Tensor):
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
-    """`t` whole: a DTensor (FSDP's shard) gathered over its mesh (collective), else itself."""
-    return t.full_tensor() if sharded(t) else t  # type: ignore[attr-defined]  # a DTensor
+    """`t` whole: a DTensor (FSDP's shard) gathered over its shard group (collective, on its
+    mesh's device: `gather_rows`; the replicas of hybrid sharding hold the same rows), on the
+    shard's device; else itself."""
+    if not sharded(t):
+        return t
+    return gather_rows(t.to_local(), t.shape, shard_group(t), device=comm_device(t))  # type: ignore[attr-defined]
 
 
 def assign(t: torch.Tensor, value: torch.Tensor) -> None:

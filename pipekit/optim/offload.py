@@ -27,6 +27,14 @@ the state (checkpoints, `state_dict`) takes one bucket in at a time (`resident`)
 On a CPU-only run `cpu` offload holds the same memory as none (host and device are one), but
 every copy, buffer and step above is the one a GPU run makes, so it is tested here.
 
+Parameter offload (ZeRO-3, `offload_params="cpu"`; `pipekit.optim.fsdp`): FSDP keeps the
+parameter shards themselves in host memory, so their step is this one, whatever `offload`
+says (`none` becomes `cpu`, as FSDP2's CPUOffloadPolicy steps the optimizer on the CPU; `nvme`
+pages the state as above). Such a bucket's (`Bucket.host`) master part is already in host
+memory — the shard itself (a float32 model) or its float32 copy —, so `cpu` keeps it instead
+of copying it again, and "back" writes into the host shard, which FSDP copies to the device
+at its next all-gather.
+
 Not here (yet): the step of one pipeline stage starting while other stages are still in
 their cooldown, and offloading the gradient shards of ZeRO-2/3 as they are reduced (they are
 reduced on the device, then copied at the step).
@@ -52,6 +60,22 @@ from .buckets import Bucket
 from .stage import Stage
 
 OFFLOADS = ("none", "cpu", "nvme")
+PARAM_OFFLOADS = ("none", "cpu")
+
+
+def check_offload_params(offload_params: str, stage: int) -> None:
+    """ValueError in one line when `offload_params` is not one of PARAM_OFFLOADS, or is on
+    below ZeRO stage 3 (only stage 3 shards the parameters themselves)."""
+    if offload_params == "nvme":
+        raise ValueError("offload_params='nvme': ZeRO-3 here is FSDP2, whose parameter offload is host memory "
+                         "only (CPUOffloadPolicy); use offload_params='cpu' (and offload='nvme' for the optimizer "
+                         "state)")
+    if offload_params not in PARAM_OFFLOADS:
+        raise ValueError(f"offload_params={offload_params!r} is not one of {list(PARAM_OFFLOADS)}")
+    if offload_params != "none" and stage != 3:
+        raise ValueError(f"offload_params={offload_params!r} offloads the parameter shards of ZeRO stage 3, but "
+                         f"stage={stage}; use stage=3, or offload_params='none' (offload= moves the optimizer at "
+                         f"any stage)")
 
 
 def check_offload(offload: str, offload_dir: str | None) -> None:
@@ -69,11 +93,12 @@ class Offload:
     built over the host master parts; `attach` gives it that optimizer."""
 
     def __init__(self, kind: str, buckets: list[Bucket], stage: Stage, *, offload_dir: str | None = None,
-                 pin_memory: bool = True):
+                 pin_memory: bool = True, device: torch.device | None = None):
         check_offload(kind, offload_dir)
         assert kind != "none"
         self.kind, self.buckets, self.stage = kind, buckets, stage
-        device = next((b.param_buf.device for b in buckets), torch.device("cpu"))
+        if device is None:  # the gradients' device: the buckets' (a host-held shard's are on the topology's)
+            device = next((b.param_buf.device for b in buckets), torch.device("cpu"))
         self.pinned = pin_memory and device.type == "cuda" and kind == "cpu"  # nvme pages its storages: pageable
         self.host_grads: list[torch.Tensor | None] = [None] * len(buckets)  # cpu: one per bucket, kept
         self.inner: torch.optim.Optimizer | None = None
@@ -94,9 +119,10 @@ class Offload:
         # most one bucket's copy is in memory while they are made).
         self.pieces: list[list[torch.Tensor]] = []
         for bi, b in enumerate(buckets):
-            master = (_paged(b.master.numel(), b.master.dtype) if kind == "nvme" else
-                      torch.empty(b.master.shape, dtype=b.master.dtype, pin_memory=self.pinned))
-            b.master = master.copy_(b.master)
+            if kind == "nvme":
+                b.master = _paged(b.master.numel(), b.master.dtype).copy_(b.master)
+            elif not b.host:  # a host-held shard's master is host memory already: kept
+                b.master = torch.empty(b.master.shape, dtype=b.master.dtype, pin_memory=self.pinned).copy_(b.master)
             self.pieces.append([b.master[x:e] for x, e, _ in b.pieces])
             self.resident_now.add(bi)
             if kind == "nvme":

@@ -25,7 +25,7 @@ from torch import nn
 
 from .buckets import Bucket, is_view_of
 from .collectives import Collectives
-from .fsdp import gather_rows, own_rows
+from .fsdp import comm_device, gather_rows, own_rows
 from .stage import Stage
 
 PerParam = dict[nn.Parameter, dict[str, torch.Tensor]]
@@ -123,13 +123,16 @@ def _load_flat_state(b: Bucket, per_param: PerParam, pieces: list, state: dict, 
 
 def _shard_state(b: Bucket, kinds: dict, pieces: list, state: dict) -> dict[str, torch.Tensor]:
     """Stage 3: `param_state`'s entries of a sharded parameter, gathered over its dp group
-    (FSDP's dim-0 shards), shaped as the whole parameter (this rank's tp shard of it)."""
+    (FSDP's dim-0 shards), shaped as the whole parameter (this rank's tp shard of it). The
+    all-gathers run on the mesh's device, a host-held shard's entries copied there and back."""
     p, out = b.params[0], {}
+    device = comm_device(p)
     if keeps_master(b):
-        out["master"] = gather_rows(b.master, p.shape, b.shard_group).clone()
+        out["master"] = gather_rows(b.master, p.shape, b.shard_group, device).clone()
     for key, (scalar, dtype) in kinds.items():
         flat, has = _entry_of(b, key, scalar, dtype, pieces, state)
-        full, present = gather_rows(flat, p.shape, b.shard_group), gather_rows(has, p.shape, b.shard_group)
+        full, present = (gather_rows(flat, p.shape, b.shard_group, device),
+                         gather_rows(has, p.shape, b.shard_group, device))
         if present.numel() and present.all():
             out[key] = full.reshape(-1)[0].clone() if scalar else full.clone()
     return out

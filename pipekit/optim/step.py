@@ -15,6 +15,11 @@
                stage shards them (1, 2) all-gathered: a big bucket into its own
                buffer, small ones packed into messages of up to a bucket
 
+Every collective of the step runs on the communication device (`device`: the topology's),
+whatever device the buckets' tensors are on: under parameter offload (`Bucket.host`) the
+parameters and master weights are host tensors, while the gradients, the norm's partial sums and
+the touched flags are on the device (a host tensor handed to NCCL would fail).
+
 The check for non-finite values and the host's decision whether to step at all are the
 façade's (`ZeroOptimizer.step`, over `pipekit.optim.finite.Marks`); fused AdamW's first
 pass is `fused_first_pass`.
@@ -50,7 +55,9 @@ class Updater:
         self.current: list[torch.Tensor] = []  # this step's gradients, one per bucket (`grads`)
 
     def device(self) -> torch.device:
-        return state_device(self.buckets, self.topology)
+        """Where the step's collectives run: the topology's device (a PipelineModule's), else the
+        buckets'; never the host because the parameters are offloaded there."""
+        return self.topology.device if self.topology is not None else state_device(self.buckets, None)
 
     def grads(self, owned_grad: Callable[[Bucket], torch.Tensor],
               loss_scale: float) -> tuple[list[torch.Tensor], list[float]]:
@@ -71,9 +78,13 @@ class Updater:
         return grads, unscales
 
     def drop_grads(self) -> None:
+        """Forget the step's gradients; a host-held shard's device gradient buffer is freed
+        (made again for the next step: `ZeroOptimizer._take_sharded_grads`)."""
         self.current = []
         for b in self.buckets:
             b.master.grad = None
+            if b.host:
+                b.grad_buf = None
 
     def norm(self) -> torch.Tensor:
         """Global L2 norm of the unscaled, reduced gradients, a 0-dim float64 tensor on the

@@ -95,6 +95,14 @@ needs no expert groups of its own.
 A parameter that got no gradient anywhere in its dp group this step (an expert
 that received no tokens) is skipped by the wrapped optimizer, as torch's skip a
 .grad of None: it sees each parameter's part of a shard as pieces of its own.
+
+Parameter offload (stage 3, `offload_params="cpu"`): FSDP keeps the parameter shards
+and their reduced gradients in host memory between uses (fsdp.py); their master
+weights and optimizer state are then host memory too and the step is offload.py's
+(`offload="none"` steps as `"cpu"`). At the step each such shard's gradient is taken
+into a buffer on the device made for that step (freed after it), where the tied
+and tp sums, the norm, the non-finite marks and the clipping happen as without
+offload; offload.py copies it to the host for the update.
 """
 
 from __future__ import annotations
@@ -117,7 +125,7 @@ from .collectives import is_gloo as _is_gloo  # looked up here when an optimizer
 from .finite import Marks, Skip
 from .fsdp import autograd_params, gathered_for, reduce_gradients, shard_groups
 from .hyper import OPTIMIZERS, check_hyper, choose_fused, fused_by_default, optimizer_class, param_groups
-from .offload import Offload, check_offload
+from .offload import Offload, check_offload, check_offload_params
 from .reducer import Reducer
 from .scaler import LossScaler
 from .stage import Stage
@@ -163,6 +171,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload: "none", "cpu" (master weights and optimizer state in host memory, the step
             on the CPU) or "nvme" (in files under `offload_dir`, a few buckets in memory at
             a time); `pipekit.optim.offload`. `pin_memory`: page-locked host buffers (CUDA).
+        offload_params: stage 3: "cpu" keeps the parameter shards and their gradients in host
+            memory between uses (FSDP2's CPUOffloadPolicy), and so their step on the CPU
+            (`offload` "none" acts as "cpu"); "none" (default) keeps them on the device.
         **defaults: the wrapped optimizer's hyperparameters (lr, betas, ...).
     """
 
@@ -171,11 +182,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  bucket_mb: float = 25.0, clip_grad_norm: float | None = None,
                  loss_scaler: LossScaler | None = None, module: nn.Module | None = None, max_inflight: int = 2,
                  fused: bool | str = False, reshard_after_forward: bool = False, offload: str = "none",
-                 offload_dir: str | None = None, pin_memory: bool = True, **defaults):
+                 offload_dir: str | None = None, pin_memory: bool = True, offload_params: str = "none",
+                 **defaults):
         if params is None or isinstance(params, (str, torch.Tensor)):
             raise TypeError(f"ZeroOptimizer takes the parameters to train (module.parameters(), a PipelineModule, "
                             f"or param groups), got {type(params).__name__}")
         self.sharding = Stage(stage)
+        check_offload_params(offload_params, stage)
+        check_offload(offload, offload_dir)
+        if fused is True and (offload, offload_params) != ("none", "none"):
+            which = f"offload={offload!r}" if offload != "none" else f"offload_params={offload_params!r}"
+            raise ValueError(f"fused=True is the device kernel, but {which} steps on the CPU; use fused=False (or "
+                             f"'auto') with offload")
         optimizer = optimizer_class(optimizer)
         self.module = params if isinstance(params, nn.Module) else module
         # the one place a PipelineModule (its Topology) is told from a plain module or none
@@ -187,7 +205,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.sharding.fsdp:
             reduce_dtype = grad_dtype or widest([p for g in groups for p in g["params"]])
             self.sharded_layers, groups = shard_groups(self.module, groups, reduce_dtype=reduce_dtype,
-                                                       reshard_after_forward=reshard_after_forward)
+                                                       reshard_after_forward=reshard_after_forward,
+                                                       offload_params=offload_params == "cpu", pin_memory=pin_memory)
+        if offload == "none" and self.sharded_layers and offload_params == "cpu":
+            offload = "cpu"  # the shards' master weights and state are on the host: so is their step
         super().__init__(groups, defaults)
         for gi, group in enumerate(self.param_groups):
             check_hyper(group, gi)
@@ -199,11 +220,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.clip_grad_norm, self.loss_scaler = clip_grad_norm, loss_scaler
         self.max_inflight = max_inflight
         self.default_dp_group = dp_group
-        device = all_params[0].device if all_params else topology_device(self.topology)
-        check_offload(offload, offload_dir)
-        if offload != "none" and fused is True:
-            raise ValueError(f"fused=True is the device kernel, but offload={offload!r} steps on the CPU; use "
-                             f"fused=False (or 'auto') with offload")
+        # where the step's collectives run: the topology's device (the parameters' but where offloaded)
+        device = (self.topology.device if self.topology is not None else
+                  all_params[0].device if all_params else topology_device(None))
         # offloaded, the step runs on the host: "auto" answers for the CPU
         self.fused = choose_fused(fused, optimizer, self.master_dtype,
                                   device if offload == "none" else torch.device("cpu"))
@@ -212,8 +231,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         layout = Layout(self.sharding, self.bucket_numel, grad_dtype=self.grad_dtype, master_dtype=self.master_dtype,
                         fused=self.fused, module=self.module, topology=self.topology, default_dp_group=dp_group)
         self.buckets = make_buckets(self.param_groups, layout)
-        self.offload = (Offload(offload, self.buckets, self.sharding, offload_dir=offload_dir, pin_memory=pin_memory)
-                        if offload != "none" else None)
+        self.offload = (Offload(offload, self.buckets, self.sharding, offload_dir=offload_dir, pin_memory=pin_memory,
+                                device=device) if offload != "none" else None)
         self.inner = self._make_inner()
         if self.offload is not None:
             self.offload.attach(self.inner)
@@ -329,8 +348,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reducer.reduce()
 
     def _take_sharded_grads(self) -> None:
-        """Stage 3: FSDP's reduce-scatter of its layers' gradients, taken into their buckets."""
-        self._reducer.take_sharded_grads(reduce_gradients(self.sharded_layers))
+        """Stage 3: FSDP's reduce-scatter of its layers' gradients, taken into their buckets; a
+        host-held shard's (parameter offload) into a buffer on the device made for this step
+        (`Updater.drop_grads` frees it)."""
+        touched = reduce_gradients(self.sharded_layers)
+        device = self._updater.device()
+        for b in self.buckets:
+            if b.host:
+                b.grad_buf = torch.empty(b.param_buf.numel(), dtype=self.grad_dtype, device=device)
+        self._reducer.take_sharded_grads(touched)
 
     # ---- the step -----------------------------------------------------------
     @property
@@ -467,13 +493,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return t.numel() * t.element_size() if t is not None else 0
 
         shards_grads = self.sharding.shards_grads
-        params = sum(nbytes(b.param_buf) for b in self.buckets)
+        params = sum(nbytes(b.param_buf) for b in self.buckets if not b.host)  # host-held shards: under "host"
         grads = sum(nbytes(b.grad_shard) if shards_grads else nbytes(b.grad_buf) for b in self.buckets)
         if shards_grads:
             grads += self.peak_inflight_bytes
         if self.offload is not None:
+            host = self.offload.host_bytes() + sum(nbytes(b.param_buf) for b in self.buckets
+                                                   if b.host and not is_view_of(b.master, b.param_buf))
             return {"params": params, "grads": grads, "master": 0, "optimizer_state": 0,
-                    "host": self.offload.host_bytes(), "disk": self.offload.disk_bytes()}
+                    "host": host, "disk": self.offload.disk_bytes()}
         master = sum(nbytes(b.master) for b in self.buckets if not is_view_of(b.master, b.param_buf))
         state = 0
         if self.inner is not None:

@@ -26,14 +26,19 @@ as `reduce_bucket_sizee` is not ignored). What is mapped, with DeepSpeed's meani
   neither is set there: every overflow halves the scale), `bf16.enabled`, `steps_per_print`.
 
 - `zero_optimization.offload_optimizer` (`device` cpu / nvme, `nvme_path`, `pin_memory`) as
-  `optimizer.offload` / `offload_dir` / `pin_memory` (pipekit.optim.offload);
+  `optimizer.offload` / `offload_dir` / `pin_memory` (pipekit.optim.offload); `offload_param`
+  (`device` cpu, `pin_memory`) at stage 3 as `optimizer.offload_params=cpu` (FSDP2's
+  CPUOffloadPolicy: the shards, their gradients and so their step on the host), below stage 3
+  noted (DeepSpeed offloads parameters at stage 3 only); one `optimizer.pin_memory` for both
+  blocks (pinned when either asks; DeepSpeed 0.19.8's default for both: true);
   `activation_checkpointing.partition_activations` as sequence parallelism; `pipeline.stages`,
   `partition`, `activation_checkpoint_interval` as `parallel.pp`, `schedule.partition`,
   `schedule.activation_checkpoint_interval`; "auto" as the pipekit config's value.
 
 Refused in one line (so nothing runs other than the file says): a torch scheduler by name,
-per-param-group lists in a scheduler's params, `offload_param` (parameter offload),
-`offload_optimizer.ratio` < 1, `cpu_checkpointing`, Adam's L2 mode with weight decay. Checked
+per-param-group lists in a scheduler's params, `offload_param.device` nvme (FSDP2 offloads
+parameters to host memory only), `offload_optimizer.ratio` < 1, `cpu_checkpointing`, Adam's L2
+mode with weight decay. Checked
 against DeepSpeed's own engine and classes: tests/test_deepspeed_parity.py (losses),
 tests/test_lr_schedules.py (the lr of every step, the loss scale).
 """
@@ -285,36 +290,69 @@ _OFFLOAD_NOTED = {
 }
 
 
-def _offload(zero: dict, notes: list[str]) -> list[str]:
-    """zero_optimization.offload_optimizer as optimizer.offload / offload_dir / pin_memory
-    (DeepSpeed's default pin_memory: false); offload_param is refused in one line."""
-    param = zero.get("offload_param") or {}
-    if param.get("device", "none") not in ("none", None):
-        raise ConfigError(f"ds_config zero_optimization.offload_param.device={param['device']}: pipekit does not "
-                          f"offload the parameters themselves, only the optimizer (offload_optimizer); remove "
-                          f"offload_param, or set its device to none")
-    block = zero.get("offload_optimizer") or {}
-    where = "ds_config zero_optimization.offload_optimizer"
+# offload_param's keys: mapped, or without effect here (DeepSpeed's NVMe parameter buffers: pipekit
+# offloads parameters to host memory only)
+_PARAM_MAPPED = {"device", "pin_memory"}
+_PARAM_NOTED = {
+    "nvme_path": "pipekit offloads parameters to host memory only (device cpu)",
+    "buffer_count": "it counts DeepSpeed's NVMe parameter buffers; pipekit offloads parameters to host memory only",
+    "buffer_size": "it sizes DeepSpeed's NVMe parameter buffers; pipekit offloads parameters to host memory only",
+    "max_in_cpu": "it bounds DeepSpeed's NVMe parameter cache; pipekit keeps every offloaded shard in host memory",
+}
+
+
+def _offload_block(zero: dict, name: str, mapped: set[str], noted: dict[str, str], notes: list[str]) -> tuple:
+    """(block, its device) of zero_optimization.`name`, its keys checked (typos refused, the
+    ones without effect noted)."""
+    block = zero.get(name) or {}
+    where = f"ds_config zero_optimization.{name}"
     for key in block:
-        if key in _OFFLOAD_NOTED:
-            notes.append(f"{where}.{key} has no effect in pipekit: {_OFFLOAD_NOTED[key]}")
-        elif key not in _OFFLOAD_MAPPED:
-            near = difflib.get_close_matches(key, sorted(_OFFLOAD_MAPPED | set(_OFFLOAD_NOTED)), n=1)
+        if key in noted:
+            notes.append(f"{where}.{key} has no effect in pipekit: {noted[key]}")
+        elif key not in mapped:
+            near = difflib.get_close_matches(key, sorted(mapped | set(noted)), n=1)
             hint = f"; did you mean {near[0]}?" if near else ""
             raise ConfigError(f"{where} key {key!r} is not one DeepSpeed knows{hint}")
     device = block.get("device", "none") or "none"
     if device not in ("none", "cpu", "nvme"):
         raise ConfigError(f"{where}.device={device!r} must be one of cpu, nvme, none")
-    if device == "none":
-        return []
-    if block.get("ratio", 1.0) != 1.0:
-        raise ConfigError(f"{where}.ratio={block['ratio']}: pipekit offloads all of the optimizer or none of it; "
-                          f"remove ratio (or set 1.0)")
-    out = [f"optimizer.offload={device}", f"optimizer.pin_memory={bool(block.get('pin_memory', False))}"]
-    if device == "nvme":
-        if not block.get("nvme_path"):
-            raise ConfigError(f"{where}.device=nvme needs nvme_path (the directory the state files go in)")
-        out.append(f"optimizer.offload_dir={block['nvme_path']}")
+    return block, device
+
+
+def _offload(zero: dict, notes: list[str]) -> list[str]:
+    """zero_optimization.offload_optimizer as optimizer.offload / offload_dir, offload_param as
+    optimizer.offload_params (stage 3; noted below it, where DeepSpeed ignores it too), and their
+    pin_memory (DeepSpeed 0.19.8's default for both: true) as the one optimizer.pin_memory."""
+    block, device = _offload_block(zero, "offload_optimizer", _OFFLOAD_MAPPED, _OFFLOAD_NOTED, notes)
+    param, param_device = _offload_block(zero, "offload_param", _PARAM_MAPPED, _PARAM_NOTED, notes)
+    where = "ds_config zero_optimization.offload_optimizer"
+    out, pins = [], []
+    if device != "none":
+        if block.get("ratio", 1.0) != 1.0:
+            raise ConfigError(f"{where}.ratio={block['ratio']}: pipekit offloads all of the optimizer or none of "
+                              f"it; remove ratio (or set 1.0)")
+        out.append(f"optimizer.offload={device}")
+        pins.append(bool(block.get("pin_memory", True)))
+        if device == "nvme":
+            if not block.get("nvme_path"):
+                raise ConfigError(f"{where}.device=nvme needs nvme_path (the directory the state files go in)")
+            out.append(f"optimizer.offload_dir={block['nvme_path']}")
+    stage = zero.get("stage", 0)
+    if param_device == "nvme":
+        raise ConfigError("ds_config zero_optimization.offload_param.device=nvme: pipekit's ZeRO-3 is FSDP2, whose "
+                          "parameter offload is host memory only; use device cpu (offload_optimizer.device=nvme "
+                          "still puts the optimizer state on disk)")
+    if param_device == "cpu" and stage != "auto" and stage != 3:
+        notes.append(f"ds_config zero_optimization.offload_param has no effect at zero_optimization.stage {stage}: "
+                     f"DeepSpeed offloads parameters at stage 3 only, and so does pipekit")
+    elif param_device == "cpu":
+        out.append("optimizer.offload_params=cpu")
+        pins.append(bool(param.get("pin_memory", True)))
+    if pins:
+        out.append(f"optimizer.pin_memory={any(pins)}")
+        if len(set(pins)) > 1:
+            notes.append("ds_config offload_optimizer.pin_memory and offload_param.pin_memory differ: pipekit has one "
+                         "optimizer.pin_memory for both and pins (page-locked memory acts on CUDA only)")
     return out
 
 
