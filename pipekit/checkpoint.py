@@ -77,6 +77,7 @@ def full_state_dict(module: PipelineModule) -> dict[str, torch.Tensor]:
         for dim, axis in sharding:
             size, _, group = _axis(module, axis)
             if size > 1:
+                t = t.to(topo.device)  # a host-held ZeRO-3 shard's whole (parameter offload): gathered on the device
                 parts = [torch.empty_like(t) for _ in range(size)]
                 dist.all_gather(parts, t.contiguous(), group=group)
                 t = torch.cat(parts, dim=dim)
