@@ -22,7 +22,7 @@ from test_kernels_adamw import fused_equals_unfused_at_dp
 import pipekit
 from pipekit.models import get_model, model_loss, model_specs
 from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
-from pipekit.optim import LossScaler, ZeroOptimizer
+from pipekit.optim import LossScaler, ZeroOptimizer, reducer
 from pipekit.spec import LayerSpec
 from pipekit.testing import Reference, in_float64, run_distributed
 
@@ -235,7 +235,9 @@ def test_accumulation_hooks_once_per_step_and_skips_untouched(monkeypatch):
     the last microbatch counts as touched, one never used is skipped (as torch skips grad None),
     weights equal torch's AdamW; at stages 0/1 (gradients accumulate in the bucket in place) each
     parameter's hook runs once per step, not per microbatch; a backward after step() without
-    zero_grad() is still refused by the re-armed hook."""
+    zero_grad() is still refused by the re-armed hook. This is the hooks path: with no dp group,
+    stages 0/1 arm none by default (`reducer.HOOK_FREE`; tests/test_hook_free.py)."""
+    monkeypatch.setattr(reducer, "HOOK_FREE", False)
     calls = []
     on_grad = ZeroOptimizer._on_grad
 

@@ -40,6 +40,8 @@ from .collectives import Collectives
 from .fsdp import sharded
 from .stage import Stage
 
+HOOK_FREE = True  # read "who got a gradient" at the step where no hook is needed; tests set False for the reference
+
 
 class Reducer:
     """The gradient hooks and reductions over `buckets` (see the module docstring).
@@ -64,12 +66,22 @@ class Reducer:
         self.dirty = False
         self.touched: set[int] = set()  # ids of parameters that got a gradient this step, here
         self.hooks: dict[int, Any] = {}  # id(p) -> its armed post-accumulate-grad hook's handle
+        # no dp group, stages 0/1, autograd accumulating in place: nothing to launch during backward, so
+        # no hook; `read_touched` tells who got a gradient from each own view's version counter
+        self.free = {id(p): (b, p) for b in buckets for p in b.params if HOOK_FREE and self.needs_no_hook(b, p)}
+        self.views: dict[int, tuple[torch.Tensor, int]] = {}  # id(p) -> (its p.grad view, version last seen)
+        self.read = False  # read_touched ran since the last zero_grad
+
+    def needs_no_hook(self, b: Bucket, p: nn.Parameter) -> bool:
+        return (b.dp_group is None and not self.stage.shards_grads and b.shard_group is None
+                and b.grad_buf is not None and b.grad_buf.dtype == p.dtype and not sharded(p))
 
     # ---- backward -----------------------------------------------------------
     def arm(self, params: Iterable[nn.Parameter]) -> None:
         """Register the gradient hook on those of `params` that have none armed."""
         for p in params:
-            if id(p) not in self.hooks and not (self.fsdp_reduces and sharded(p)):  # stage 3: FSDP reduces
+            skip = id(p) in self.hooks or id(p) in self.free or (self.fsdp_reduces and sharded(p))  # stage 3: FSDP
+            if not skip:
                 self.hooks[id(p)] = p.register_post_accumulate_grad_hook(self.hook)
 
     def disarm(self) -> None:
@@ -189,6 +201,7 @@ class Reducer:
         """Finish reducing the step's gradients over each bucket's dp group (launching what
         no backward pass launched: a plain training loop); sum tied segments over pp, and
         sequence-parallel parameters over tp."""
+        self.read_touched()
         if not self.stage.shards_grads or self.dirty:
             for b in self.buckets:
                 if self.stage.shards_grads or not b.launched:
@@ -200,6 +213,33 @@ class Reducer:
             if isinstance(b.segment, str) and b.segment in tie_groups:
                 dist.all_reduce(self.owned_grad(b), group=tie_groups[b.segment])
         self.sum_tp_partial()
+
+    def read_touched(self) -> None:
+        """The hook-free parameters (`free`) that got a gradient this step: those whose own
+        view's version moved (autograd accumulated in place); a `p.grad` autograd replaced
+        (no zero_grad before, or accumulated out of place) is taken into the bucket, as the
+        hook would. A gradient after the last step with no zero_grad between is refused."""
+        for pid, (b, p) in self.free.items():
+            seen, g = self.views.get(pid), p.grad
+            if seen is not None and g is seen[0]:
+                if g._version == seen[1]:
+                    continue
+                if self.read:
+                    raise RuntimeError(
+                        f"a parameter of shape {tuple(p.shape)} got a gradient after its bucket was reduced: "
+                        "a backward after step() with no zero_grad() between")
+                self.views[pid] = (g, g._version)
+            elif g is not None:
+                start, n = b.offsets[pid]
+                assert b.grad_buf is not None  # kept whole at stages 0/1 (`needs_no_hook`)
+                target = b.grad_buf[start:start + n]
+                target.copy_(g.reshape(-1)) if seen is not None else target.add_(g.reshape(-1))
+                p.grad = None
+            else:
+                continue
+            self.touched.add(pid)
+            self.dirty = True
+        self.read = True
 
     def sum_tp_partial(self) -> None:
         """Sum over the tp group the gradients of the parameters whole on every tp rank whose
@@ -258,6 +298,7 @@ class Reducer:
         """Zero the step's gradients; where the gradient buffer is kept whole in the
         parameters' own dtype (stages 0, 1), each `p.grad` becomes a view of it."""
         self.touched.clear()
+        self.read = False
         self.arm(p for b in self.buckets for p in b.params)
         for b in self.buckets:
             buf = None if self.stage.shards_grads else b.grad_buf  # stage 2: freed when reduced; starts anew
@@ -266,6 +307,12 @@ class Reducer:
             for p in b.params:
                 in_place = buf is not None and buf.dtype == p.dtype and b.shard_group is None
                 p.grad = b.view_of(buf, p) if buf is not None and in_place else None
+                if id(p) in self.free:  # its own version counter (a view shares its base's)
+                    assert p.grad is not None
+                    v = p.grad
+                    p.grad = torch.empty(0, dtype=v.dtype, device=v.device).set_(
+                        v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
+                    self.views[id(p)] = (p.grad, p.grad._version)
             b.launched = False
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
