@@ -36,7 +36,7 @@ import pipekit
 from pipekit.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from pipekit.config import ConfigError, load_config, load_run
 from pipekit.models import get_model, model_loss, model_specs
-from pipekit.optim import ZeroOptimizer
+from pipekit.optim import LossScaler, ZeroOptimizer
 from pipekit.optim.fsdp import gather_rows, host_shard
 from pipekit.testing import in_float64, run_distributed
 
@@ -50,13 +50,15 @@ BUCKET_MB = 0.004  # 512 float64 gradients: a dozen buckets per rank
 
 
 def _engine(pp, dp, stage, offload="none", root=None, precision="fp32", bucket_mb=BUCKET_MB, tp=1, ep=1,
-            params="none"):
+            params="none", overlap=False, clip=CLIP, scale_power=None):
     cfg = get_model("mixtral", "tiny", **MIXTRAL) if ep > 1 else get_model("gpt2", "tiny", **GPT2)
     topo = pipekit.Topology(pp=pp, dp=dp, tp=tp, ep=ep)
     module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo,
                                     seed=SEED, schedule="1f1b", microbatches=2, precision=precision)
-    zero = ZeroOptimizer(module, "adamw", stage=stage, lr=1e-2, weight_decay=0.1, clip_grad_norm=CLIP,
-                         bucket_mb=bucket_mb, offload=offload, offload_dir=root, offload_params=params)
+    scaler = LossScaler(initial_scale_power=scale_power, hysteresis=1) if scale_power is not None else None
+    zero = ZeroOptimizer(module, "adamw", stage=stage, lr=1e-2, weight_decay=0.1, clip_grad_norm=clip,
+                         bucket_mb=bucket_mb, offload=offload, offload_dir=root, offload_params=params,
+                         offload_overlap=overlap, loss_scaler=scaler)
     return pipekit.PipelineEngine(module, optimizer=zero)
 
 
@@ -122,9 +124,16 @@ class HostSpy:
 def _run(stage, offload, root, precision="fp32", pp=2, dp=2, spy=False, **more) -> dict:
     engine = _engine(pp, dp, stage, offload, root, precision, **more)
     zero = engine.optimizer
+    losses, steps = [], []
     with HostSpy(zero) if spy else nullcontext() as watch:
-        losses = [_train(engine, ids) for ids in _batches(STEPS, 4)]
-    out = {"losses": losses, "weights": {n: t.clone() for n, t in full_state_dict(engine.module).items()},
+        for ids in _batches(STEPS, 4):
+            losses.append(_train(engine, ids))
+            early = zero.offload.last_early if zero.offload is not None else None
+            steps.append((zero.last_step_skipped, early.kept if early is not None else None))
+            if early is not None:
+                zero.offload.last_early = None
+    weights = {n: t.clone() for n, t in full_state_dict(engine.module).items()}
+    out = {"losses": losses, "steps": steps, "weights": weights,
            "norm": zero.last_grad_norm, "buckets": len(zero.buckets), "memory": zero.memory_bytes(),
            "host buckets": sum(b.host for b in zero.buckets)}
     if watch is not None:
@@ -151,9 +160,24 @@ def bitwise(root: str) -> dict:
     return out
 
 
+@in_float64
+def early(root: str) -> dict:
+    """The early step (offload_overlap), each run against the same one without it: in `bitwise`
+    (clipping acts: put back and stepped again), or here (no clipping: kept)."""
+    out: dict = {stage: _run(stage, "cpu", root, overlap=True) for stage in (1, 2, 3)}
+    out["ZeRO-3, parameters offloaded"] = _run(3, "none", root, params="cpu", overlap=True)
+    out["no clipping"] = {kind: _run(2, "cpu", root, clip=None, overlap=kind == "early")
+                          for kind in ("cpu", "early")}
+    return out
+
+
 def bf16(root: str) -> dict:
     torch.set_default_dtype(torch.float32)
+    # fp16 from a loss scale of 2^18: the first steps overflow (skipped on every rank), the early step put back
+    fp16 = {kind: _run(1, "cpu", root, precision="fp16", scale_power=18, overlap=kind == "early")
+            for kind in ("cpu", "early")}
     runs = {kind: _run(1, kind, f"{root}/bf16", precision="bf16") for kind in ("none", "nvme")}
+    runs["fp16"] = fp16
     runs["ZeRO-3"] = _run(3, "none", f"{root}/bf16", precision="bf16")
     runs["ZeRO-3, parameters offloaded"] = _run(3, "none", f"{root}/bf16", precision="bf16", params="cpu")
     return runs
@@ -195,7 +219,7 @@ def spy_control(root: str) -> dict:
 
 
 def check(root: str) -> tuple:
-    return bitwise(root), bf16(root), resumes(root), spy_control(f"{root}/control")
+    return bitwise(root), bf16(root), resumes(root), spy_control(f"{root}/control"), early(f"{root}/early")
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +241,33 @@ def test_offload_is_bitwise_no_offload_at_zero_1_2_3(results):
                 for name, t in base["weights"].items():
                     assert torch.equal(runs[kind]["weights"][name], t), f"{where}: {name} differs"
                 assert runs[kind]["memory"]["master"] == runs[kind]["memory"]["optimizer_state"] == 0
+
+
+def _same(run: dict, base: dict, where: str) -> None:
+    assert run["losses"] == base["losses"], f"{where}: losses {run['losses']} != {base['losses']}"
+    assert [skip for skip, _ in run["steps"]] == [skip for skip, _ in base["steps"]], f"{where}: other skips"
+    for name, t in base["weights"].items():
+        assert torch.equal(run["weights"][name], t), f"{where}: {name} differs"
+
+
+def test_the_early_step_gives_the_bits_of_the_step_after_the_verdict(results):
+    """offload_overlap: kept where nothing is clipped or skipped, put back and stepped again where
+    clipping acts (CLIP), put back where fp16 overflows skip the step: every bit as without it."""
+    for rank, (by_stage, half, _, _, early) in enumerate(results):
+        for stage in (1, 2, 3):
+            run = early[stage]
+            _same(run, by_stage[stage]["cpu"], f"rank {rank}, ZeRO-{stage}, early step")
+            assert [kept for _, kept in run["steps"]] == [False] * STEPS, f"rank {rank}: clipped steps kept"
+        _same(early["ZeRO-3, parameters offloaded"], by_stage["ZeRO-3, parameters offloaded"]["cpu"],
+              f"rank {rank}, parameter offload, early step")
+        plain = early["no clipping"]
+        _same(plain["early"], plain["cpu"], f"rank {rank}, no clipping")
+        assert [kept for _, kept in plain["early"]["steps"]] == [True] * STEPS, f"rank {rank}: {plain['early']}"
+        runs = half["fp16"]
+        _same(runs["early"], runs["cpu"], f"rank {rank}, fp16")
+        skips = [skip for skip, _ in runs["early"]["steps"]]
+        assert skips[0] and not skips[-1], f"rank {rank}: fp16 skips {skips}: no overflow, or no recovery"
+        assert all(not kept for skip, kept in runs["early"]["steps"] if skip), f"rank {rank}: a skipped step kept"
 
 
 def test_nvme_keeps_a_few_buckets_in_memory_and_the_state_on_disk(results):
@@ -241,7 +292,7 @@ def test_offload_in_bf16_is_bitwise(results):
 
 
 def test_offloaded_checkpoints_resume_without_offload_at_another_layout_and_back(results):
-    for rank, (_, _, resumed, _) in enumerate(results):
+    for rank, (_, _, resumed, *_) in enumerate(results):
         for name, r in resumed.items():
             assert r["loss"] <= 1e-10 and r["weights"] <= 1e-10, f"rank {rank}, {name}: {r}"
 
@@ -274,7 +325,7 @@ def test_no_collective_is_handed_a_host_held_tensor_of_parameter_offload(results
     is on the topology's device and none is a host-held one; the spy does flag one (and a tensor
     off the device) when shown it. (FSDP's own gathers do not pass through `torch.distributed`'s
     module attributes; FSDP moves the shards to the device itself.)"""
-    for rank, (by_stage, _, resumed, control) in enumerate(results):
+    for rank, (by_stage, _, resumed, control, _) in enumerate(results):
         spied = [(f"training, offload={kind}", run["spy"])
                  for kind, run in by_stage["ZeRO-3, parameters offloaded"].items() if "spy" in run]
         spied += [(f"saving {name}", r["spy"]) for name, r in resumed.items() if name.startswith("params")]
@@ -431,3 +482,20 @@ def test_pipekit_train_with_a_ds_config_offloading_to_nvme_gives_the_weights_of_
                  str(tmp_path / "ds.json")]) == 0
     off, none = (torch.load(tmp_path / d / "model.pt")["state_dict"] for d in ("off", "none"))
     assert sorted(off) == sorted(none) and all(torch.equal(off[k], none[k]) for k in none)
+
+
+@pytest.mark.parametrize("given, said", [
+    ([], "it needs optimizer.offload=cpu (or offload_params=cpu), not optimizer.offload=none"),
+    (["optimizer.offload=nvme", "optimizer.offload_dir=/tmp/x"], "not optimizer.offload=nvme"),
+])
+def test_the_early_step_without_cpu_offload_is_refused_before_launch_in_one_line(given, said):
+    toy = str(ROOT / "configs/toy.yaml")
+    with pytest.raises(ConfigError) as e:
+        load_config(toy, ["optimizer.offload_overlap=true", *given])
+    assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
+    for fine in (["optimizer.offload=cpu"], ["optimizer.zero_stage=3", "optimizer.offload_params=cpu"]):
+        assert load_config(toy, ["optimizer.offload_overlap=true", *fine]).optimizer.offload_overlap
+    with pytest.raises(ValueError, match="offload_overlap=True .* not offload='nvme'"):
+        ZeroOptimizer(torch.nn.Linear(2, 2), offload="nvme", offload_dir="/tmp/x", offload_overlap=True)
+    with pytest.raises(ValueError, match="not offload='none'"):
+        ZeroOptimizer(torch.nn.Linear(2, 2), offload_overlap=True)

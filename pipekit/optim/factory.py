@@ -87,5 +87,5 @@ def make_optimizer(module, o, precision: Precision) -> ZeroOptimizer:
                          grad_dtype=precision.reduce_dtype, fused=FUSED[str(o.fused).lower()], lr=o.lr, **hyper,
                          reshard_after_forward=o.reshard_after_forward,
                          offload=o.offload, offload_dir=o.offload_dir, pin_memory=o.pin_memory,
-                         offload_params=o.offload_params,
+                         offload_params=o.offload_params, offload_overlap=o.offload_overlap,
                          loss_scaler=LossScaler(**asdict(scaling)) if scaling is not None else None)

@@ -35,9 +35,23 @@ memory — the shard itself (a float32 model) or its float32 copy —, so `cpu` 
 of copying it again, and "back" writes into the host shard, which FSDP copies to the device
 at its next all-gather.
 
-Not here (yet): the step of one pipeline stage starting while other stages are still in
-their cooldown, and offloading the gradient shards of ZeRO-2/3 as they are reduced (they are
-reduced on the device, then copied at the step).
+The early step (`overlap`, `cpu` only; `ZeroOptimizer(offload_overlap=True)`): the step needs a
+world-wide verdict — the non-finite check and the global gradient norm, both collectives over
+every stage — which a pipeline stage whose backward ends first (the last, in 1F1B) would wait
+for, idle, while the others finish their cooldown. Instead, once its own gradients are reduced
+(over dp) and unscaled, `start` copies them to the host and steps every bucket in a background
+thread, as if nothing were clipped or skipped, first saving each bucket's master part and its
+stepped pieces' state into buffers kept between steps. `finish` takes the verdict: nothing
+clipped (the coefficient is exactly 1 within the norm) and nothing skipped keeps the step;
+skipped puts every bucket back as it was; clipped puts them back and steps again over the
+gradients times the coefficient — the multiplication the device's gradients get. So the bits
+are those of the step after the verdict, and the cost is one more copy of the offloaded state
+in host memory, plus a second step wherever clipping acts. A stage holding a tied layer still
+waits for its tied partner's gradient (summed over pp before the step).
+
+Not here (yet): offloading the gradient shards of ZeRO-2/3 as they are reduced (they are
+reduced on the device, then copied at the step), and an early step for `nvme` (its state is
+paged through files, which a put-back would have to rewrite).
 """
 
 from __future__ import annotations
@@ -47,10 +61,12 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,16 +103,45 @@ def check_offload(offload: str, offload_dir: str | None) -> None:
                          "fast local disk)")
 
 
+def check_overlap(kind: str, overlap: bool) -> None:
+    """ValueError in one line when the early step (`overlap`) is asked of an offload that is not `cpu`."""
+    if overlap and kind != "cpu":
+        raise ValueError(f"offload_overlap=True starts the host step before the world's verdict, keeping a copy of "
+                         f"the state to put back: it needs offload='cpu' (or offload_params='cpu'), not "
+                         f"offload={kind!r}")
+
+
+@dataclass
+class Early:
+    """One early step (`Offload.start`): the buckets in order, their host gradients and
+    hyperparameters, the parameters stepped; `started`/`done`/`verdict` (time.monotonic) and
+    `kept` (the verdict left it as it was) say what happened."""
+    order: list[int]
+    grads: dict[int, torch.Tensor]
+    hyper: dict[int, dict]
+    touched: set[int]
+    future: Future | None = None
+    started: float = 0.0
+    done: float = 0.0
+    verdict: float = 0.0  # when `finish` was given the verdict
+    kept: bool = False
+
+
 class Offload:
     """The host (and disk) side of the buckets' master weights and optimizer state (module
     docstring). Made by `ZeroOptimizer(offload=...)` before the wrapped optimizer, which is
     built over the host master parts; `attach` gives it that optimizer."""
 
     def __init__(self, kind: str, buckets: list[Bucket], stage: Stage, *, offload_dir: str | None = None,
-                 pin_memory: bool = True, device: torch.device | None = None):
+                 pin_memory: bool = True, device: torch.device | None = None, overlap: bool = False):
         check_offload(kind, offload_dir)
+        check_overlap(kind, overlap)
         assert kind != "none"
-        self.kind, self.buckets, self.stage = kind, buckets, stage
+        self.kind, self.buckets, self.stage, self.overlap = kind, buckets, stage, overlap
+        self._early_pool: ThreadPoolExecutor | None = None  # overlap: the thread the early step runs in
+        self._saved: dict[int, dict[int, dict[str, Any] | None]] = {}  # overlap: bucket -> its pieces' saved state
+        self._saved_bufs: dict[int, dict[tuple, torch.Tensor]] = {}  # overlap: the copies, kept between steps
+        self.last_early: Early | None = None
         if device is None:  # the gradients' device: the buckets' (a host-held shard's are on the topology's)
             device = next((b.param_buf.device for b in buckets), torch.device("cpu"))
         self.pinned = pin_memory and device.type == "cuda" and kind == "cpu"  # nvme pages its storages: pageable
@@ -136,34 +181,136 @@ class Offload:
     def step(self, grads: list[torch.Tensor], touched: set[int], hyper: Callable[[int], dict]) -> None:
         """The wrapped optimizer's step, bucket by bucket on the host (module docstring); each
         bucket's updated master part is copied into the parameters' owned part."""
-        inner = self.inner
-        assert inner is not None
-        order = [bi for bi, b in enumerate(self.buckets) if b.pieces]
+        order = self._order()
         reading: dict[int, Future] = {}
         if order and self.kind == "nvme":
             reading[order[0]] = self._submit(self._page_in, order[0])
         for n, bi in enumerate(order):
-            b, group = self.buckets[bi], inner.param_groups[bi]
             if self.kind == "nvme":
                 if n + 1 < len(order):  # read the next bucket while this one steps
                     reading[order[n + 1]] = self._submit(self._page_in, order[n + 1])
                 reading.pop(bi).result()
-            host_grad = self._host_grad(bi, grads[bi])
-            group.update(hyper(b.group_index))
-            for piece, (a, e, p) in zip(group["params"], b.pieces):
-                piece.grad = host_grad[a:e] if id(p) in touched else None
-            inner.step()  # only this bucket's pieces have a .grad: the others are passed by
-            for piece in group["params"]:
-                piece.grad = None
-            owned = self.stage.owned(b, b.param_buf)
-            owned.copy_(b.master, non_blocking=self.pinned)
+            self._step_bucket(bi, self._host_grad(bi, grads[bi]), hyper(self.buckets[bi].group_index), touched)
+            self._back(bi)
             if self.kind == "nvme":
                 self._submit(self._page_out, bi)  # written behind the next bucket's step
         if self._io is not None:
             self._io.submit(lambda: None).result()  # every write done: state on disk, pages given back
-
         if self.pinned:
             torch.cuda.current_stream().synchronize()  # the host buffers are reused at the next step
+
+    def _order(self) -> list[int]:
+        return [bi for bi, b in enumerate(self.buckets) if b.pieces]
+
+    def _step_bucket(self, bi: int, host_grad: torch.Tensor, hyper: dict, touched: set[int]) -> None:
+        """The wrapped optimizer steps bucket `bi`'s pieces (those in `touched`) over `host_grad`."""
+        inner = self.inner
+        assert inner is not None
+        b, group = self.buckets[bi], inner.param_groups[bi]
+        group.update(hyper)
+        for piece, (a, e, p) in zip(group["params"], b.pieces):
+            piece.grad = host_grad[a:e] if id(p) in touched else None
+        inner.step()  # only this bucket's pieces have a .grad: the others are passed by
+        for piece in group["params"]:
+            piece.grad = None
+
+    def _back(self, bi: int) -> None:
+        """Bucket `bi`'s updated master part into the parameters' owned part (pinned: asynchronous)."""
+        b = self.buckets[bi]
+        self.stage.owned(b, b.param_buf).copy_(b.master, non_blocking=self.pinned)
+
+    # ---- the early step (overlap) ----------------------------------------------------------
+    def start(self, grads: list[torch.Tensor], touched: set[int], hyper: Callable[[int], dict]) -> Early:
+        """Begin the step before the world's verdict (`overlap`): each bucket's gradient (reduced
+        and unscaled, not yet clipped) copied to the host here, then, in a background thread,
+        each bucket's state saved and stepped as if nothing were clipped or skipped. `finish`
+        takes the verdict."""
+        assert self.kind == "cpu" and self.overlap
+        order = self._order()
+        early = Early(order, {bi: self._host_grad(bi, grads[bi]) for bi in order},
+                      {bi: hyper(self.buckets[bi].group_index) for bi in order}, touched)
+        if self._early_pool is None:
+            self._early_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipekit-early-step")
+        early.started = time.monotonic()
+        early.future = self._early_pool.submit(self._early_steps, early)
+        return early
+
+    def _early_steps(self, early: Early) -> None:
+        with torch.no_grad():  # a thread of its own: autograd's mode is per thread
+            for bi in early.order:
+                self._save(bi, early.touched)
+                self._step_bucket(bi, early.grads[bi], early.hyper[bi], early.touched)
+        early.done = time.monotonic()
+
+    def finish(self, early: Early, *, skip: bool, coef: torch.Tensor | None) -> None:
+        """The verdict for an early step: kept where nothing was skipped or clipped (the clipping
+        coefficient `coef` is exactly 1 within the norm); skipped: every bucket's state put back
+        as it was; clipped: put back, then stepped again over the gradients times `coef` (the
+        same multiplication the device's gradients got). Then the masters go to the parameters."""
+        assert early.future is not None
+        early.verdict = time.monotonic()
+        early.future.result()
+        clipped = coef is not None and coef.item() != 1.0
+        early.kept = not (skip or clipped)
+        if not early.kept:
+            for bi in early.order:
+                self._restore(bi)
+        self.last_early = early
+        if skip:
+            return
+        if clipped:
+            assert coef is not None
+            factor = coef.to(device="cpu")
+            with torch.no_grad():
+                for bi in early.order:
+                    self._step_bucket(bi, early.grads[bi].mul_(factor), early.hyper[bi], early.touched)
+        for bi in early.order:
+            self._back(bi)
+        if self.pinned:
+            torch.cuda.current_stream().synchronize()
+
+    def _save(self, bi: int, touched: set[int]) -> None:
+        """Bucket `bi`'s master part and the optimizer state of its pieces in `touched`, copied
+        into buffers kept from step to step (`_restore` puts them back)."""
+        inner = self.inner
+        assert inner is not None
+        b, group = self.buckets[bi], inner.param_groups[bi]
+        bufs = self._saved_bufs.setdefault(bi, {})
+        entries: dict[int, dict[str, Any] | None] = {}
+
+        def kept(key: tuple, t: torch.Tensor) -> torch.Tensor:
+            buf = bufs.get(key)
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                buf = bufs[key] = torch.empty_like(t, device="cpu")
+            return buf.copy_(t)
+
+        kept(("master",), b.master)
+        for i, (piece, (_, _, p)) in enumerate(zip(group["params"], b.pieces)):
+            if id(p) not in touched:
+                continue  # not stepped: nothing changes
+            state = inner.state.get(piece)
+            entries[i] = None if not state else {
+                k: kept((i, k), v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        self._saved[bi] = entries
+
+    def _restore(self, bi: int) -> None:
+        inner = self.inner
+        assert inner is not None
+        b, group = self.buckets[bi], inner.param_groups[bi]
+        b.master.copy_(self._saved_bufs[bi][("master",)])
+        for i, entry in self._saved.pop(bi).items():
+            piece = group["params"][i]
+            if entry is None:  # made by this step (a first one): gone again
+                inner.state.pop(piece, None)
+                continue
+            state = inner.state[piece]
+            for k in [k for k in state if k not in entry]:
+                del state[k]
+            for k, v in entry.items():
+                if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor):
+                    state[k].copy_(v)
+                else:
+                    state[k] = v.clone() if isinstance(v, torch.Tensor) else v
 
     def _host_grad(self, bi: int, grad: torch.Tensor) -> torch.Tensor:
         """`grad` (the device's, unscaled and clipped) in a host buffer: bucket `bi`'s own (cpu),
@@ -282,6 +429,7 @@ class Offload:
         if self.kind == "cpu" and self.inner is not None:
             total += sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
                          if isinstance(v, torch.Tensor) and v.numel() > 1)
+        total += sum(t.numel() * t.element_size() for bufs in self._saved_bufs.values() for t in bufs.values())
         return total
 
     def disk_bytes(self) -> int:

@@ -125,7 +125,7 @@ from .collectives import is_gloo as _is_gloo  # looked up here when an optimizer
 from .finite import Marks, Skip
 from .fsdp import autograd_params, gathered_for, reduce_gradients, shard_groups
 from .hyper import OPTIMIZERS, check_hyper, choose_fused, fused_by_default, optimizer_class, param_groups
-from .offload import Offload, check_offload, check_offload_params
+from .offload import Offload, check_offload, check_offload_params, check_overlap
 from .reducer import Reducer
 from .scaler import LossScaler
 from .stage import Stage
@@ -174,6 +174,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload_params: stage 3: "cpu" keeps the parameter shards and their gradients in host
             memory between uses (FSDP2's CPUOffloadPolicy), and so their step on the CPU
             (`offload` "none" acts as "cpu"); "none" (default) keeps them on the device.
+        offload_overlap: with "cpu" offload, begin each rank's host step as soon as its own
+            gradients are reduced, before the world's verdict (non-finite check, global norm),
+            in a background thread; a kept copy of the state is put back where the step is
+            skipped or clipped (then stepped again). The same bits; one more copy of the
+            offloaded state in host memory. See `_early_step`.
         **defaults: the wrapped optimizer's hyperparameters (lr, betas, ...).
     """
 
@@ -183,7 +188,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  loss_scaler: LossScaler | None = None, module: nn.Module | None = None, max_inflight: int = 2,
                  fused: bool | str = False, reshard_after_forward: bool = False, offload: str = "none",
                  offload_dir: str | None = None, pin_memory: bool = True, offload_params: str = "none",
-                 **defaults):
+                 offload_overlap: bool = False, **defaults):
         if params is None or isinstance(params, (str, torch.Tensor)):
             raise TypeError(f"ZeroOptimizer takes the parameters to train (module.parameters(), a PipelineModule, "
                             f"or param groups), got {type(params).__name__}")
@@ -209,6 +214,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                                        offload_params=offload_params == "cpu", pin_memory=pin_memory)
         if offload == "none" and self.sharded_layers and offload_params == "cpu":
             offload = "cpu"  # the shards' master weights and state are on the host: so is their step
+        check_overlap(offload, offload_overlap)
         super().__init__(groups, defaults)
         for gi, group in enumerate(self.param_groups):
             check_hyper(group, gi)
@@ -232,7 +238,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         fused=self.fused, module=self.module, topology=self.topology, default_dp_group=dp_group)
         self.buckets = make_buckets(self.param_groups, layout)
         self.offload = (Offload(offload, self.buckets, self.sharding, offload_dir=offload_dir, pin_memory=pin_memory,
-                                device=device) if offload != "none" else None)
+                                device=device, overlap=offload_overlap) if offload != "none" else None)
         self.inner = self._make_inner()
         if self.offload is not None:
             self.offload.attach(self.inner)
@@ -389,6 +395,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._fused_step(grads, unscales, marks)
             return None
         marks.mark_grads(grads)
+        if self.offload is not None and self.offload.overlap and self.inner is not None:
+            self._early_step(grads, marks)
+            return None
         marks.reduce()
         if self._skipped(marks):
             self._updater.drop_grads()
@@ -399,6 +408,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._inner_step(grads)
         self._finish_step()
         return None
+
+    def _early_step(self, grads: list[torch.Tensor], marks: Marks) -> None:
+        """`step` with `offload_overlap`: the host step begins (in a thread, over the gradients
+        as they are before clipping) before the world-wide collectives that decide it (the
+        non-finite marks, the global norm), so a stage whose backward ends first steps while
+        the others finish theirs; the verdict then keeps it, puts it back (skipped), or puts it
+        back and steps again clipped (`Offload.finish`): the same bits as without overlap."""
+        assert self.offload is not None
+        touched = self._updater.touched_anywhere(self._reducer.touched)
+        early = self.offload.start(grads, touched, self._hyper)
+        marks.reduce()
+        skipped = self._skipped(marks)
+        coef = None
+        if not skipped and self.clip_grad_norm is not None:
+            coef = self._clip_coef(self.clip_grad_norm)
+            for g in grads:
+                g.mul_(coef)  # as without overlap: the device's gradients are clipped too
+        self.offload.finish(early, skip=skipped, coef=coef)
+        if skipped:
+            self._updater.drop_grads()
+            return
+        self._finish_step()
 
     @property
     def last_step_skipped(self) -> bool:
