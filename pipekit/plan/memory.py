@@ -230,7 +230,8 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
     experts) is whole already: nothing is gathered and its gradients are the `grads`
     component. Frozen parameters: their weights, whole, and nothing else. With
     `optimizer.offload` (cpu, nvme) the master weights and optimizer state are not on the
-    device: they count nothing here."""
+    device: they count nothing here; with `optimizer.offload_params=cpu` (stage 3) neither are
+    the sharded parameters (what is gathered still is)."""
     policy, o = run.precision, run.config.optimizer
     width, grad = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
     master = policy.master_dtype.itemsize if policy.mixed else 0
@@ -239,9 +240,12 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
     mem.params += (params.frozen_dense + params.frozen_expert) * width
     for n, shards, whole in ((params.dense, run.zero_shards, gathered_params.dense),
                              (params.expert, run.zero_shards // run.ep, gathered_params.expert)):
-        mem.params += n * width / (shards if zero >= 3 else 1)
+        # parameter offload (stage 3, sharded): the shards live in host memory between uses, and their
+        # master weights and state with them; the step's gradient shard is a device buffer (counted)
+        params_on_host = o.offload_params == "cpu" and zero >= 3 and shards > 1
+        mem.params += (not params_on_host) * n * width / (shards if zero >= 3 else 1)
         mem.grads += n * grad / (shards if zero >= 2 else 1)
-        on_device = o.offload == "none"
+        on_device = o.offload == "none" and not params_on_host
         mem.master += on_device * n * master / (shards if zero >= 1 else 1)
         mem.optimizer += on_device * n * moments / (shards if zero >= 1 else 1)
         if zero >= 3 and shards > 1:
