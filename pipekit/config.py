@@ -42,6 +42,7 @@ from .kernels import dispatch as kernel_dispatch
 from .models import FAMILIES, config_from_dict, get_model, model_keys, model_specs, model_vocab
 from .optim.factory import FUSED
 from .optim.lr import check_scheduler
+from .optim.offload import steps_on
 from .partition import check_boundaries, layer_weights
 from .precision import PRECISION_NAMES, Precision, precision_policy
 from .schedules import SCHEDULES, Schedule, ScheduleError, build_schedule, load_schedule
@@ -594,8 +595,7 @@ def _check_optimizer(cfg: Config) -> None:
         raise ConfigError(f"optimizer.fused=true is the GPU kernel, but optimizer.offload={o.offload} steps on the "
                           f"CPU; use optimizer.fused=auto or false with offload")
     _check_offload_params(o)
-    steps_on = "cpu" if o.offload == "none" and o.offload_params == "cpu" else o.offload  # as ZeroOptimizer does
-    if o.offload_overlap and steps_on != "cpu":
+    if o.offload_overlap and steps_on(o.offload, o.offload_params) != "cpu":  # ZeroOptimizer's own rule
         raise ConfigError(f"optimizer.offload_overlap=true begins the host step early, keeping a copy of the state "
                           f"in host memory to put back: it needs optimizer.offload=cpu (or offload_params=cpu), not "
                           f"optimizer.offload={o.offload}; set optimizer.offload=cpu, or "

@@ -499,3 +499,25 @@ def test_the_early_step_without_cpu_offload_is_refused_before_launch_in_one_line
         ZeroOptimizer(torch.nn.Linear(2, 2), offload="nvme", offload_dir="/tmp/x", offload_overlap=True)
     with pytest.raises(ValueError, match="not offload='none'"):
         ZeroOptimizer(torch.nn.Linear(2, 2), offload_overlap=True)
+
+
+def test_the_early_step_with_parameter_offload_at_dp_1_is_accepted_as_the_config_accepts_it():
+    """ZeRO-3 with offload_params=cpu at dp=1 shards (so offloads) nothing: the config notes it and
+    passes offload_overlap=true; the optimizer, asked the same, must not refuse it after launch. It
+    steps as without offload."""
+    run = load_run(str(ROOT / "configs/toy.yaml"), ["optimizer.zero_stage=3", "optimizer.offload_params=cpu",
+                                                    "optimizer.offload_overlap=true"])
+    assert run.config.parallel.dp == 1 and run.config.optimizer.offload_overlap
+    cfg = get_model("gpt2", "tiny", **GPT2)
+    weights = []
+    for overlap in (False, True):
+        module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=pipekit.Topology(),
+                                        seed=SEED, microbatches=2)
+        zero = ZeroOptimizer(module, "adamw", stage=3, lr=1e-2, offload_params="cpu", offload_overlap=overlap)
+        assert zero.offload is None
+        engine = pipekit.PipelineEngine(module, optimizer=zero)
+        for ids in _batches(2, 4):
+            engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])]))
+        weights.append(full_state_dict(module))
+    for name, t in weights[0].items():
+        assert torch.equal(weights[1][name], t), name

@@ -103,8 +103,15 @@ def check_offload(offload: str, offload_dir: str | None) -> None:
                          "fast local disk)")
 
 
+def steps_on(offload: str, offload_params: str) -> str:
+    """Where the offloaded step runs as asked: `offload`, but "cpu" where only the parameters
+    are offloaded (their master weights and state are host memory: so is their step)."""
+    return "cpu" if offload == "none" and offload_params == "cpu" else offload
+
+
 def check_overlap(kind: str, overlap: bool) -> None:
-    """ValueError in one line when the early step (`overlap`) is asked of an offload that is not `cpu`."""
+    """ValueError in one line when the early step (`overlap`) is asked of an offload that is not `cpu`
+    (`kind`: `steps_on`'s answer)."""
     if overlap and kind != "cpu":
         raise ValueError(f"offload_overlap=True starts the host step before the world's verdict, keeping a copy of "
                          f"the state to put back: it needs offload='cpu' (or offload_params='cpu'), not "

@@ -125,7 +125,7 @@ from .collectives import is_gloo as _is_gloo  # looked up here when an optimizer
 from .finite import Marks, Skip
 from .fsdp import autograd_params, gathered_for, reduce_gradients, shard_groups
 from .hyper import OPTIMIZERS, check_hyper, choose_fused, fused_by_default, optimizer_class, param_groups
-from .offload import Offload, check_offload, check_offload_params, check_overlap
+from .offload import Offload, check_offload, check_offload_params, check_overlap, steps_on
 from .reducer import Reducer
 from .scaler import LossScaler
 from .stage import Stage
@@ -195,6 +195,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.sharding = Stage(stage)
         check_offload_params(offload_params, stage)
         check_offload(offload, offload_dir)
+        check_overlap(steps_on(offload, offload_params), offload_overlap)  # as asked: dp=1 shards (offloads) nothing
         if fused is True and (offload, offload_params) != ("none", "none"):
             which = f"offload={offload!r}" if offload != "none" else f"offload_params={offload_params!r}"
             raise ValueError(f"fused=True is the device kernel, but {which} steps on the CPU; use fused=False (or "
@@ -212,9 +213,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.sharded_layers, groups = shard_groups(self.module, groups, reduce_dtype=reduce_dtype,
                                                        reshard_after_forward=reshard_after_forward,
                                                        offload_params=offload_params == "cpu", pin_memory=pin_memory)
-        if offload == "none" and self.sharded_layers and offload_params == "cpu":
-            offload = "cpu"  # the shards' master weights and state are on the host: so is their step
-        check_overlap(offload, offload_overlap)
+        if self.sharded_layers:  # offloaded shards' master weights and state are on the host: so is their step
+            offload = steps_on(offload, offload_params)
         super().__init__(groups, defaults)
         for gi, group in enumerate(self.param_groups):
             check_hyper(group, gi)
