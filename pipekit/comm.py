@@ -51,6 +51,8 @@ _CLOSED = ("Connection closed", "Connection reset", "Broken pipe", "closed by pe
 
 def float_entries(x) -> list[torch.Tensor]:
     """The floating-point tensors of an activation: those that carry gradients back."""
+    if isinstance(x, torch.Tensor):  # the common case, one tensor
+        return [x] if x.is_floating_point() else []
     items = x if isinstance(x, tuple) else (x,)
     return [t for t in items if t.is_floating_point()]
 

@@ -229,6 +229,7 @@ class PipelineEngine:
         self._shapes = InputShapes(self.topo, self.timeout, module.local_stages, module.stage_rank(0),
                                   self.num_microbatches)
         self._step_layers = auxloss.step_layers(module)  # layers with work around a step (auxloss.StepStatistic)
+        self._peers = [self.topo.global_rank(module.stage_rank(s)) for s in range(module.num_stages)]  # global ranks
         if self.schedule.overlaps:
             self._open_lanes()
 
@@ -288,6 +289,15 @@ class PipelineEngine:
                 self._io.pop(next(iter(self._io)))  # the least recently used
         self._io[key] = io
         return io
+
+    def _ios(self, examples: list) -> list:
+        """`_stage_io` of each microbatch's example, looked up once per distinct example
+        (an evenly split batch, or a rank given no inputs, repeats one for all)."""
+        ios: dict[int, list] = {}  # id(example) -> its stage metas
+        for x in examples:
+            if id(x) not in ios:
+                ios[id(x)] = self._stage_io(x)
+        return [ios[id(x)] for x in examples]
 
     # ---- the public steps ---------------------------------------------
     def train_batch(self, data=None, *, reduce_loss: bool = False):
@@ -427,19 +437,21 @@ class PipelineEngine:
         """Run one action list over `batch`; the Step it leaves (also `self.step_state`)."""
         micro_in, micro_labels = self._prepare(batch)
         step = self.step_state = Step(actions, training, micro_in, micro_labels)
-        step.io = [self._stage_io(example) for example in self._shapes.examples(micro_in, step.posted)]
+        uniform = not isinstance(batch, Microbatches)  # an even split: every microbatch shaped as the first
+        step.io = self._ios(self._shapes.examples(micro_in, step.posted, uniform=uniform))
         step.loss = StepLoss.weigh(self.module, micro_labels, self.topo)
         step.recv_due.extend(a for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B))
         self.timeline = []
         self.step_start = t0 = time.perf_counter()  # timeline times are relative to this (a machine-wide clock)
         self._post_receives(step)
+        record = self.record_timeline
         for i, action in enumerate(actions):
-            start = time.perf_counter()
+            start = time.perf_counter() if record else 0.0  # no clock read per action without a timeline
             try:
                 self._handler(action)(self, step, action)
             except Exception as e:
                 raise PipelineError(self._failure_report(actions, i, e)) from e
-            if self.record_timeline:
+            if record:
                 end = time.perf_counter()
                 self.timeline.append(TimelineEvent(self.topo.pp_rank, str(action), start - t0, end - t0))
         comm.wait_all(step.posted, self.timeout)
@@ -482,7 +494,7 @@ class PipelineEngine:
             return
         if st.training:
             st.stash[(s, m)] = (x, out)
-        if self.module.stage_rank(s + 1) == self.topo.pp_rank:
+        if s + 1 in self.module.local_stages:
             st.inbox[(s + 1, m)] = leaf(out) if st.training else out
         else:
             st.outbox[(s, Kind.SEND_F, m)] = all_tensors(out)
@@ -503,7 +515,7 @@ class PipelineEngine:
                             st.training)
         st.loss.add(loss, m)
         if st.training:
-            weight = (st.loss.weights[m] * self._trainer.loss_scale).to(loss.dtype)  # on the device: no sync
+            weight = st.loss.weight(m, loss.dtype, self._trainer.loss_scale)  # on the device: no sync
             st.stash[(self.last_stage, m)] = (x, loss * weight)
         else:
             st.outputs.append(out)
@@ -547,7 +559,8 @@ class PipelineEngine:
         self.backward_passes.weight(st, a, self._trainer)
 
     def _peer(self, stage: int) -> int:
-        return self.topo.global_rank(self.module.stage_rank(stage))
+        """The global rank of the rank holding `stage` (in this rank's dp replica and tp rank)."""
+        return self._peers[stage]
 
     def _send_forward(self, st: Step, a: Action) -> None:
         st.posted += comm.send(st.outbox.pop((a.stage, Kind.SEND_F, a.microbatch)), self._peer(a.stage + 1))
@@ -583,6 +596,9 @@ class PipelineEngine:
 
     @staticmethod
     def _check_shapes(value, meta, where: str) -> None:
+        if (isinstance(value, torch.Tensor) and isinstance(meta, torch.Tensor)
+                and value.shape == meta.shape and value.dtype == meta.dtype):
+            return  # the common case, one tensor as predicted, without lists
         got = [(tuple(t.shape), t.dtype) for t in all_tensors(value)]
         want = [(tuple(t.shape), t.dtype) for t in all_tensors(meta)]
         if got != want:
@@ -629,8 +645,9 @@ class Backward:
         with self._weight_pass(trainer, s, m), self._aux_scale(trainer):
             if outs:
                 torch.autograd.backward(outs, grads)
-        self._hand_back(st, s, m, [t.grad if t.grad is not None else torch.zeros_like(t)
-                                   for t in comm.float_entries(x)])
+        if s > 0:  # stage 0's inputs are the data: no grad is handed back
+            self._hand_back(st, s, m, [t.grad if t.grad is not None else torch.zeros_like(t)
+                                       for t in comm.float_entries(x)])
 
     def input_only(self, st: Step, a: Action, trainer: ZeroOptimizer) -> None:
         """I: only the input grad; what the weight grads need is kept for W (`st.weight_work`)."""
@@ -673,7 +690,7 @@ class Backward:
         """Give the input grad of (stage, microbatch) to the previous stage: local, or sent."""
         if s == 0:
             return
-        if self.module.stage_rank(s - 1) == self.module.topology.pp_rank:
+        if s - 1 in self.module.local_stages:
             st.grads[(s - 1, m)] = grads
         else:
             st.outbox[(s, Kind.SEND_B, m)] = grads
@@ -725,6 +742,7 @@ class StepLoss:
     here: bool  # this rank holds the last stage: the one that computes the loss
     weighted: list = field(default_factory=list)  # each microbatch's loss, weighted for the global batch
     raw: list = field(default_factory=list)  # each microbatch's loss as computed
+    _cast: dict = field(default_factory=dict)  # (dtype, scale) -> `weight`'s tensors, one per microbatch
 
     @classmethod
     def weigh(cls, module: PipelineModule, labels: list | None, topo: Topology) -> StepLoss:
@@ -760,8 +778,19 @@ class StepLoss:
 
     def add(self, loss: torch.Tensor, m: int) -> None:
         """Record microbatch m's loss (a 0-dim tensor, as `loss_fn` computed it)."""
-        self.weighted.append(loss.detach() * self.weights[m].to(loss.dtype))
-        self.raw.append(loss.detach())
+        loss = loss.detach()
+        self.weighted.append(loss * self.weight(m, loss.dtype))
+        self.raw.append(loss)
+
+    def weight(self, m: int, dtype: torch.dtype, scale: float | None = None) -> torch.Tensor:
+        """Microbatch m's weight, times `scale` when given (the fp16 loss scale), as a 0-dim
+        tensor of `dtype`: the (M,) weights are scaled and cast once per step (elementwise,
+        so to the same values), not once per microbatch."""
+        key = (dtype, scale)
+        if key not in self._cast:
+            scaled = self.weights if scale is None else self.weights * scale
+            self._cast[key] = scaled.to(dtype).unbind()
+        return self._cast[key][m]
 
     def value(self, reduce_loss: bool, topo: Topology, timeout: datetime.timedelta):
         """The loss `train_batch` / `eval_batch` return: with `reduce_loss`, the global
@@ -800,18 +829,21 @@ class StepLoss:
 def checked_loss(loss_fn, loss, training: bool) -> torch.Tensor:
     """`loss_fn`'s value if it is one number as a tensor (that has a grad, in training); else a
     TypeError/RuntimeError naming `loss_fn` and what it returned, not autograd's words later."""
-    name = getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"loss_fn {name} returned {type(loss).__name__} ({loss!r:.40}); it must return the loss as "
-                        f"a one-element torch.Tensor (keep it a tensor: no .item() or float())")
+        raise TypeError(f"loss_fn {_loss_name(loss_fn)} returned {type(loss).__name__} ({loss!r:.40}); it must "
+                        f"return the loss as a one-element torch.Tensor (keep it a tensor: no .item() or float())")
     if loss.numel() != 1:
-        raise TypeError(f"loss_fn {name} returned a tensor of shape {tuple(loss.shape)}; it must return one "
-                        f"number (reduce it, e.g. with .mean() or reduction='mean')")
+        raise TypeError(f"loss_fn {_loss_name(loss_fn)} returned a tensor of shape {tuple(loss.shape)}; it must "
+                        f"return one number (reduce it, e.g. with .mean() or reduction='mean')")
     if training and not loss.requires_grad:
-        raise RuntimeError(f"loss_fn {name} returned a loss that does not require grad: it does not depend on any "
-                           f"trainable weight (a .detach(), .item() or torch.no_grad() in the loss, or every weight "
-                           f"frozen)")
+        raise RuntimeError(f"loss_fn {_loss_name(loss_fn)} returned a loss that does not require grad: it does not "
+                           f"depend on any trainable weight (a .detach(), .item() or torch.no_grad() in the loss, or "
+                           f"every weight frozen)")
     return loss.reshape(())
+
+
+def _loss_name(loss_fn) -> str:
+    return getattr(loss_fn, "__qualname__", None) or type(loss_fn).__name__
 
 
 def as_zero_optimizer(optimizer, module: PipelineModule) -> ZeroOptimizer | None:

@@ -70,14 +70,15 @@ class InputShapes:
         t = self.topo
         return f"rank {t.rank} (pp_rank {t.pp_rank}, dp_rank {t.dp_rank}, stages {self.stages})"
 
-    def examples(self, micro_in: list | None, posted: list) -> list:
+    def examples(self, micro_in: list | None, posted: list, *, uniform: bool = False) -> list:
         """Per microbatch: its inputs (`micro_in`, None: none given), or meta tensors shaped
         as the first step's, to size this step's buffers; the first step's sends go to
         `posted`. Microbatches of different shapes (`pipekit.Microbatches`) need every
-        pipeline rank to size from its own inputs."""
+        pipeline rank to size from its own inputs. `uniform`: every microbatch is shaped as
+        the first (an even split of a batch), whose inputs then stand for all of them."""
         m = self.microbatches
-        if micro_in is None:
-            return [self._example(None, posted)] * m
+        if micro_in is None or uniform:
+            return [self._example(None if micro_in is None else micro_in[0], posted)] * m
         first = self._example(micro_in[0], posted)
         return [first, *(self._example(x, posted) for x in micro_in[1:])]
 

@@ -65,19 +65,26 @@ def _float_entries(value) -> list[torch.Tensor]:
     return [v for v in (value if isinstance(value, tuple) else (value,)) if v.is_floating_point()]
 
 
-def check_gradient_flows(x, out, where: str, layer: Any) -> None:
-    """Raise when a layer cuts the gradient (its float input needs a grad, none of its
-    float outputs has one: a `.detach()`, `.data`, `torch.no_grad()` or a new tensor
-    inside), so the layers before it would never train, in any layout. A layer that stops
-    the gradient on purpose says so with the attribute `stops_gradient = True`."""
-    if getattr(layer, "stops_gradient", False):
-        return
+def cuts_gradient(x, out) -> bool:
+    """Whether a layer cut the gradient: a float tensor of its input `x` needs a grad, and its
+    output `out` has float tensors, none of which has one."""
+    if isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor):  # the common case, without lists
+        return x.requires_grad and x.is_floating_point() and out.is_floating_point() and not out.requires_grad
     outs = _float_entries(out)
-    if outs and any(t.requires_grad for t in _float_entries(x)) and not any(t.requires_grad for t in outs):
-        raise RuntimeError(f"{where} returned a tensor that does not require grad though its input does (a "
-                           f".detach(), .data, torch.no_grad() or a new tensor inside it): the layers before it "
-                           f"would never train; keep the output attached, or set stops_gradient = True on the "
-                           f"layer if cutting the gradient there is intended")
+    return bool(outs) and any(t.requires_grad for t in _float_entries(x)) and not any(t.requires_grad for t in outs)
+
+
+def check_gradient_flows(x, out, where: str, layer: Any) -> None:
+    """Raise when a layer cuts the gradient (`cuts_gradient`: a `.detach()`, `.data`,
+    `torch.no_grad()` or a new tensor inside), so the layers before it would never train,
+    in any layout. A layer that stops the gradient on purpose says so with the attribute
+    `stops_gradient = True`."""
+    if not cuts_gradient(x, out) or getattr(layer, "stops_gradient", False):
+        return
+    raise RuntimeError(f"{where} returned a tensor that does not require grad though its input does (a "
+                       f".detach(), .data, torch.no_grad() or a new tensor inside it): the layers before it "
+                       f"would never train; keep the output attached, or set stops_gradient = True on the "
+                       f"layer if cutting the gradient there is intended")
 
 
 def check_interleaving(name: str, chunks_per_rank: int | None) -> None:
@@ -227,6 +234,10 @@ class PipelineModule(nn.Module):
         if bind_head is not None and self.num_stages - 1 in self.local_stages:
             bind_head(self.layer(len(self.specs) - 1))
         self.tie_groups = self._make_tie_groups()
+        # per local stage, its runs of (index, layer) as `forward_stage` walks them: resolved once, here, where
+        # the layers are built (ZeRO-3 and compile change a layer in place; none is replaced)
+        self._stage_runs = {stage: [(tuple((i, self.layer(i)) for i in run), recompute)
+                                    for run, recompute in self._segments(stage)] for stage in self.local_stages}
 
     @property
     def param_dtype(self) -> torch.dtype | None:
@@ -338,17 +349,19 @@ class PipelineModule(nn.Module):
             return [([i], bool(self.checkpoint_pattern.search(spec_name(self.specs[i])))) for i in idx]
         return [(idx, False)]
 
-    def _run_run(self, run: list[int], x):
-        for i in run:
-            y = self.run_layer(i, x)
-            if self.training and torch.is_grad_enabled():
-                check_gradient_flows(x, y, f"layer {i} ({spec_name(self.specs[i])})", self.layer(i))
+    def _run_run(self, run: tuple[tuple[int, Any], ...], x):
+        """Apply a run of (index, layer) in order, checking in training that each keeps the gradient."""
+        check = self.training and torch.is_grad_enabled()
+        for i, fn in run:
+            y = self.run_layer(i, x, layer=fn)
+            if check and cuts_gradient(x, y):  # the check itself, and its message, only then
+                check_gradient_flows(x, y, f"layer {i} ({spec_name(self.specs[i])})", fn)
             x = y
         return x
 
     def forward_stage(self, stage: int, x):
         """Run virtual stage `stage` (which must be local) on `x`."""
-        for run, recompute in self._segments(stage):
+        for run, recompute in self._stage_runs[stage]:
             if recompute and torch.is_grad_enabled():
                 x = checkpoint(self._run_run, run, x, use_reentrant=False)
             else:

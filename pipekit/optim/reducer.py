@@ -60,6 +60,7 @@ class Reducer:
         self.fsdp_reduces = fsdp_reduces
         self.hook = hook or self.on_grad
         self.bucket_of = {id(p): b for b in buckets for p in b.params}
+        self.reduced_in_backward = [b for b in buckets if b.dp_group is not None]  # stages 0/1: by a backward pass
         self.peak_inflight_bytes = 0
         self.pending: list = []  # stage 2: (work, bucket) reductions in flight
         self.current: list[Bucket] | None = None  # stage 2: buckets of the backward pass running now
@@ -127,12 +128,18 @@ class Reducer:
         elif in_place:
             self.hooks.pop(id(p)).remove()
 
-    @contextlib.contextmanager
     def backward_pass(self, params: Iterable[nn.Parameter], final: Iterable[nn.Parameter] = ()):
         """One backward pass producing gradients for `params`, `final` those complete after it
         (`ZeroOptimizer.backward_pass`): stage 2 reduces every bucket of `params`, stages 0
         and 1 the buckets made only of `final` parameters; those left incomplete are launched
-        after the pass, in the same order."""
+        after the pass, in the same order. Stages 0/1 without a dp group have nothing to
+        reduce during backward: their pass is an empty context."""
+        if not self.stage.shards_grads and not self.reduced_in_backward:
+            return contextlib.nullcontext()
+        return self._backward_pass(params, final)
+
+    @contextlib.contextmanager
+    def _backward_pass(self, params: Iterable[nn.Parameter], final: Iterable[nn.Parameter]):
         reduces_every_pass = self.stage.shards_grads
         ids = {id(p) for p in (params if reduces_every_pass else final)}
         if reduces_every_pass:
