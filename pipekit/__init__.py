@@ -14,15 +14,81 @@ import importlib
 import importlib.abc
 import importlib.util
 import os
+import signal
 import sys
+import threading
+import time
+
+
+def _importing(frame) -> bool:
+    """Whether `frame` runs inside an import (a module's top level, or a C extension's start-up)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _HeldInterrupts:
+    """Ctrl-C while a module is being imported is held until that import is done, then delivered
+    (to whoever handles SIGINT by then: Python's KeyboardInterrupt, torchrun's handler, the
+    run's stop requests). A KeyboardInterrupt raised inside an import leaves it half made:
+    torch's and numpy's C start-up then fail later ("cannot load module more than once"), abort
+    the process (a pybind11 error in a static initialiser) or swallow the signal outright, so
+    the run trained on as if never interrupted. Installed over Python's default handler only,
+    in the main thread: by `import pipekit` for its own imports (then the default is put back),
+    and for the whole `pipekit` command (until torchrun or the run installs its own)."""
+
+    def __init__(self) -> None:
+        self.installed = False
+        self._redelivering = False
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self._handle)
+            self.installed = True
+
+    def uninstall(self) -> None:
+        if self.installed and signal.getsignal(signal.SIGINT) == self._handle:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.installed = False
+
+    def _handle(self, signum, frame):
+        if not _importing(frame):
+            raise KeyboardInterrupt
+        if not self._redelivering:  # several while one import runs: one Ctrl-C, as the kernel coalesces them
+            self._redelivering = True
+            threading.Thread(target=self._redeliver, name="pipekit-held-interrupt", daemon=True).start()
+
+    def _redeliver(self) -> None:
+        import _thread
+
+        main = threading.main_thread().ident
+        while True:
+            time.sleep(0.02)
+            frame = sys._current_frames().get(main or 0)
+            if frame is None or not _importing(frame):
+                break
+        self._redelivering = False
+        _thread.interrupt_main(signal.SIGINT)  # runs the SIGINT handler in place now, in the main thread
+
+
+def _is_command() -> bool:
+    """This process is the `pipekit` command (or one of its launcher's workers)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    return sys.argv[0].endswith("pipekit") or "pipekit.cli" in argv[1:3]
+
+
+HELD_INTERRUPTS = _HeldInterrupts()
+HELD_INTERRUPTS.install()
 
 
 def _interrupted_while_starting() -> None:
-    """Ctrl-C while the `pipekit` command imports torch (its first second or two): one line and
-    exit status 130, not import machinery's traceback. A library user's import is left alone."""
-    argv = getattr(sys, "orig_argv", sys.argv)
-    command = sys.argv[0].endswith("pipekit") or "pipekit.cli" in argv[1:3]
-    if not command:
+    """Ctrl-C while the `pipekit` command imports torch with another SIGINT handler than Python's
+    (so none was held): one line and exit status 130, not import machinery's traceback. A
+    library user's import is left alone."""
+    if not _is_command():
         return
     if "PIPEKIT_ERROR_DIR" not in os.environ:  # a worker of pipekit's launcher: the launcher says it
         sys.stderr.write("pipekit: interrupted\n")
@@ -39,6 +105,8 @@ try:
 except KeyboardInterrupt:
     _interrupted_while_starting()
     raise
+if not _is_command():
+    HELD_INTERRUPTS.uninstall()  # a library user's handler is theirs again (one held is delivered to it)
 
 __version__ = "0.1.0"
 

@@ -211,25 +211,28 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    args, extra = p.parse_known_args(argv)  # `train CONFIG --max-restarts 1 key=value`: overrides after a flag
-    if extra:
-        unknown = [w for w in extra if w.startswith("-")] if args.command in ("train", "plan") else extra
-        if unknown:
-            p.exit(2, f"pipekit {args.command}: unrecognized arguments: {' '.join(unknown)} "
-                      f"(see pipekit {args.command} --help)\n")
-        args.overrides = [*args.overrides, *extra]
+    command = None
     try:
+        p = parser()
+        args, extra = p.parse_known_args(argv)  # `train CONFIG --max-restarts 1 key=value`: overrides after a flag
+        command = args.command
+        if extra:
+            unknown = [w for w in extra if w.startswith("-")] if args.command in ("train", "plan") else extra
+            if unknown:
+                p.exit(2, f"pipekit {args.command}: unrecognized arguments: {' '.join(unknown)} "
+                          f"(see pipekit {args.command} --help)\n")
+            args.overrides = [*args.overrides, *extra]
         return args.fn(args)
-    except KeyboardInterrupt:  # before a stop handler was in place (or the second, "stop now", Ctrl-C)
+    except KeyboardInterrupt:  # before a stop handler was in place (or the second, "stop now", Ctrl-C); one held
+        # while the command imported (pipekit.HELD_INTERRUPTS) arrives here too, once the import is done
         if not told.directory():  # a worker of pipekit's launcher: the launcher says it
-            print(f"pipekit {args.command}: interrupted", file=sys.stderr)
+            print(f"pipekit {command or ''}".rstrip() + ": interrupted", file=sys.stderr)
         return launch.INTERRUPTED
     except launch.USER_ERRORS as e:
         if os.environ.get("PIPEKIT_DEBUG") == "1":
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"pipekit {args.command}: {first}", file=sys.stderr)
+        print(f"pipekit {command}: {first}", file=sys.stderr)
         return 2
 
 
