@@ -458,3 +458,31 @@ def test_plan_offers_context_parallelism_when_activations_dominate(capsys):
     assert command.count("schedule.microbatches=8") == 1 and "schedule.microbatches=4" not in command
     run = load_run(LLAMA, [o for o in command[3:] if "=" in o])  # the command's config resolves
     assert run.cp == 2 and run.global_batch == load_run(LLAMA, [o for o in LONG if "=" in o]).global_batch == 8
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_plan_counts_the_host_memory_offload_keeps(precision):
+    """Llama small, one process, AdamW, `optimizer.offload=cpu`, two steps (the second one's
+    early step saves moments that exist): the plan's host bytes equal what the optimizer holds
+    in host memory (master parts, moments, host gradient buffers) exactly; with the early step
+    (`offload_overlap`) its saved copy of master and moments too, within the step counters'
+    few bytes. Not offloaded: nothing on the host."""
+    from pipekit.models import model_vocab, synthetic_batches
+    from pipekit.run.loop import build
+    from pipekit.topology import Topology
+
+    held = {}
+    for offload, overlap in (("cpu", "false"), ("cpu", "true"), ("none", "false")):
+        run = load_run(LLAMA, [*LLAMA_SMALL, "parallel.pp=1", "schedule.microbatches=2", f"train.precision={precision}",
+                               f"optimizer.offload={offload}", f"optimizer.offload_overlap={overlap}"])
+        planned = memplan.state_memory(memplan.rank_params(run, memplan.layer_params(run)), run, 0).host
+        if offload == "none":
+            assert planned == 0
+            continue
+        engine = build(run, Topology(alone=True))
+        batches = synthetic_batches(model_vocab(run.model), 4, run.config.train.seq_len, seed=0)
+        for _ in range(2):
+            engine.train_batch(next(batches))
+        real = held[overlap] = engine.optimizer.memory_bytes()["host"]
+        assert real == (planned if overlap == "false" else pytest.approx(planned, rel=1e-3, abs=0)), (real, planned)
+    assert held["true"] > 1.5 * held["false"]  # the early step's saved copy is counted, not left out

@@ -130,6 +130,7 @@ class Memory:
     gathered: float = 0.0
     unsharded_grads: float = 0.0
     activations: float = 0.0
+    host: float = 0.0  # host memory offload keeps (`state_memory`): not device memory, not in `total`
 
     @property
     def total(self) -> float:
@@ -158,6 +159,7 @@ class MemoryRow:
                 "activation_checkpointing": self.option.ac, "runnable": self.runnable,
                 "activations_source": self.activations_source,
                 "bytes": {**{k: getattr(self.memory, k) for k in COMPONENTS}, "total": self.memory.total},
+                "host_bytes": self.memory.host,
                 "per_rank_total_bytes": self.per_rank, "step_seconds": self.step_seconds, "fits": self.fits}
 
 
@@ -248,10 +250,28 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
         on_device = o.offload == "none" and not params_on_host
         mem.master += on_device * n * master / (shards if zero >= 1 else 1)
         mem.optimizer += on_device * n * moments / (shards if zero >= 1 else 1)
+        mem.host += host_state(n / (shards if zero >= 1 else 1), run, params_on_host)
         if zero >= 3 and shards > 1:
             mem.gathered += whole * width
             mem.unsharded_grads += n * grad
     return mem
+
+
+def host_state(owned: float, run: Run, params_on_host: bool) -> float:
+    """Host bytes offload keeps for `owned` trained parameters (a rank's shard): with
+    `optimizer.offload=cpu` (or parameter offload) their master part (float32 even for a
+    float32 model: a host tensor of its own; with parameter offload the shard itself, plus its
+    float32 copy when mixed), the optimizer's moments and one host gradient buffer; the early
+    step (`optimizer.offload_overlap`) keeps a second copy of master and moments to put back.
+    `nvme` keeps a few buckets at a time (its state is in files): counted 0 here."""
+    o, policy = run.config.optimizer, run.precision
+    if o.offload == "nvme" or (o.offload == "none" and not params_on_host):
+        return 0.0
+    m = policy.master_dtype.itemsize
+    master = (policy.param_dtype.itemsize + (m if policy.mixed else 0)) if params_on_host else m
+    moments = (2 if o.name == "adamw" else (1 if o.momentum else 0)) * m
+    saved = (master if not params_on_host else m) + moments if o.offload_overlap else 0
+    return owned * (master + moments + policy.reduce_dtype.itemsize + saved)
 
 
 def gathered_params(run: Run, splits: list[Params], mine: list[int]) -> Params:
@@ -550,15 +570,18 @@ def _gib(nbytes: float) -> str:
 
 
 def memory_table(rows: list[MemoryRow], top: int | None = None) -> str:
+    """The rows as a table, in GiB per rank (the worst rank's); a `host GiB` column beside the
+    device total when offload keeps state in host memory (`host_state`)."""
+    host = any(r.memory.host for r in rows[:top])
     table = [["schedule", "chunks", "mb x rows", "ZeRO", "SP", "AC", "params", "grads", "master", "optim",
-              "gathered", "unsh. grads", "activ.", "total GiB", "step ms", ""]]
+              "gathered", "unsh. grads", "activ.", "total GiB", *(["host GiB"] if host else []), "step ms", ""]]
     for r in rows[:top]:
         c, m, o = r.candidate, r.memory, r.option
         note = ("fits" if r.fits else "over budget") + ("" if r.runnable else " (refused by pipekit train)")
         table.append([c.schedule, str(c.chunks_per_rank), f"{c.microbatches} x {c.micro_batch}", str(o.zero),
                       "on" if o.sp else "off", "on" if o.ac else "off",
-                      *(_gib(getattr(m, k)) for k in COMPONENTS), _gib(m.total), f"{r.step_seconds * 1e3:.1f}",
-                      note])
+                      *(_gib(getattr(m, k)) for k in COMPONENTS), _gib(m.total), *([_gib(m.host)] if host else []),
+                      f"{r.step_seconds * 1e3:.1f}", note])
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)).rstrip() for row in table)
 
