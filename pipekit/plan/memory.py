@@ -250,27 +250,27 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
         on_device = o.offload == "none" and not params_on_host
         mem.master += on_device * n * master / (shards if zero >= 1 else 1)
         mem.optimizer += on_device * n * moments / (shards if zero >= 1 else 1)
-        mem.host += host_state(n / (shards if zero >= 1 else 1), run, params_on_host)
+        mem.host += host_state(n / (shards if zero >= 1 else 1), run, params_on_host, moments)
         if zero >= 3 and shards > 1:
             mem.gathered += whole * width
             mem.unsharded_grads += n * grad
     return mem
 
 
-def host_state(owned: float, run: Run, params_on_host: bool) -> float:
+def host_state(owned: float, run: Run, params_on_host: bool, moments: int) -> float:
     """Host bytes offload keeps for `owned` trained parameters (a rank's shard): with
     `optimizer.offload=cpu` (or parameter offload) their master part (float32 even for a
     float32 model: a host tensor of its own; with parameter offload the shard itself, plus its
     float32 copy when mixed), the optimizer's moments and one host gradient buffer; the early
-    step (`optimizer.offload_overlap`) keeps a second copy of master and moments to put back.
-    `nvme` keeps a few buckets at a time (its state is in files): counted 0 here."""
+    step (`optimizer.offload_overlap`) keeps a second copy of the float32 master and the moments
+    to put back. `moments`: bytes per parameter (`state_memory`'s). `nvme` keeps a few buckets
+    at a time (its state is in files): counted 0 here."""
     o, policy = run.config.optimizer, run.precision
     if o.offload == "nvme" or (o.offload == "none" and not params_on_host):
         return 0.0
     m = policy.master_dtype.itemsize
     master = (policy.param_dtype.itemsize + (m if policy.mixed else 0)) if params_on_host else m
-    moments = (2 if o.name == "adamw" else (1 if o.momentum else 0)) * m
-    saved = (master if not params_on_host else m) + moments if o.offload_overlap else 0
+    saved = m + moments if o.offload_overlap else 0
     return owned * (master + moments + policy.reduce_dtype.itemsize + saved)
 
 
