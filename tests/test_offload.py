@@ -135,7 +135,12 @@ def _run(stage, offload, root, precision="fp32", pp=2, dp=2, spy=False, **more) 
     weights = {n: t.clone() for n, t in full_state_dict(engine.module).items()}
     out = {"losses": losses, "steps": steps, "weights": weights,
            "norm": zero.last_grad_norm, "buckets": len(zero.buckets), "memory": zero.memory_bytes(),
-           "host buckets": sum(b.host for b in zero.buckets)}
+           "host buckets": sum(b.host for b in zero.buckets), "inflight": zero.peak_inflight_bytes,
+           "host grad bytes": sum(t.numel() * t.element_size() for t in (
+               ([g for g in zero.offload.host_grads if g is not None] + zero.offload._staging)
+               if zero.offload is not None and zero.offload.grads_on_host else [])),
+           "shards on host": zero.offload is not None and zero.offload.grads_on_host and all(
+               g is b.grad_shard for b, g in zip(zero.buckets, zero.offload.host_grads))}
     if watch is not None:
         out["spy"] = (watch.bad, watch.seen)
     if offload == "nvme":
@@ -149,8 +154,10 @@ def _run(stage, offload, root, precision="fp32", pp=2, dp=2, spy=False, **more) 
 def bitwise(root: str) -> dict:
     out = {}
     for stage in (1, 2, 3):
-        out[stage] = {kind: _run(stage, kind, f"{root}/s{stage}") for kind in ("none", "cpu", "nvme")}
-    out["tp=2 x dp=2, ZeRO-2"] = {kind: _run(2, kind, f"{root}/tp", pp=1, tp=2) for kind in ("none", "nvme")}
+        out[stage] = {kind: _run(stage, kind, f"{root}/s{stage}", spy=stage == 2 and kind != "none")
+                      for kind in ("none", "cpu", "nvme")}
+    out["tp=2 x dp=2, ZeRO-2"] = {kind: _run(2, kind, f"{root}/tp", pp=1, tp=2, spy=kind != "none")
+                                  for kind in ("none", "nvme")}
     out["dp=4 x ep=2 experts, ZeRO-1"] = {kind: _run(1, kind, f"{root}/ep", pp=1, dp=4, ep=2)
                                           for kind in ("none", "nvme")}
     # parameter offload, against ZeRO-3 without it: alone (its step as offload=cpu), and with nvme
@@ -281,7 +288,10 @@ def test_nvme_keeps_a_few_buckets_in_memory_and_the_state_on_disk(results):
             assert nvme["peak_resident"] <= 3, f"{where}: {nvme['peak_resident']} buckets in memory at once"
             assert nvme["resident_after"] == 0, f"{where}: buckets left in memory between steps"
             assert nvme["memory"]["disk"] >= nvme["state_bytes"], f"{where}: {nvme['memory']}"
-            assert nvme["memory"]["host"] < nvme["state_bytes"] / 10, f"{where}: {nvme['memory']}"
+            # the state is paged; ZeRO-2's gradient shards (and their two staging buffers) stay in memory
+            grads = nvme["host grad bytes"] if stage == 2 else 0
+            assert (stage == 2) == (grads > 0), f"{where}: {grads} bytes of host gradient shards"
+            assert nvme["memory"]["host"] - grads < nvme["state_bytes"] / 10, f"{where}: {nvme['memory']}, {grads}"
 
 
 def test_offload_in_bf16_is_bitwise(results):
@@ -329,12 +339,38 @@ def test_no_collective_is_handed_a_host_held_tensor_of_parameter_offload(results
         spied = [(f"training, offload={kind}", run["spy"])
                  for kind, run in by_stage["ZeRO-3, parameters offloaded"].items() if "spy" in run]
         spied += [(f"saving {name}", r["spy"]) for name, r in resumed.items() if name.startswith("params")]
-        assert len(spied) == 3, spied
+        spied += [(f"ZeRO-2 host gradient shards, {where}, offload={kind}", run["spy"])
+                  for where, runs in (("pp=2 x dp=2", by_stage[2]), ("tp=2 x dp=2", by_stage["tp=2 x dp=2, ZeRO-2"]))
+                  for kind, run in runs.items() if "spy" in run]
+        assert len(spied) == 6, spied
         for what, (bad, seen) in spied:
             assert not bad, f"rank {rank}, {what}: {bad[:5]} ({seen} tensors checked)"
             assert seen.get("all_gather" if what.startswith("saving") else "all_reduce", 0) > 0, (rank, what, seen)
         assert control["seen"] == 3 and len(control["bad"]) == 2, f"rank {rank}: {control}"
         assert control["bad"][0].startswith("a host shard") and control["bad"][1].startswith("off the device")
+
+
+def test_zero_2_offload_keeps_the_gradient_shards_in_host_memory_as_reduced(results):
+    """ZeRO-2 with offload: each bucket's gradient shard is the offload's host buffer (what every
+    reduced shard is added into, pass by pass), so the device holds only the buckets in flight; the
+    shards count under "host" (they are the ones the spy checks no collective is handed, in
+    test_no_collective_is_handed_a_host_held_tensor_of_parameter_offload); the bits are
+    test_offload_is_bitwise_no_offload_at_zero_1_2_3's. Below ZeRO-2 no shard is host-held."""
+    for rank, (by_stage, *_) in enumerate(results):
+        for where, runs in (("pp=2 x dp=2", by_stage[2]), ("tp=2 x dp=2", by_stage["tp=2 x dp=2, ZeRO-2"])):
+            base = runs["none"]
+            assert not base["shards on host"]
+            for kind, run in runs.items():
+                if kind == "none":
+                    continue
+                said = f"rank {rank}, {where}, offload={kind}"
+                assert run["shards on host"], said
+                assert run["memory"]["grads"] == run["inflight"] > 0, (said, run["memory"], run["inflight"])
+                assert base["memory"]["grads"] > run["memory"]["grads"], (said, base["memory"], run["memory"])
+                shards = base["memory"]["grads"] - base["inflight"]
+                assert run["memory"]["host"] >= shards > 0, (said, run["memory"], shards)
+        for stage in (1, 3):
+            assert not any(run["shards on host"] for run in by_stage[stage].values()), f"rank {rank}, ZeRO-{stage}"
 
 
 def test_gather_rows_gathers_on_the_device_it_is_given_and_gives_back_on_the_shards(monkeypatch):

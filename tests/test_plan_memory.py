@@ -461,7 +461,7 @@ def test_plan_offers_context_parallelism_when_activations_dominate(capsys):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_the_plan_counts_the_host_memory_offload_keeps(precision):
+def test_the_plan_counts_the_host_memory_offload_keeps(precision, tmp_path):
     """Llama small, one process, AdamW, `optimizer.offload=cpu`, two steps (the second one's
     early step saves moments that exist): the plan's host bytes equal what the optimizer holds
     in host memory (master parts, moments, host gradient buffers) exactly; with the early step
@@ -472,10 +472,13 @@ def test_the_plan_counts_the_host_memory_offload_keeps(precision):
     from pipekit.topology import Topology
 
     held = {}
-    for offload, overlap in (("cpu", "false"), ("cpu", "true"), ("none", "false")):
+    for offload, overlap, zero in (("cpu", "false", 0), ("cpu", "true", 0), ("none", "false", 0),
+                                   ("cpu", "false", 2), ("nvme", "false", 2)):
         run = load_run(LLAMA, [*LLAMA_SMALL, "parallel.pp=1", "schedule.microbatches=2", f"train.precision={precision}",
-                               f"optimizer.offload={offload}", f"optimizer.offload_overlap={overlap}"])
-        planned = memplan.state_memory(memplan.rank_params(run, memplan.layer_params(run)), run, 0).host
+                               f"optimizer.offload={offload}", f"optimizer.offload_overlap={overlap}",
+                               f"optimizer.zero_stage={zero}", f"optimizer.offload_dir={tmp_path}"])
+        memory = memplan.state_memory(memplan.rank_params(run, memplan.layer_params(run)), run, zero)
+        planned = memory.host
         if offload == "none":
             assert planned == 0
             continue
@@ -483,6 +486,13 @@ def test_the_plan_counts_the_host_memory_offload_keeps(precision):
         batches = synthetic_batches(model_vocab(run.model), 4, run.config.train.seq_len, seed=0)
         for _ in range(2):
             engine.train_batch(next(batches))
-        real = held[overlap] = engine.optimizer.memory_bytes()["host"]
+        bytes_ = engine.optimizer.memory_bytes()
+        real = held[overlap, zero, offload] = bytes_["host"]
+        if zero == 2:  # the gradient shards are host memory: none on the device but the buckets in flight;
+            # the two staging buffers (one bucket's shard each) are what the plan leaves out
+            assert memory.grads == 0 and bytes_["grads"] == engine.optimizer.peak_inflight_bytes, (memory, bytes_)
+            staging = sum(t.numel() * t.element_size() for t in engine.optimizer.offload._staging)
+            assert staging > 0 and real == planned + staging, (offload, real, planned, staging)
+            continue
         assert real == (planned if overlap == "false" else pytest.approx(planned, rel=1e-3, abs=0)), (real, planned)
-    assert held["true"] > 1.5 * held["false"]  # the early step's saved copy is counted, not left out
+    assert held["true", 0, "cpu"] > 1.5 * held["false", 0, "cpu"]  # the early step's saved copy is counted

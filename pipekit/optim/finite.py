@@ -45,8 +45,8 @@ class Marks:
         return self.values[start:start + self.microbatches]
 
     def mark_grads(self, grads: list[torch.Tensor]) -> None:
-        for g in grads:
-            self.grads.copy_(torch.maximum(self.grads, (~torch.isfinite(g)).any().float()))
+        for g in grads:  # a host gradient (ZeRO-2 offload): its flag onto the marks' device
+            self.grads.copy_(torch.maximum(self.grads, (~torch.isfinite(g)).any().float().to(self.values.device)))
 
     def mark_losses(self, losses: list[torch.Tensor], weights: torch.Tensor) -> None:
         """Each microbatch's loss (`weights`: what it counts for; 0: not at all, not marked)."""

@@ -8,7 +8,12 @@ its step runs on the CPU, one bucket at a time:
     gradient    the bucket's reduced, unscaled and clipped gradient (on the device, where
                 the norm and the non-finite check were made as without offload) is copied
                 into a host buffer: pinned and asynchronous on CUDA, one buffer per bucket
-                for `cpu` (the gradient shards live on the host), two in turn for `nvme`
+                for `cpu`, a fresh one per bucket for `nvme`. At ZeRO-2 the gradient shards
+                themselves live in host memory instead (`add_grad`): each bucket's reduced
+                shard, every backward pass, is copied out as soon as its reduce-scatter is
+                done (pinned, asynchronous, through two staging buffers in turn) and added
+                into the host shard, so the device holds only the buckets in flight; the
+                norm, the non-finite check and the clipping then read the host shards
     step        the wrapped optimizer steps that bucket's pieces only (the others have no
                 `.grad` at that moment, so torch's optimizers pass them by): the same
                 per-element arithmetic as one step over all of them
@@ -49,9 +54,10 @@ are those of the step after the verdict, and the cost is one more copy of the of
 in host memory, plus a second step wherever clipping acts. A stage holding a tied layer still
 waits for its tied partner's gradient (summed over pp before the step).
 
-Not here (yet): offloading the gradient shards of ZeRO-2/3 as they are reduced (they are
-reduced on the device, then copied at the step), and an early step for `nvme` (its state is
-paged through files, which a put-back would have to rewrite).
+ZeRO-1 keeps whole gradients on the device by definition (its reduce-scatter is at the last
+pass, into a shard of the whole bucket), and ZeRO-3's are reduced by FSDP at the step itself, so
+theirs are copied to the host there, as reduced. Not here (yet): an early step for `nvme` (its
+state is paged through files, which a put-back would have to rewrite).
 """
 
 from __future__ import annotations
@@ -153,6 +159,20 @@ class Offload:
             device = next((b.param_buf.device for b in buckets), torch.device("cpu"))
         self.pinned = pin_memory and device.type == "cuda" and kind == "cpu"  # nvme pages its storages: pageable
         self.host_grads: list[torch.Tensor | None] = [None] * len(buckets)  # cpu: one per bucket, kept
+        # ZeRO-2: the gradient shards themselves in host memory (never paged: pinned either way), each
+        # bucket's reduced shard added in as reduced (`add_grad`), through two staging buffers in turn
+        self.grads_on_host = stage.shards_grads
+        self.pin_grads = pin_memory and device.type == "cuda"
+        self._staging: list[torch.Tensor] = []  # free staging buffers
+        self._pending: list[tuple[Any, torch.Tensor, torch.Tensor, int]] = []  # (event, buffer, shard, n), oldest first
+        if self.grads_on_host:
+            for bi, b in enumerate(buckets):
+                if b.grad_shard is not None:
+                    b.grad_shard = torch.zeros(b.grad_shard.shape, dtype=b.grad_shard.dtype, pin_memory=self.pin_grads)
+                    self.host_grads[bi] = b.grad_shard
+            widest_shard = max((g.numel() for g in self.host_grads if g is not None), default=0)
+            dtype = next((g.dtype for g in self.host_grads if g is not None), torch.float32)
+            self._staging = [torch.empty(widest_shard, dtype=dtype, pin_memory=self.pin_grads) for _ in range(2)]
         self.inner: torch.optim.Optimizer | None = None
         self.flats: list[dict[str, torch.Tensor]] = [{} for _ in buckets]  # nvme: per-element entries, flat
         self.resident_now: set[int] = set()
@@ -183,6 +203,35 @@ class Offload:
     def attach(self, inner: torch.optim.Optimizer | None) -> None:
         """The wrapped optimizer, built over `pieces`."""
         self.inner = inner
+
+    # ---- ZeRO-2: the gradient shards in host memory, as reduced ------------------------------
+    def add_grad(self, b: Bucket, reduced: torch.Tensor) -> None:
+        """Add bucket `b`'s reduced shard `reduced` (on the device; its buffer may be freed at
+        once) into its host gradient shard: copied into a staging buffer (pinned: asynchronous,
+        an event marks its landing), added on the host when that buffer is needed again or at
+        `flush`. Oldest first, so each shard meets its passes' gradients in order."""
+        if not self._staging:
+            self._land(self._pending.pop(0))
+        buf, n = self._staging.pop(), reduced.numel()
+        buf[:n].copy_(reduced, non_blocking=self.pin_grads)
+        event = None
+        if self.pin_grads:
+            event = torch.cuda.Event()
+            event.record()
+        assert b.grad_shard is not None and b.grad_shard.numel() == n
+        self._pending.append((event, buf, b.grad_shard, n))
+
+    def _land(self, pending: tuple[Any, torch.Tensor, torch.Tensor, int]) -> None:
+        event, buf, shard, n = pending
+        if event is not None:
+            event.synchronize()
+        shard.add_(buf[:n])
+        self._staging.append(buf)
+
+    def flush(self) -> None:
+        """Every staged gradient added into its host shard (before anything reads them)."""
+        while self._pending:
+            self._land(self._pending.pop(0))
 
     # ---- the step -------------------------------------------------------------------
     def step(self, grads: list[torch.Tensor], touched: set[int], hyper: Callable[[int], dict]) -> None:
@@ -321,7 +370,10 @@ class Offload:
 
     def _host_grad(self, bi: int, grad: torch.Tensor) -> torch.Tensor:
         """`grad` (the device's, unscaled and clipped) in a host buffer: bucket `bi`'s own (cpu),
-        or a fresh one freed after the step (nvme)."""
+        or a fresh one freed after the step (nvme). At ZeRO-2 `grad` is in host memory already
+        (the host shard, or its copy in the master dtype): itself."""
+        if self.grads_on_host:
+            return grad
         buf = self.host_grads[bi]
         if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
             buf = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=self.pinned)
@@ -433,6 +485,7 @@ class Offload:
         held = self.resident_now if self.kind == "nvme" else range(len(self.buckets))  # nvme: the pages in use
         total = sum(t.numel() * t.element_size() for bi in held for t in self._tensors(bi))
         total += sum(g.numel() * g.element_size() for g in self.host_grads if g is not None)
+        total += sum(t.numel() * t.element_size() for t in self._staging + [p[1] for p in self._pending])
         if self.kind == "cpu" and self.inner is not None:
             total += sum(v.numel() * v.element_size() for s in self.inner.state.values() for v in s.values()
                          if isinstance(v, torch.Tensor) and v.numel() > 1)

@@ -72,6 +72,9 @@ class Reducer:
         self.free = {id(p): (b, p) for b in buckets for p in b.params if HOOK_FREE and self.needs_no_hook(b, p)}
         self.views: dict[int, tuple[torch.Tensor, int]] = {}  # id(p) -> (its p.grad view, version last seen)
         self.read = False  # read_touched ran since the last zero_grad
+        # ZeRO-2 with offload: the gradient shards are host memory (`Offload.add_grad` adds each reduced
+        # shard in; `flush` before they are read); their collectives go through the device
+        self.host_shards: Any = None
 
     def needs_no_hook(self, b: Bucket, p: nn.Parameter) -> bool:
         return (b.dp_group is None and not self.stage.shards_grads and b.shard_group is None
@@ -191,7 +194,10 @@ class Reducer:
             work.wait()
         if self.stage.shards_grads:  # add the reduced shard into this rank's gradient shard; free the bucket
             assert b.grad_shard is not None and b.grad_buf is not None  # stage 2: a launched bucket
-            b.grad_shard.add_(b.grad_buf[b.shard])
+            if self.host_shards is not None:
+                self.host_shards.add_grad(b, b.grad_buf[b.shard])  # offload: into the host shard
+            else:
+                b.grad_shard.add_(b.grad_buf[b.shard])
             b.grad_buf = None
 
     def drain(self) -> None:
@@ -215,11 +221,24 @@ class Reducer:
                     self.launch(b)
             self.dirty = False
         self.drain()
+        if self.host_shards is not None:
+            self.host_shards.flush()
         tie_groups = getattr(self.module, "tie_groups", {})
         for b in self.buckets:
             if isinstance(b.segment, str) and b.segment in tie_groups:
-                dist.all_reduce(self.owned_grad(b), group=tie_groups[b.segment])
+                self.all_reduce(self.owned_grad(b), tie_groups[b.segment])
         self.sum_tp_partial()
+
+    def all_reduce(self, t: torch.Tensor, group) -> None:
+        """Sum `t` over `group`; a host gradient shard (offload) through a copy on the topology's
+        device (NCCL takes no host tensor)."""
+        if self.host_shards is None:
+            dist.all_reduce(t, group=group)
+            return
+        assert self.topology is not None  # tied segments and tp are a PipelineModule's
+        on_device = t.to(self.topology.device, copy=True)
+        dist.all_reduce(on_device, group=group)
+        t.copy_(on_device)
 
     def read_touched(self) -> None:
         """The hook-free parameters (`free`) that got a gradient this step: those whose own
@@ -273,7 +292,7 @@ class Reducer:
         if not pieces:
             return
         flat = torch.cat(pieces)
-        dist.all_reduce(flat, group=group)
+        self.all_reduce(flat, group)
         torch._foreach_copy_(pieces, list(flat.split([t.numel() for t in pieces])))
 
     def take_sharded_grads(self, touched: set[int]) -> None:
@@ -306,6 +325,8 @@ class Reducer:
         parameters' own dtype (stages 0, 1), each `p.grad` becomes a view of it."""
         self.touched.clear()
         self.read = False
+        if self.host_shards is not None:
+            self.host_shards.flush()  # nothing staged lands in a shard after it is zeroed
         self.arm(p for b in self.buckets for p in b.params)
         for b in self.buckets:
             buf = None if self.stage.shards_grads else b.grad_buf  # stage 2: freed when reduced; starts anew

@@ -99,7 +99,7 @@ class Updater:
             for start, end in b.counted_ranges:
                 lo, hi = max(start, first), min(end, first + g.numel())
                 if lo < hi:
-                    part += g[lo - first:hi - first].double().pow(2).sum()
+                    part += g[lo - first:hi - first].double().pow(2).sum().to(device)  # ZeRO-2 offload: host g
         total = torch.zeros((), dtype=torch.float64, device=device)
         for groups, part in by_group.items():
             for group in groups:  # its dp shards, then (experts) the other ranks' experts

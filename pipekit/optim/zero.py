@@ -96,6 +96,10 @@ A parameter that got no gradient anywhere in its dp group this step (an expert
 that received no tokens) is skipped by the wrapped optimizer, as torch's skip a
 .grad of None: it sees each parameter's part of a shard as pieces of its own.
 
+Offload (`offload="cpu"|"nvme"`, offload.py): master weights and optimizer state in host
+memory or files, the step on the CPU; at stage 2 the gradient shards are host memory too (each
+reduced shard added in as reduced), so the device's gradients are only the buckets in flight.
+
 Parameter offload (stage 3, `offload_params="cpu"`): FSDP keeps the parameter shards
 and their reduced gradients in host memory between uses (fsdp.py); their master
 weights and optimizer state are then host memory too and the step is offload.py's
@@ -246,6 +250,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reducer = Reducer(self.buckets, self.sharding, comm, grad_dtype=self.grad_dtype,
                                 max_inflight=max_inflight, module=self.module, topology=self.topology,
                                 fsdp_reduces=bool(self.sharded_layers), hook=self._on_grad)
+        if self.offload is not None and self.offload.grads_on_host:
+            self._reducer.host_shards = self.offload
         self._updater = Updater(self.buckets, self.sharding, comm, self.module, topology=self.topology,
                                 master_dtype=self.master_dtype, fused=self.fused, bucket_numel=self.bucket_numel,
                                 offloaded=self.offload is not None)
@@ -423,8 +429,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         coef = None
         if not skipped and self.clip_grad_norm is not None:
             coef = self._clip_coef(self.clip_grad_norm)
-            for g in grads:
-                g.mul_(coef)  # as without overlap: the device's gradients are clipped too
+            if not self.offload.grads_on_host:  # ZeRO-2's host shards are the early step's: finish clips them
+                for g in grads:
+                    g.mul_(coef)  # as without overlap: the device's gradients are clipped too
         self.offload.finish(early, skip=skipped, coef=coef)
         if skipped:
             self._updater.drop_grads()
@@ -488,8 +495,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _clip(self, grads: list[torch.Tensor], max_norm: float) -> None:
         """Scale the gradients so that their global norm is at most `max_norm`, on the device."""
         coef = self._clip_coef(max_norm)
-        for g in grads:
-            g.mul_(coef)
+        on: dict[torch.device, torch.Tensor] = {coef.device: coef}
+        for g in grads:  # ZeRO-2 offload: host shards, times the coefficient read once onto the host
+            if g.device not in on:
+                on[g.device] = coef.to(g.device)
+            g.mul_(on[g.device])
 
     def _clip_coef(self, max_norm: float) -> torch.Tensor:
         """The clipping coefficient of the global gradient norm, on the device; the norm is
@@ -525,7 +535,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         shards_grads = self.sharding.shards_grads
         params = sum(nbytes(b.param_buf) for b in self.buckets if not b.host)  # host-held shards: under "host"
-        grads = sum(nbytes(b.grad_shard) if shards_grads else nbytes(b.grad_buf) for b in self.buckets)
+        on_host = self.offload is not None and self.offload.grads_on_host  # ZeRO-2's shards: under "host"
+        grads = sum(0 if on_host else nbytes(b.grad_shard) if shards_grads else nbytes(b.grad_buf)
+                    for b in self.buckets)
         if shards_grads:
             grads += self.peak_inflight_bytes
         if self.offload is not None:

@@ -232,7 +232,7 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
     experts) is whole already: nothing is gathered and its gradients are the `grads`
     component. Frozen parameters: their weights, whole, and nothing else. With
     `optimizer.offload` (cpu, nvme) the master weights and optimizer state are not on the
-    device: they count nothing here; with `optimizer.offload_params=cpu` (stage 3) neither are
+    device, nor ZeRO-2's gradient shards: they count nothing here (`host`); with `optimizer.offload_params=cpu` (stage 3) neither are
     the sharded parameters (what is gathered still is)."""
     policy, o = run.precision, run.config.optimizer
     width, grad = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
@@ -246,27 +246,33 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
         # master weights and state with them; the step's gradient shard is a device buffer (counted)
         params_on_host = o.offload_params == "cpu" and zero >= 3 and shards > 1
         mem.params += (not params_on_host) * n * width / (shards if zero >= 3 else 1)
-        mem.grads += n * grad / (shards if zero >= 2 else 1)
+        # ZeRO-2 with offload: the gradient shard is host memory, each reduced shard added in as reduced
+        grads_on_host = zero == 2 and o.offload != "none"
+        mem.grads += (not grads_on_host) * n * grad / (shards if zero >= 2 else 1)
         on_device = o.offload == "none" and not params_on_host
         mem.master += on_device * n * master / (shards if zero >= 1 else 1)
         mem.optimizer += on_device * n * moments / (shards if zero >= 1 else 1)
-        mem.host += host_state(n / (shards if zero >= 1 else 1), run, params_on_host, moments)
+        mem.host += host_state(n / (shards if zero >= 1 else 1), run, params_on_host, moments, zero)
         if zero >= 3 and shards > 1:
             mem.gathered += whole * width
             mem.unsharded_grads += n * grad
     return mem
 
 
-def host_state(owned: float, run: Run, params_on_host: bool, moments: int) -> float:
+def host_state(owned: float, run: Run, params_on_host: bool, moments: int, zero: int = 0) -> float:
     """Host bytes offload keeps for `owned` trained parameters (a rank's shard): with
     `optimizer.offload=cpu` (or parameter offload) their master part (float32 even for a
     float32 model: a host tensor of its own; with parameter offload the shard itself, plus its
-    float32 copy when mixed), the optimizer's moments and one host gradient buffer; the early
-    step (`optimizer.offload_overlap`) keeps a second copy of the float32 master and the moments
-    to put back. `moments`: bytes per parameter (`state_memory`'s). `nvme` keeps a few buckets
-    at a time (its state is in files): counted 0 here."""
+    float32 copy when mixed), the optimizer's moments and one host gradient buffer (at ZeRO-2
+    the gradient shard itself, in the reduce dtype); the early step (`optimizer.offload_overlap`)
+    keeps a second copy of the float32 master and the moments to put back. `moments`: bytes per
+    parameter (`state_memory`'s). `nvme` keeps a few buckets at a time (its state is in files):
+    counted 0 here but for ZeRO-2's gradient shard, which stays in memory. Not counted: ZeRO-2's
+    two staging buffers of one bucket's shard each."""
     o, policy = run.config.optimizer, run.precision
-    if o.offload == "nvme" or (o.offload == "none" and not params_on_host):
+    if o.offload == "nvme":
+        return owned * policy.reduce_dtype.itemsize if zero == 2 else 0.0
+    if o.offload == "none" and not params_on_host:
         return 0.0
     m = policy.master_dtype.itemsize
     master = (policy.param_dtype.itemsize + (m if policy.mixed else 0)) if params_on_host else m
