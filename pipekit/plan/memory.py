@@ -232,8 +232,9 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
     experts) is whole already: nothing is gathered and its gradients are the `grads`
     component. Frozen parameters: their weights, whole, and nothing else. With
     `optimizer.offload` (cpu, nvme) the master weights and optimizer state are not on the
-    device, nor ZeRO-2's gradient shards: they count nothing here (`host`); with `optimizer.offload_params=cpu` (stage 3) neither are
-    the sharded parameters (what is gathered still is)."""
+    device, nor ZeRO-2's gradient shards: they count nothing here (`host`); with
+    `optimizer.offload_params=cpu` (stage 3) neither are the sharded parameters (what is
+    gathered still is)."""
     policy, o = run.precision, run.config.optimizer
     width, grad = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
     master = policy.master_dtype.itemsize if policy.mixed else 0
