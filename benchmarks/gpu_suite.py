@@ -493,6 +493,37 @@ def fp16_check(device: torch.device) -> str:
             f"{scaler.skipped_steps} skipped")
 
 
+def overlap_check(device: torch.device, steps: int) -> str:
+    """schedule overlap (forwards on side streams beside backwards, `pipekit.lanes`) against no
+    overlap: a Mixtral-style model, 1F1B at pp=1 over 4 microbatches, fp32, the same losses; the
+    median step of each. One card, so ep=1: the all-to-all hidden behind compute needs two."""
+    from pipekit.schedules import build_schedule
+
+    cfg = get_model("mixtral", "tiny", n_layers=2, dim=128, hidden=256, n_heads=4, n_kv_heads=2, vocab_size=256,
+                    max_seq_len=64, n_experts=8, top_k=2)
+    ids = torch.randint(0, cfg.vocab_size, (8, 65), generator=generator(device, 0), device=device)
+    batch = (ids[:, :-1], ids[:, 1:])
+    out = {}
+    for overlap in (False, True):
+        module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), seed=0,
+                                        schedule=build_schedule("1f1b", 1, 4, overlap=overlap),
+                                        topology=pipekit.Topology(pp=1, dp=1, device=device.type))
+        engine = pipekit.PipelineEngine(module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+        losses, times = [], []
+        for _ in range(steps):
+            sync(device)
+            t0 = time.perf_counter()
+            losses.append(engine.train_batch(batch, reduce_loss=True))
+            times.append(time.perf_counter() - t0)
+        out[overlap] = (losses, 1e3 * statistics.median(times[1:] or times))
+    diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(out[True][0], out[False][0]))
+    if diff > BOUND[torch.float32]:
+        raise AssertionError(f"losses with overlap {errors_text(out[True][0])} differ from without "
+                             f"{errors_text(out[False][0])} by {diff:.2g}")
+    return (f"{steps} steps, losses agree to {diff:.2g}; median step {out[False][1]:.1f} ms without, "
+            f"{out[True][1]:.1f} ms with overlap ({out[True][1] / out[False][1]:.2f}x)")
+
+
 def compile_check(device: torch.device, backend: str) -> str:
     """torch.compile of one Llama block against the same block eager, forward and backward, fp32."""
     cfg = get_model("llama", "tiny", n_layers=1, dim=128)
@@ -541,6 +572,7 @@ def section_checks(sz: Sizes, device: torch.device, smoke: bool, report: Report,
          lambda: grouped_mm_check(sz, device, torch.float32 if smoke else torch.bfloat16)),
         ("fp16 + ZeroOptimizer + LossScaler", lambda: fp16_check(device)),
         ("torch.compile of a Llama block", lambda: compile_check(device, "eager" if smoke else "inductor")),
+        ("schedule.overlap on side streams vs off (MoE, 1F1B)", lambda: overlap_check(device, 2 if smoke else 6)),
     ]
     lines = [f"Error: max |got - want| / max |want| per output and gradient; bounds {BOUND[torch.float32]:g} in "
              f"fp32, {BOUND[torch.bfloat16]:g} in bf16/fp16. Kernel checks at {sz.check_tokens} tokens, "

@@ -806,7 +806,7 @@ def _check_layer_choices(cfg: Config, specs: list, num_stages: int) -> None:
 def _check_dp_shard(cfg: Config) -> None:
     """parallel.dp_shard divides parallel.dp and shards only ZeRO-3's parameters; ZeRO-3 and
     overlapped schedules do not combine yet (`pipekit.rules`)."""
-    _rule(rules.check_overlap, cfg.schedule.overlap, "auto", cfg.optimizer.zero_stage)
+    _rule(rules.check_overlap, cfg.schedule.overlap, cfg.optimizer.zero_stage)
     _rule(rules.check_dp_shard, cfg.parallel.dp_shard, cfg.parallel.dp, cfg.optimizer.zero_stage)
 
 
@@ -815,11 +815,10 @@ def _check_device(cfg: Config) -> None:
 
     Workers on this node: torchrun's LOCAL_WORLD_SIZE when set (inside a worker, or
     a multi-node launch), else pp*dp*tp (`pipekit train` starts them all here).
-    "auto" never fails: it falls back to the CPU. Overlapped schedules run on the CPU only.
+    "auto" never fails: it falls back to the CPU.
     """
     if cfg.train.device != "cuda":
         return
-    _rule(rules.check_overlap, cfg.schedule.overlap, "cuda", cfg.optimizer.zero_stage)
     try:
         resolve_device("cuda", local_workers(cfg.world_size))
     except ValueError as e:

@@ -78,6 +78,7 @@ import torch.distributed as dist
 
 from . import auxloss, comm, split_backward
 from .handshake import InputShapes
+from .lanes import Lanes
 from .layers.context import shard_sequence
 from .microbatch import Microbatches, all_tensors, cast_floats, leaf, next_batch, rebuild, split_microbatches, to_device
 from .optim import Marks, Skip, ZeroOptimizer
@@ -230,19 +231,21 @@ class PipelineEngine:
                                   self.num_microbatches)
         self._step_layers = auxloss.step_layers(module)  # layers with work around a step (auxloss.StepStatistic)
         self._peers = [self.topo.global_rank(module.stage_rank(s)) for s in range(module.num_stages)]  # global ranks
+        self.lanes: Lanes | None = None  # an OVERLAP's forward streams, made with the twin groups
         if self.schedule.overlaps:
             self._open_lanes()
 
     def _open_lanes(self) -> None:
-        """Before the first OVERLAP: backward collectives get their own groups (`pipekit.comm.lane`)."""
-        device = self.topo.device.type  # on a GPU refused before the optimizer is asked
-        sharded = device != "cuda" and self.optimizer is not None and self.optimizer.sharded_layers
+        """Before the first OVERLAP: backward collectives get their own groups (`pipekit.comm.lane`),
+        forwards their side streams (`pipekit.lanes.Lanes`)."""
+        sharded = self.optimizer is not None and self.optimizer.sharded_layers
         try:
-            check_overlap(True, device, 3 if sharded else 0)
+            check_overlap(True, 3 if sharded else 0)
         except ValueError as e:
             raise ValueError(f"schedule {self.schedule.name!r} (OVERLAP actions): {e}") from None
         if dist.is_initialized():
             comm.use_backward_twins(self.topo.backward_twins())
+        self.lanes = Lanes(self.topo.device)
 
     # ---- what the optimizer reports ---------------------------------------
     @property
@@ -435,8 +438,11 @@ class PipelineEngine:
     # ---- the action loop ----------------------------------------------
     def _run(self, actions: list[Action], batch, *, training: bool) -> Step:
         """Run one action list over `batch`; the Step it leaves (also `self.step_state`)."""
+        self._refuse_autocast(training)
         micro_in, micro_labels = self._prepare(batch)
         step = self.step_state = Step(actions, training, micro_in, micro_labels)
+        if self.lanes is not None:
+            self.lanes.new_step()
         uniform = not isinstance(batch, Microbatches)  # an even split: every microbatch shaped as the first
         step.io = self._ios(self._shapes.examples(micro_in, step.posted, uniform=uniform))
         step.loss = StepLoss.weigh(self.module, micro_labels, self.topo)
@@ -459,6 +465,18 @@ class PipelineEngine:
         leftover = step.leftover() if training else []
         assert not leftover, f"rank {self.topo.rank}: unconsumed activations/grads after the step: {leftover}"
         return step
+
+    def _refuse_autocast(self, training: bool) -> None:
+        """torch.autocast around a step: refused in one line. The stages' output dtypes are
+        predicted on the meta device, which autocast does not cover, and they size every
+        message between stages; pipekit's own precision policy does what autocast would."""
+        kind = self.topo.device.type
+        if torch.is_autocast_enabled(kind):
+            raise ValueError(f"{'train_batch' if training else 'eval_batch'} ran under torch.autocast({kind!r}, "
+                             f"dtype={torch.get_autocast_dtype(kind)}), which pipekit does not take: its stages' "
+                             "dtypes size the messages between them; set the precision on the module instead, "
+                             "PipelineModule(..., precision=\"bf16\") (config: train.precision=bf16; float32 "
+                             "master weights in the optimizer), and step outside the autocast")
 
     def _handler(self, action: Action) -> Handler:
         handler = self.handlers.get(action.kind)
@@ -524,16 +542,17 @@ class PipelineEngine:
         """OVERLAP: the forward on a second thread while this one runs the backward, so the
         collectives inside either wait while the other computes (torch and gloo let go of the
         GIL in both). Each lane keeps its collectives in program order on its own groups
-        (`pipekit.comm.lane`); the two touch different (stage, microbatch) entries of the step."""
-        assert a.pair is not None  # an OVERLAP is made with its pair (Action.overlap)
+        (`pipekit.comm.lane`) and its kernels on its own stream (`pipekit.lanes`: the forward on
+        a side stream, joined after); the two touch different (stage, microbatch) entries of the step."""
+        assert a.pair is not None and self.lanes is not None  # an OVERLAP is made with its pair (Action.overlap)
         forward, backward = a.pair
         failed: list[BaseException] = []
-        grad = torch.is_grad_enabled()
+        run, join = self.lanes.forward_lane((forward.stage, forward.microbatch),
+                                            (backward.stage, backward.microbatch))
 
         def run_forward():
             try:
-                with torch.set_grad_enabled(grad):
-                    self._forward(st, forward)
+                run(lambda: self._forward(st, forward))
             except BaseException as e:  # re-raised on this thread below
                 failed.append(e)
 
@@ -543,6 +562,7 @@ class PipelineEngine:
             self._handler(backward)(self, st, backward)
         finally:
             thread.join()
+            join()
         if failed:
             raise failed[0]
 

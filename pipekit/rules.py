@@ -67,17 +67,12 @@ def check_dp_shard(dp_shard, dp: int, stage: int | None = None, names: Mapping[s
                          f"shard the parameters; the rest replicate them); use one of {divisors(dp)}")
 
 
-def check_overlap(overlap: bool, device: str, stage: int, names: Mapping[str, str] = API) -> None:
-    """Overlapped schedules (a forward beside a backward on two threads) run on the CPU only
-    (on a GPU each needs a CUDA stream, not built yet), and not with ZeRO-3 (FSDP's gathers and
-    per-layer state are not made for two threads at once). `device`: "cpu", "cuda" or "auto"
-    ("auto" may still land on the CPU: not refused here)."""
+def check_overlap(overlap: bool, stage: int, names: Mapping[str, str] = API) -> None:
+    """Overlapped schedules (a forward beside a backward on two threads, on two streams on a
+    GPU: `pipekit.lanes`) run with ZeRO 0-2, not ZeRO-3 (FSDP's gathers and per-layer state
+    are not made for two threads at once)."""
     if not overlap:
         return
-    if device == "cuda":
-        raise ValueError(f"{_say(names, 'overlap', True)} runs forwards beside backwards on two threads, on the CPU "
-                         "(gloo) only for now: on a GPU they need a CUDA stream each, not built yet; with "
-                         f"{_say(names, 'device', 'cuda')} set {_say(names, 'overlap', False)}")
     if stage == 3:
         raise ValueError(f"{_say(names, 'stage', 3)} cannot run with {_say(names, 'overlap', True)} yet (FSDP's "
                          "gathers and per-layer state are not made for a forward and a backward on two threads "

@@ -23,7 +23,8 @@ HANG_S = 900
 CHECKS = ("rms_norm float32", "rms_norm + residual float32", "layer_norm + residual float32",
           "apply_rotary float32", "swiglu float32", "geglu float32", "linear_cross_entropy float32",
           "moe triton gemm float32", "NCCL path at world size 1", "torch._grouped_mm vs the loop gemm",
-          "fp16 + ZeroOptimizer + LossScaler", "torch.compile of a Llama block", "fused adamw float32")
+          "fp16 + ZeroOptimizer + LossScaler", "torch.compile of a Llama block", "fused adamw float32",
+          "schedule.overlap on side streams vs off (MoE, 1F1B)")
 SECTIONS = ("## checks", "## end_to_end", "## offload", "## finetune", "## kernels")
 
 

@@ -107,9 +107,10 @@ def test_overlap_is_refused_where_it_cannot_run_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"1f1b at parallel.pp=1 with schedule.microbatches=1 runs no forward next "
                                           r"to a backward of another microbatch, so nothing would overlap"):
         load_config(None, ["schedule.overlap=true", "parallel.pp=1", "schedule.microbatches=1"])
-    with pytest.raises(ConfigError, match=r"on a GPU they need a CUDA stream each.*set schedule.overlap=false"):
-        load_config(None, ["schedule.overlap=true", "train.device=cuda"])
-    gpu = SimpleNamespace(topo=SimpleNamespace(device=torch.device("cuda", 0)), schedule=SimpleNamespace(name="1f1b"))
-    with pytest.raises(ValueError, match=r"schedule '1f1b' \(OVERLAP actions\): overlap=True runs forwards beside "
-                                         r"backwards .* on the CPU \(gloo\) only"):
-        PipelineEngine._open_lanes(gpu)  # a GPU worker of train.device=auto: refused before any step
+    with pytest.raises(ConfigError, match=r"optimizer.zero_stage=3 cannot run with schedule.overlap=true yet"):
+        load_config(None, ["schedule.overlap=true", "parallel.dp=2", "optimizer.zero_stage=3"])
+    zero3 = SimpleNamespace(topo=SimpleNamespace(device=torch.device("cuda", 0)), schedule=SimpleNamespace(name="1f1b"),
+                            optimizer=SimpleNamespace(sharded_layers=[object()]))
+    with pytest.raises(ValueError, match=r"schedule '1f1b' \(OVERLAP actions\): stage=3 cannot run with "
+                                         r"overlap=True yet"):
+        PipelineEngine._open_lanes(zero3)  # ZeRO-3 through the API, on a GPU as on the CPU
