@@ -1,10 +1,11 @@
 """The early offloaded step (`optimizer.offload_overlap`): step time with it against without, at pp=2.
 
-    python benchmarks/offload_overlap.py [--dim 512] [--layers 4] [--steps 8] [--clip 0]
+    python benchmarks/offload_overlap.py [--dim 512] [--layers 4] [--steps 8] [--clip 0] [--offload cpu|nvme]
 
 What is measured: 2 gloo ranks (pp=2, 1F1B, 4 microbatches of 2 x 64 tokens), a Llama of
 `--layers` blocks (untied embeddings, so no stage waits for a tied partner before its step),
-ZeRO-1 with `offload=cpu`, AdamW. Each rank builds two engines from the same seed, one with
+ZeRO-1 with `offload=cpu` (or `--offload nvme`: the state in files under a temporary
+directory), AdamW. Each rank builds two engines from the same seed, one with
 `offload_overlap` and one without, and times their `train_batch` in alternating rounds (a
 barrier, not timed, before each step) after one first step each; a step's time is its slower
 rank's, the table gives the median and the p10-p90 spread. For the early runs each rank also
@@ -27,12 +28,13 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
 
 
-def worker(dim: int, layers: int, steps: int, clip: float) -> dict:
+def worker(dim: int, layers: int, steps: int, clip: float, offload: str, root: str) -> dict:
     import torch.distributed as dist
 
     import pipekit
@@ -47,8 +49,8 @@ def worker(dim: int, layers: int, steps: int, clip: float) -> dict:
     def engine(overlap: bool):
         module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=topo, seed=0,
                                         schedule="1f1b", microbatches=4)
-        zero = ZeroOptimizer(module, "adamw", stage=1, lr=1e-3, clip_grad_norm=clip or None, offload="cpu",
-                             offload_overlap=overlap)
+        zero = ZeroOptimizer(module, "adamw", stage=1, lr=1e-3, clip_grad_norm=clip or None, offload=offload,
+                             offload_dir=os.path.join(root, str(overlap)), offload_overlap=overlap)
         return pipekit.PipelineEngine(module, optimizer=zero)
 
     engines = {"after the verdict": engine(False), "early (offload_overlap)": engine(True)}
@@ -82,16 +84,19 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--clip", type=float, default=0.0, help="gradient clipping norm (0: none)")
+    ap.add_argument("--offload", choices=("cpu", "nvme"), default="cpu")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from pipekit.testing import run_distributed
 
     load = os.getloadavg()[0]
-    out = run_distributed(worker, 2, args.dim, args.layers, args.steps, args.clip, timeout=1800)
+    with tempfile.TemporaryDirectory() as root:
+        out = run_distributed(worker, 2, args.dim, args.layers, args.steps, args.clip, args.offload, root,
+                              timeout=1800)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
           f"load average before {load:.2f}, after {os.getloadavg()[0]:.2f}")
     print(f"Llama dim {args.dim} x {args.layers} blocks, pp=2 1F1B, 4 microbatches of 2 x 64 tokens, ZeRO-1, "
-          f"offload=cpu, AdamW, clip {args.clip or 'off'}; parameters per rank {[r['params'] for r in out]}")
+          f"offload={args.offload}, AdamW, clip {args.clip or 'off'}; parameters per rank {[r['params'] for r in out]}")
     print("| step | median ms | p10-p90 ms |")
     print("|---|---|---|")
     for name in out[0]["times"]:

@@ -180,9 +180,10 @@ class OptimizerConfig:
     offload_params: str = "none"  # none | cpu: zero_stage=3's parameter shards and their gradients in host memory
     #                               between uses (FSDP2's CPUOffloadPolicy), and so their step on the CPU
     #                               (optimizer.offload=none steps as cpu; nvme keeps the state in files)
-    offload_overlap: bool = False  # offload=cpu: each rank's host step begins as soon as its own gradients are
-    #                                reduced, overlapping the other stages' cooldown (a copy of the state, kept to
-    #                                put back where the step is then skipped or clipped: same bits, 2x host state)
+    offload_overlap: bool = False  # offload=cpu|nvme: each rank's host step begins as soon as its own gradients
+    #                                are reduced, overlapping the other stages' cooldown (cpu: a copy of the state,
+    #                                kept to put back where the step is then skipped or clipped: same bits, 2x host
+    #                                state; nvme: the stepped state to a second file per bucket, kept or dropped)
 
 
 @dataclass
@@ -595,11 +596,10 @@ def _check_optimizer(cfg: Config) -> None:
         raise ConfigError(f"optimizer.fused=true is the GPU kernel, but optimizer.offload={o.offload} steps on the "
                           f"CPU; use optimizer.fused=auto or false with offload")
     _check_offload_params(o)
-    if o.offload_overlap and steps_on(o.offload, o.offload_params) != "cpu":  # ZeroOptimizer's own rule
-        raise ConfigError(f"optimizer.offload_overlap=true begins the host step early, keeping a copy of the state "
-                          f"in host memory to put back: it needs optimizer.offload=cpu (or offload_params=cpu), not "
-                          f"optimizer.offload={o.offload}; set optimizer.offload=cpu, or "
-                          f"optimizer.offload_overlap=false")
+    if o.offload_overlap and steps_on(o.offload, o.offload_params) == "none":  # ZeroOptimizer's own rule
+        raise ConfigError("optimizer.offload_overlap=true begins the host step early: it needs a host step, "
+                          "optimizer.offload=cpu or nvme (or offload_params=cpu), not optimizer.offload=none; set "
+                          "one, or optimizer.offload_overlap=false")
     _check_rules([
         ("optimizer.lr", o.lr, _finite(o.lr) and o.lr > 0, "a finite number > 0"),
         ("optimizer.min_lr", o.min_lr, _finite(o.min_lr) and 0 <= o.min_lr <= o.lr,

@@ -175,6 +175,10 @@ def early(root: str) -> dict:
     out["ZeRO-3, parameters offloaded"] = _run(3, "none", root, params="cpu", overlap=True)
     out["no clipping"] = {kind: _run(2, "cpu", root, clip=None, overlap=kind == "early")
                           for kind in ("cpu", "early")}
+    # nvme: the stepped state to a second file per bucket, kept (no clipping) or dropped (clipped)
+    out["nvme"] = {stage: _run(stage, "nvme", f"{root}/nvme", overlap=True) for stage in (1, 2)}
+    out["nvme, no clipping"] = {kind: _run(1, "nvme", f"{root}/nvme", clip=None, overlap=kind == "early")
+                                for kind in ("nvme", "early")}
     return out
 
 
@@ -183,6 +187,7 @@ def bf16(root: str) -> dict:
     # fp16 from a loss scale of 2^18: the first steps overflow (skipped on every rank), the early step put back
     fp16 = {kind: _run(1, "cpu", root, precision="fp16", scale_power=18, overlap=kind == "early")
             for kind in ("cpu", "early")}
+    fp16["nvme early"] = _run(1, "nvme", f"{root}/fp16", precision="fp16", scale_power=18, overlap=True)
     runs = {kind: _run(1, kind, f"{root}/bf16", precision="bf16") for kind in ("none", "nvme")}
     runs["fp16"] = fp16
     runs["ZeRO-3"] = _run(3, "none", f"{root}/bf16", precision="bf16")
@@ -275,6 +280,17 @@ def test_the_early_step_gives_the_bits_of_the_step_after_the_verdict(results):
         skips = [skip for skip, _ in runs["early"]["steps"]]
         assert skips[0] and not skips[-1], f"rank {rank}: fp16 skips {skips}: no overflow, or no recovery"
         assert all(not kept for skip, kept in runs["early"]["steps"] if skip), f"rank {rank}: a skipped step kept"
+        _same(runs["nvme early"], runs["cpu"], f"rank {rank}, fp16, nvme early step")
+        assert [kept for _, kept in runs["nvme early"]["steps"]] == [kept for _, kept in runs["early"]["steps"]]
+        # nvme: put back from its files where clipped, kept (the second file taken) where not
+        for stage in (1, 2):
+            run = early["nvme"][stage]
+            _same(run, by_stage[stage]["nvme"], f"rank {rank}, ZeRO-{stage}, nvme early step")
+            assert [kept for _, kept in run["steps"]] == [False] * STEPS, f"rank {rank}: clipped nvme steps kept"
+            assert run["peak_resident"] <= 3 and run["resident_after"] == 0, f"rank {rank}: {run['peak_resident']}"
+        plain = early["nvme, no clipping"]
+        _same(plain["early"], plain["nvme"], f"rank {rank}, nvme, no clipping")
+        assert [kept for _, kept in plain["early"]["steps"]] == [True] * STEPS, f"rank {rank}: {plain['early']}"
 
 
 def test_nvme_keeps_a_few_buckets_in_memory_and_the_state_on_disk(results):
@@ -520,20 +536,16 @@ def test_pipekit_train_with_a_ds_config_offloading_to_nvme_gives_the_weights_of_
     assert sorted(off) == sorted(none) and all(torch.equal(off[k], none[k]) for k in none)
 
 
-@pytest.mark.parametrize("given, said", [
-    ([], "it needs optimizer.offload=cpu (or offload_params=cpu), not optimizer.offload=none"),
-    (["optimizer.offload=nvme", "optimizer.offload_dir=/tmp/x"], "not optimizer.offload=nvme"),
-])
-def test_the_early_step_without_cpu_offload_is_refused_before_launch_in_one_line(given, said):
+def test_the_early_step_without_a_host_step_is_refused_before_launch_in_one_line():
     toy = str(ROOT / "configs/toy.yaml")
     with pytest.raises(ConfigError) as e:
-        load_config(toy, ["optimizer.offload_overlap=true", *given])
+        load_config(toy, ["optimizer.offload_overlap=true"])
+    said = "it needs a host step, optimizer.offload=cpu or nvme (or offload_params=cpu), not optimizer.offload=none"
     assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
-    for fine in (["optimizer.offload=cpu"], ["optimizer.zero_stage=3", "optimizer.offload_params=cpu"]):
+    for fine in (["optimizer.offload=cpu"], ["optimizer.offload=nvme", "optimizer.offload_dir=/tmp/x"],
+                 ["optimizer.zero_stage=3", "optimizer.offload_params=cpu"]):
         assert load_config(toy, ["optimizer.offload_overlap=true", *fine]).optimizer.offload_overlap
-    with pytest.raises(ValueError, match="offload_overlap=True .* not offload='nvme'"):
-        ZeroOptimizer(torch.nn.Linear(2, 2), offload="nvme", offload_dir="/tmp/x", offload_overlap=True)
-    with pytest.raises(ValueError, match="not offload='none'"):
+    with pytest.raises(ValueError, match="offload_overlap=True .* not offload='none'"):
         ZeroOptimizer(torch.nn.Linear(2, 2), offload_overlap=True)
 
 

@@ -40,7 +40,7 @@ memory — the shard itself (a float32 model) or its float32 copy —, so `cpu` 
 of copying it again, and "back" writes into the host shard, which FSDP copies to the device
 at its next all-gather.
 
-The early step (`overlap`, `cpu` only; `ZeroOptimizer(offload_overlap=True)`): the step needs a
+The early step (`overlap`, `cpu` or `nvme`; `ZeroOptimizer(offload_overlap=True)`): the step needs a
 world-wide verdict — the non-finite check and the global gradient norm, both collectives over
 every stage — which a pipeline stage whose backward ends first (the last, in 1F1B) would wait
 for, idle, while the others finish their cooldown. Instead, once its own gradients are reduced
@@ -51,13 +51,19 @@ clipped (the coefficient is exactly 1 within the norm) and nothing skipped keeps
 skipped puts every bucket back as it was; clipped puts them back and steps again over the
 gradients times the coefficient — the multiplication the device's gradients get. So the bits
 are those of the step after the verdict, and the cost is one more copy of the offloaded state
-in host memory, plus a second step wherever clipping acts. A stage holding a tied layer still
-waits for its tied partner's gradient (summed over pp before the step).
+in host memory, plus a second step wherever clipping acts. With `nvme` the state is in files,
+so the copy is a file: the early step streams the buckets through memory as the step does
+and writes each one's stepped state to `bucket<i>.next` beside the `bucket<i>.bin` it read
+(each gradient copied to the host just before its bucket steps, one at a time); kept, each
+.next replaces its .bin and the master parts are read back for the parameters; put back,
+the .next files are dropped and only what lives in memory (step counts, entries a first step
+made) is restored, then, clipped, the buckets step again from their files. Host memory stays
+a few buckets; the disk holds the state twice during the step. A stage holding a tied layer
+still waits for its tied partner's gradient (summed over pp before the step).
 
 ZeRO-1 keeps whole gradients on the device by definition (its reduce-scatter is at the last
 pass, into a shard of the whole bucket), and ZeRO-3's are reduced by FSDP at the step itself, so
-theirs are copied to the host there, as reduced. Not here (yet): an early step for `nvme` (its
-state is paged through files, which a put-back would have to rewrite).
+theirs are copied to the host there, as reduced.
 """
 
 from __future__ import annotations
@@ -116,12 +122,11 @@ def steps_on(offload: str, offload_params: str) -> str:
 
 
 def check_overlap(kind: str, overlap: bool) -> None:
-    """ValueError in one line when the early step (`overlap`) is asked of an offload that is not `cpu`
-    (`kind`: `steps_on`'s answer)."""
-    if overlap and kind != "cpu":
-        raise ValueError(f"offload_overlap=True starts the host step before the world's verdict, keeping a copy of "
-                         f"the state to put back: it needs offload='cpu' (or offload_params='cpu'), not "
-                         f"offload={kind!r}")
+    """ValueError in one line when the early step (`overlap`) is asked without a host step
+    (`kind`: `steps_on`'s answer, "none")."""
+    if overlap and kind not in ("cpu", "nvme"):
+        raise ValueError(f"offload_overlap=True starts the host step before the world's verdict: it needs a host "
+                         f"step, offload='cpu' or 'nvme' (or offload_params='cpu'), not offload={kind!r}")
 
 
 @dataclass
@@ -154,6 +159,7 @@ class Offload:
         self._early_pool: ThreadPoolExecutor | None = None  # overlap: the thread the early step runs in
         self._saved: dict[int, dict[int, dict[str, Any] | None]] = {}  # overlap: bucket -> its pieces' saved state
         self._saved_bufs: dict[int, dict[tuple, torch.Tensor]] = {}  # overlap: the copies, kept between steps
+        self._saved_flats: dict[int, set[str]] = {}  # overlap, nvme: the flat entries a bucket had before
         self.last_early: Early | None = None
         if device is None:  # the gradients' device: the buckets' (a host-held shard's are on the topology's)
             device = next((b.param_buf.device for b in buckets), torch.device("cpu"))
@@ -237,23 +243,32 @@ class Offload:
     def step(self, grads: list[torch.Tensor], touched: set[int], hyper: Callable[[int], dict]) -> None:
         """The wrapped optimizer's step, bucket by bucket on the host (module docstring); each
         bucket's updated master part is copied into the parameters' owned part."""
-        order = self._order()
+        self._steps(self._order(), lambda bi: self._host_grad(bi, grads[bi]),
+                    lambda bi: hyper(self.buckets[bi].group_index), touched)
+        if self.pinned:
+            torch.cuda.current_stream().synchronize()  # the host buffers are reused at the next step
+
+    def _steps(self, order: list[int], grad_of: Callable[[int], torch.Tensor], hyper_of: Callable[[int], dict],
+               touched: set[int], *, back: bool = True, to: str = ".bin") -> None:
+        """Step the buckets of `order` over `grad_of(bi)`; `back`: each master into the parameters
+        after its step. nvme: bucket i + 1 read while i steps, i written (to `bucket<i><to>`)
+        behind i + 1; every write done on return."""
+        nvme = self.kind == "nvme"
         reading: dict[int, Future] = {}
-        if order and self.kind == "nvme":
+        if order and nvme:
             reading[order[0]] = self._submit(self._page_in, order[0])
         for n, bi in enumerate(order):
-            if self.kind == "nvme":
+            if nvme:
                 if n + 1 < len(order):  # read the next bucket while this one steps
                     reading[order[n + 1]] = self._submit(self._page_in, order[n + 1])
                 reading.pop(bi).result()
-            self._step_bucket(bi, self._host_grad(bi, grads[bi]), hyper(self.buckets[bi].group_index), touched)
-            self._back(bi)
-            if self.kind == "nvme":
-                self._submit(self._page_out, bi)  # written behind the next bucket's step
+            self._step_bucket(bi, grad_of(bi), hyper_of(bi), touched)
+            if back:
+                self._back(bi)
+            if nvme:
+                self._submit(lambda b: self._page_out(b, to), bi)  # written behind the next bucket's step
         if self._io is not None:
             self._io.submit(lambda: None).result()  # every write done: state on disk, pages given back
-        if self.pinned:
-            torch.cuda.current_stream().synchronize()  # the host buffers are reused at the next step
 
     def _order(self) -> list[int]:
         return [bi for bi, b in enumerate(self.buckets) if b.pieces]
@@ -281,9 +296,11 @@ class Offload:
         and unscaled, not yet clipped) copied to the host here, then, in a background thread,
         each bucket's state saved and stepped as if nothing were clipped or skipped. `finish`
         takes the verdict."""
-        assert self.kind == "cpu" and self.overlap
+        assert self.overlap
         order = self._order()
-        early = Early(order, {bi: self._host_grad(bi, grads[bi]) for bi in order},
+        # nvme: each bucket's gradient copied to the host in the thread, just before its step (one
+        # at a time, as without overlap); the device's gradients are left as they are until `finish`
+        early = Early(order, {bi: grads[bi] if self.kind == "nvme" else self._host_grad(bi, grads[bi]) for bi in order},
                       {bi: hyper(self.buckets[bi].group_index) for bi in order}, touched)
         if self._early_pool is None:
             self._early_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipekit-early-step")
@@ -293,9 +310,15 @@ class Offload:
 
     def _early_steps(self, early: Early) -> None:
         with torch.no_grad():  # a thread of its own: autograd's mode is per thread
-            for bi in early.order:
-                self._save(bi, early.touched)
-                self._step_bucket(bi, early.grads[bi], early.hyper[bi], early.touched)
+            if self.kind == "nvme":  # the stepped state to bucket<i>.next, the files as they were kept
+                for bi in early.order:
+                    self._save_scalars(bi, early.touched)
+                self._steps(early.order, lambda bi: self._host_grad(bi, early.grads[bi]), early.hyper.__getitem__,
+                            early.touched, back=False, to=".next")
+            else:
+                for bi in early.order:
+                    self._save(bi, early.touched)
+                    self._step_bucket(bi, early.grads[bi], early.hyper[bi], early.touched)
         early.done = time.monotonic()
 
     def finish(self, early: Early, *, skip: bool, coef: torch.Tensor | None) -> None:
@@ -308,10 +331,13 @@ class Offload:
         early.future.result()
         clipped = coef is not None and coef.item() != 1.0
         early.kept = not (skip or clipped)
+        self.last_early = early
+        if self.kind == "nvme":
+            self._finish_paged(early, skip=skip, factor=coef.to(device="cpu") if clipped and coef is not None else None)
+            return
         if not early.kept:
             for bi in early.order:
                 self._restore(bi)
-        self.last_early = early
         if skip:
             return
         if clipped:
@@ -324,6 +350,72 @@ class Offload:
             self._back(bi)
         if self.pinned:
             torch.cuda.current_stream().synchronize()
+
+    def _finish_paged(self, early: Early, *, skip: bool, factor: torch.Tensor | None) -> None:
+        """`finish` for nvme, whose early step wrote each bucket's stepped state to
+        `bucket<i>.next` beside the file it read: kept, each .next becomes the bucket's file and
+        its master part is read back into the parameters; else the .next files are dropped and
+        the in-memory entries (step counts, entries a first step made) put back, and, clipped,
+        the buckets step again from their files over the gradients times `factor`."""
+        assert self.inner is not None
+        if early.kept:
+            for bi in early.order:
+                os.replace(self._path(bi, ".next"), self._path(bi))
+                self._saved.pop(bi, None)
+                self._saved_flats.pop(bi, None)
+                master = self.buckets[bi].master
+                if master.numel():
+                    with open(self._path(bi), "rb") as f:  # the master part leads the file
+                        f.readinto(_bytes_of(master))
+                self._back(bi)
+                _release(master)
+            return
+        for bi in early.order:
+            os.remove(self._path(bi, ".next"))
+            self._restore_scalars(bi)
+        if skip:
+            return
+        assert factor is not None
+        with torch.no_grad():
+            self._steps(early.order, lambda bi: self._host_grad(bi, early.grads[bi]).mul_(factor),
+                        early.hyper.__getitem__, early.touched)
+
+    def _save_scalars(self, bi: int, touched: set[int]) -> None:
+        """nvme's `_save`: the per-element entries stay in the bucket's file (the early step writes
+        another), so only what is in memory is kept: each stepped piece's scalar entries (a step
+        count), whether it had state at all, and which flat entries the bucket had."""
+        inner = self.inner
+        assert inner is not None
+        b, group = self.buckets[bi], inner.param_groups[bi]
+        entries: dict[int, dict[str, Any] | None] = {}
+        for i, (piece, (_, _, p)) in enumerate(zip(group["params"], b.pieces)):
+            if id(p) not in touched:
+                continue
+            state = inner.state.get(piece)
+            entries[i] = None if not state else {
+                k: (v.clone() if v.shape != piece.shape else None) if isinstance(v, torch.Tensor) else v
+                for k, v in state.items()}  # None: a per-element entry, in the file
+        self._saved[bi] = entries
+        self._saved_flats[bi] = set(self.flats[bi])
+
+    def _restore_scalars(self, bi: int) -> None:
+        inner = self.inner
+        assert inner is not None
+        group = inner.param_groups[bi]
+        before = self._saved_flats.pop(bi)
+        for key in [k for k in self.flats[bi] if k not in before]:  # made by this (first) step: not in the file
+            del self.flats[bi][key]
+        for i, entry in self._saved.pop(bi).items():
+            piece = group["params"][i]
+            if entry is None:  # made by this step (a first one): gone again
+                inner.state.pop(piece, None)
+                continue
+            state = inner.state[piece]
+            for k in [k for k in state if k not in entry]:
+                del state[k]
+            for k, v in entry.items():
+                if v is not None:
+                    state[k] = v
 
     def _save(self, bi: int, touched: set[int]) -> None:
         """Bucket `bi`'s master part and the optimizer state of its pieces in `touched`, copied
@@ -421,9 +513,9 @@ class Offload:
         flats = self.flats[bi]
         return [self.buckets[bi].master] + [flats[k] for k in sorted(flats)]
 
-    def _path(self, bi: int) -> str:
+    def _path(self, bi: int, suffix: str = ".bin") -> str:
         assert self.directory is not None
-        return os.path.join(self.directory, f"bucket{bi}.bin")
+        return os.path.join(self.directory, f"bucket{bi}{suffix}")
 
     def _page_in(self, bi: int) -> None:
         if bi in self.resident_now:
@@ -436,15 +528,15 @@ class Offload:
         self.resident_now.add(bi)
         self.peak_resident = max(self.peak_resident, len(self.resident_now))
 
-    def _page_out(self, bi: int) -> None:
+    def _page_out(self, bi: int, to: str = ".bin") -> None:
         """Gather bucket `bi`'s per-element optimizer entries into its flat tensors (an entry
         made since, at a first step or a load, is copied in and becomes a view), write the
-        master part and the flats to its file, and give their pages back to the system."""
+        master part and the flats to its file (`bucket<i><to>`), and give their pages back."""
         if bi not in self.resident_now:
             return
         new = self._gather_state(bi)
         tensors = self._tensors(bi)
-        path = self._path(bi)
+        path = self._path(bi, to)
         with open(path + ".tmp", "wb") as f:
             for t in tensors:
                 if t.numel():

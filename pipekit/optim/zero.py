@@ -178,11 +178,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         offload_params: stage 3: "cpu" keeps the parameter shards and their gradients in host
             memory between uses (FSDP2's CPUOffloadPolicy), and so their step on the CPU
             (`offload` "none" acts as "cpu"); "none" (default) keeps them on the device.
-        offload_overlap: with "cpu" offload, begin each rank's host step as soon as its own
+        offload_overlap: with "cpu" or "nvme" offload, begin each rank's host step as soon as its own
             gradients are reduced, before the world's verdict (non-finite check, global norm),
             in a background thread; a kept copy of the state is put back where the step is
             skipped or clipped (then stepped again). The same bits; one more copy of the
-            offloaded state in host memory. See `_early_step`.
+            offloaded state in host memory (nvme: a second file per bucket). See `_early_step`.
         **defaults: the wrapped optimizer's hyperparameters (lr, betas, ...).
     """
 
@@ -429,10 +429,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         coef = None
         if not skipped and self.clip_grad_norm is not None:
             coef = self._clip_coef(self.clip_grad_norm)
-            if not self.offload.grads_on_host:  # ZeRO-2's host shards are the early step's: finish clips them
-                for g in grads:
-                    g.mul_(coef)  # as without overlap: the device's gradients are clipped too
-        self.offload.finish(early, skip=skipped, coef=coef)
+        self.offload.finish(early, skip=skipped, coef=coef)  # nvme's early thread read the device's gradients
+        if coef is not None and not self.offload.grads_on_host:  # ZeRO-2's host shards: finish clipped them
+            for g in grads:
+                g.mul_(coef)  # as without overlap: the device's gradients are clipped too
         if skipped:
             self._updater.drop_grads()
             return
