@@ -176,7 +176,8 @@ def early(root: str) -> dict:
     out["no clipping"] = {kind: _run(2, "cpu", root, clip=None, overlap=kind == "early")
                           for kind in ("cpu", "early")}
     # nvme: the stepped state to a second file per bucket, kept (no clipping) or dropped (clipped)
-    out["nvme"] = {stage: _run(stage, "nvme", f"{root}/nvme", overlap=True) for stage in (1, 2)}
+    out["nvme"] = {stage: _run(stage, "nvme", f"{root}/nvme", overlap=True) for stage in (1, 2, 3)}
+    out["nvme"]["ZeRO-3, parameters offloaded"] = _run(3, "nvme", f"{root}/nvme", params="cpu", overlap=True)
     out["nvme, no clipping"] = {kind: _run(1, "nvme", f"{root}/nvme", clip=None, overlap=kind == "early")
                                 for kind in ("nvme", "early")}
     return out
@@ -283,7 +284,7 @@ def test_the_early_step_gives_the_bits_of_the_step_after_the_verdict(results):
         _same(runs["nvme early"], runs["cpu"], f"rank {rank}, fp16, nvme early step")
         assert [kept for _, kept in runs["nvme early"]["steps"]] == [kept for _, kept in runs["early"]["steps"]]
         # nvme: put back from its files where clipped, kept (the second file taken) where not
-        for stage in (1, 2):
+        for stage in (1, 2, 3, "ZeRO-3, parameters offloaded"):
             run = early["nvme"][stage]
             _same(run, by_stage[stage]["nvme"], f"rank {rank}, ZeRO-{stage}, nvme early step")
             assert [kept for _, kept in run["steps"]] == [False] * STEPS, f"rank {rank}: clipped nvme steps kept"
