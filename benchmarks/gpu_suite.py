@@ -494,7 +494,7 @@ def fp16_check(device: torch.device) -> str:
 
 
 def overlap_check(device: torch.device, steps: int) -> str:
-    """schedule overlap (forwards on side streams beside backwards, `pipekit.lanes`) against no
+    """schedule overlap (forwards on side streams beside backwards, `pipekit.comm.Lanes`) against no
     overlap: a Mixtral-style model, 1F1B at pp=1 over 4 microbatches, fp32, the same losses; the
     median step of each. One card, so ep=1: the all-to-all hidden behind compute needs two."""
     from pipekit.schedules import build_schedule

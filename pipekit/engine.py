@@ -77,8 +77,8 @@ import torch
 import torch.distributed as dist
 
 from . import auxloss, comm, split_backward
+from .comm import Lanes
 from .handshake import InputShapes
-from .lanes import Lanes
 from .layers.context import shard_sequence
 from .microbatch import Microbatches, all_tensors, cast_floats, leaf, next_batch, rebuild, split_microbatches, to_device
 from .optim import Marks, Skip, ZeroOptimizer
@@ -237,7 +237,7 @@ class PipelineEngine:
 
     def _open_lanes(self) -> None:
         """Before the first OVERLAP: backward collectives get their own groups (`pipekit.comm.lane`),
-        forwards their side streams (`pipekit.lanes.Lanes`)."""
+        forwards their side streams (`pipekit.comm.Lanes`)."""
         sharded = self.optimizer is not None and self.optimizer.sharded_layers
         try:
             check_overlap(True, 3 if sharded else 0)
@@ -542,7 +542,7 @@ class PipelineEngine:
         """OVERLAP: the forward on a second thread while this one runs the backward, so the
         collectives inside either wait while the other computes (torch and gloo let go of the
         GIL in both). Each lane keeps its collectives in program order on its own groups
-        (`pipekit.comm.lane`) and its kernels on its own stream (`pipekit.lanes`: the forward on
+        (`pipekit.comm.lane`) and its kernels on its own stream (`pipekit.comm.Lanes`: the forward on
         a side stream, joined after); the two touch different (stage, microbatch) entries of the step."""
         assert a.pair is not None and self.lanes is not None  # an OVERLAP is made with its pair (Action.overlap)
         forward, backward = a.pair

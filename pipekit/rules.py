@@ -69,7 +69,7 @@ def check_dp_shard(dp_shard, dp: int, stage: int | None = None, names: Mapping[s
 
 def check_overlap(overlap: bool, stage: int, names: Mapping[str, str] = API) -> None:
     """Overlapped schedules (a forward beside a backward on two threads, on two streams on a
-    GPU: `pipekit.lanes`) run with ZeRO 0-2, not ZeRO-3 (FSDP's gathers and per-layer state
+    GPU: `pipekit.comm.Lanes`) run with ZeRO 0-2, not ZeRO-3 (FSDP's gathers and per-layer state
     are not made for two threads at once)."""
     if not overlap:
         return

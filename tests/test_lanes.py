@@ -1,4 +1,4 @@
-"""`pipekit.lanes`: an OVERLAP's forward runs on a side stream, joined after.
+"""`pipekit.comm.Lanes`: an OVERLAP's forward runs on a side stream, joined after.
 
 The streams are a device module's (torch.cuda on a GPU, torch.cpu's placeholders
 here); a recording stand-in with the same four calls shows the protocol the engine
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import pipekit
-from pipekit.lanes import Lanes
+from pipekit.comm import Lanes
 from pipekit.models.toy import ToyConfig, lm_loss, toy_lm
 from pipekit.schedules import Kind, build_schedule
 

@@ -124,7 +124,8 @@ class HostSpy:
 def _run(stage, offload, root, precision="fp32", pp=2, dp=2, spy=False, **more) -> dict:
     engine = _engine(pp, dp, stage, offload, root, precision, **more)
     zero = engine.optimizer
-    losses, steps = [], []
+    losses, steps, jobs = [], [], []
+    tied = zero._reducer.tied()
     with HostSpy(zero) if spy else nullcontext() as watch:
         for ids in _batches(STEPS, 4):
             losses.append(_train(engine, ids))
@@ -132,8 +133,11 @@ def _run(stage, offload, root, precision="fp32", pp=2, dp=2, spy=False, **more) 
             steps.append((zero.last_step_skipped, early.kept if early is not None else None))
             if early is not None:
                 zero.offload.last_early = None
+                # the tied layer's buckets last, in a job of their own after its pp sum
+                jobs.append((len(early.futures), [bi for bi in early.order if bi in tied] == early.order[
+                    len(early.order) - len(tied):] and bool(tied) == (early.extended > early.started)))
     weights = {n: t.clone() for n, t in full_state_dict(engine.module).items()}
-    out = {"losses": losses, "steps": steps, "weights": weights,
+    out = {"losses": losses, "steps": steps, "weights": weights, "early jobs": jobs, "tied": tied,
            "norm": zero.last_grad_norm, "buckets": len(zero.buckets), "memory": zero.memory_bytes(),
            "host buckets": sum(b.host for b in zero.buckets), "inflight": zero.peak_inflight_bytes,
            "host grad bytes": sum(t.numel() * t.element_size() for t in (
@@ -271,6 +275,8 @@ def test_the_early_step_gives_the_bits_of_the_step_after_the_verdict(results):
             run = early[stage]
             _same(run, by_stage[stage]["cpu"], f"rank {rank}, ZeRO-{stage}, early step")
             assert [kept for _, kept in run["steps"]] == [False] * STEPS, f"rank {rank}: clipped steps kept"
+            # GPT-2's tied embedding (both pp ranks hold it): the other buckets begin before its pp sum
+            assert run["tied"] and run["early jobs"] == [(2, True)] * STEPS, f"rank {rank}: {run['early jobs']}"
         _same(early["ZeRO-3, parameters offloaded"], by_stage["ZeRO-3, parameters offloaded"]["cpu"],
               f"rank {rank}, parameter offload, early step")
         plain = early["no clipping"]

@@ -59,7 +59,8 @@ and writes each one's stepped state to `bucket<i>.next` beside the `bucket<i>.bi
 the .next files are dropped and only what lives in memory (step counts, entries a first step
 made) is restored, then, clipped, the buckets step again from their files. Host memory stays
 a few buckets; the disk holds the state twice during the step. A stage holding a tied layer
-still waits for its tied partner's gradient (summed over pp before the step).
+starts its other buckets first and adds the tied layer's (`extend`) once its pp sum (the
+partner stage's gradient) arrives.
 
 ZeRO-1 keeps whole gradients on the device by definition (its reduce-scatter is at the last
 pass, into a shard of the whole bucket), and ZeRO-3's are reduced by FSDP at the step itself, so
@@ -78,7 +79,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -131,15 +132,17 @@ def check_overlap(kind: str, overlap: bool) -> None:
 
 @dataclass
 class Early:
-    """One early step (`Offload.start`): the buckets in order, their host gradients and
-    hyperparameters, the parameters stepped; `started`/`done`/`verdict` (time.monotonic) and
-    `kept` (the verdict left it as it was) say what happened."""
+    """One early step (`Offload.start`, `extend`): the buckets in order, their host gradients
+    and hyperparameters, the parameters stepped, one job per start or extend; `started`/`done`/
+    `verdict` (time.monotonic) and `kept` (the verdict left it as it was) say what happened;
+    `extended`: when the last `extend` came (0.0: none)."""
     order: list[int]
     grads: dict[int, torch.Tensor]
     hyper: dict[int, dict]
     touched: set[int]
-    future: Future | None = None
+    futures: list[Future] = field(default_factory=list)
     started: float = 0.0
+    extended: float = 0.0
     done: float = 0.0
     verdict: float = 0.0  # when `finish` was given the verdict
     kept: bool = False
@@ -291,32 +294,44 @@ class Offload:
         self.stage.owned(b, b.param_buf).copy_(b.master, non_blocking=self.pinned)
 
     # ---- the early step (overlap) ----------------------------------------------------------
-    def start(self, grads: list[torch.Tensor], touched: set[int], hyper: Callable[[int], dict]) -> Early:
-        """Begin the step before the world's verdict (`overlap`): each bucket's gradient (reduced
-        and unscaled, not yet clipped) copied to the host here, then, in a background thread,
-        each bucket's state saved and stepped as if nothing were clipped or skipped. `finish`
-        takes the verdict."""
+    def start(self, grads: Any, touched: set[int], hyper: Callable[[int], dict],
+              only: list[int] | None = None) -> Early:
+        """Begin the step before the world's verdict (`overlap`): each bucket's gradient
+        (`grads[bi]`: reduced and unscaled, not yet clipped) copied to the host here, then, in a
+        background thread, each bucket's state saved and stepped as if nothing were clipped or
+        skipped. `only`: those buckets now, the others by `extend` (a tied layer's, once its pp
+        sum is in). `finish` takes the verdict."""
         assert self.overlap
-        order = self._order()
-        # nvme: each bucket's gradient copied to the host in the thread, just before its step (one
-        # at a time, as without overlap); the device's gradients are left as they are until `finish`
-        early = Early(order, {bi: grads[bi] if self.kind == "nvme" else self._host_grad(bi, grads[bi]) for bi in order},
-                      {bi: hyper(self.buckets[bi].group_index) for bi in order}, touched)
-        if self._early_pool is None:
-            self._early_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipekit-early-step")
+        early = Early([], {}, {}, touched)
         early.started = time.monotonic()
-        early.future = self._early_pool.submit(self._early_steps, early)
+        self.extend(early, grads, hyper, only)
         return early
 
-    def _early_steps(self, early: Early) -> None:
+    def extend(self, early: Early, grads: Any, hyper: Callable[[int], dict], only: list[int] | None = None) -> None:
+        """Add buckets `only` (None: every one) to the early step, stepped after those before."""
+        keep = None if only is None else set(only)
+        order = [bi for bi in self._order() if keep is None or bi in keep]
+        # nvme: each bucket's gradient copied to the host in the thread, just before its step (one
+        # at a time, as without overlap); the device's gradients are left as they are until `finish`
+        for bi in order:
+            early.grads[bi] = grads[bi] if self.kind == "nvme" else self._host_grad(bi, grads[bi])
+            early.hyper[bi] = hyper(self.buckets[bi].group_index)
+        early.order += order
+        if early.futures:
+            early.extended = time.monotonic()
+        if self._early_pool is None:
+            self._early_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pipekit-early-step")
+        early.futures.append(self._early_pool.submit(self._early_steps, early, order))
+
+    def _early_steps(self, early: Early, order: list[int]) -> None:
         with torch.no_grad():  # a thread of its own: autograd's mode is per thread
             if self.kind == "nvme":  # the stepped state to bucket<i>.next, the files as they were kept
-                for bi in early.order:
+                for bi in order:
                     self._save_scalars(bi, early.touched)
-                self._steps(early.order, lambda bi: self._host_grad(bi, early.grads[bi]), early.hyper.__getitem__,
+                self._steps(order, lambda bi: self._host_grad(bi, early.grads[bi]), early.hyper.__getitem__,
                             early.touched, back=False, to=".next")
             else:
-                for bi in early.order:
+                for bi in order:
                     self._save(bi, early.touched)
                     self._step_bucket(bi, early.grads[bi], early.hyper[bi], early.touched)
         early.done = time.monotonic()
@@ -326,9 +341,10 @@ class Offload:
         coefficient `coef` is exactly 1 within the norm); skipped: every bucket's state put back
         as it was; clipped: put back, then stepped again over the gradients times `coef` (the
         same multiplication the device's gradients got). Then the masters go to the parameters."""
-        assert early.future is not None
+        assert early.futures
         early.verdict = time.monotonic()
-        early.future.result()
+        for job in early.futures:
+            job.result()
         clipped = coef is not None and coef.item() != 1.0
         early.kept = not (skip or clipped)
         self.last_early = early

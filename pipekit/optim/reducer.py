@@ -210,10 +210,11 @@ class Reducer:
         return sum(b.grad_buf.numel() * b.grad_buf.element_size() for b in self.buckets if b.grad_buf is not None)
 
     # ---- the step's reduction -------------------------------------------------
-    def reduce(self) -> None:
+    def reduce(self, sums: bool = True) -> None:
         """Finish reducing the step's gradients over each bucket's dp group (launching what
         no backward pass launched: a plain training loop); sum tied segments over pp, and
-        sequence-parallel parameters over tp."""
+        sequence-parallel parameters over tp (`sums` False: not those two; `sum_ties`,
+        `sum_tp_partial`)."""
         self.read_touched()
         if not self.stage.shards_grads or self.dirty:
             for b in self.buckets:
@@ -223,11 +224,27 @@ class Reducer:
         self.drain()
         if self.host_shards is not None:
             self.host_shards.flush()
+        if sums:
+            self.sum_ties()
+            self.sum_tp_partial()
+
+    def tied(self) -> list[int]:
+        """The buckets of tied segments (summed over pp by `sum_ties`)."""
         tie_groups = getattr(self.module, "tie_groups", {})
-        for b in self.buckets:
-            if isinstance(b.segment, str) and b.segment in tie_groups:
-                self.all_reduce(self.owned_grad(b), tie_groups[b.segment])
-        self.sum_tp_partial()
+        return [bi for bi, b in enumerate(self.buckets) if isinstance(b.segment, str) and b.segment in tie_groups]
+
+    def sum_ties(self) -> None:
+        """Sum each tied segment's buckets over the pp ranks holding it."""
+        tie_groups = getattr(self.module, "tie_groups", {})
+        for bi in self.tied():
+            b = self.buckets[bi]
+            self.all_reduce(self.owned_grad(b), tie_groups[b.segment])
+
+    def tp_partial_in(self, buckets: list[int]) -> bool:
+        """Whether any of `buckets` holds a parameter `sum_tp_partial` sums (tp > 1)."""
+        if self.topology is None or self.topology.tp_group is None:
+            return False
+        return any(tp_partial(p) for bi in buckets for p in self.buckets[bi].params)
 
     def all_reduce(self, t: torch.Tensor, group) -> None:
         """Sum `t` over `group`; a host gradient shard (offload) through a copy on the topology's

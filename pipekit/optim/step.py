@@ -59,13 +59,14 @@ class Updater:
         buckets'; never the host because the parameters are offloaded there."""
         return self.topology.device if self.topology is not None else state_device(self.buckets, None)
 
-    def grads(self, owned_grad: Callable[[Bucket], torch.Tensor],
-              loss_scale: float) -> tuple[list[torch.Tensor], list[float]]:
+    def grads(self, owned_grad: Callable[[Bucket], torch.Tensor], loss_scale: float,
+              which: list[int] | None = None) -> tuple[list[torch.Tensor], list[float]]:
         """Each bucket's owned gradient in the master dtype, set as its master's `.grad` (not
         where the master is offloaded to the host: the gradient stays on the device until the
-        step), unscaled (not when fused: the update does it), and the unscale factors."""
+        step), unscaled (not when fused: the update does it), and the unscale factors.
+        `which`: those buckets only, in that order (the caller then sets `current`)."""
         grads, unscales = [], []
-        for b in self.buckets:
+        for b in (self.buckets if which is None else [self.buckets[bi] for bi in which]):
             g = owned_grad(b)
             g = g if g.dtype == self.master_dtype else g.to(self.master_dtype)
             unscales.append(1.0 / (b.dp_size * size(b.ep_group) * loss_scale))  # experts: over ep tokens too
@@ -74,7 +75,8 @@ class Updater:
             if not self.offloaded:
                 b.master.grad = g
             grads.append(g)
-        self.current = grads
+        if which is None:
+            self.current = grads
         return grads, unscales
 
     def drop_grads(self) -> None:

@@ -352,12 +352,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameters themselves, but at stage 3 FSDP's gathered copies of its sharded ones."""
         return autograd_params(self.sharded_layers, params)
 
-    def _reduce(self) -> None:
-        """Finish reducing the step's gradients (`Reducer.reduce`); at stage 3 FSDP
-        reduce-scatters its layers' gradients first."""
+    def _reduce(self, sums: bool = True) -> None:
+        """Finish reducing the step's gradients (`Reducer.reduce`; `sums` False: not the pp sums
+        of tied layers nor tp's partial sums); at stage 3 FSDP reduce-scatters its layers'
+        gradients first."""
         if self.sharded_layers:
             self._take_sharded_grads()
-        self._reducer.reduce()
+        self._reducer.reduce(sums)
 
     def _take_sharded_grads(self) -> None:
         """Stage 3: FSDP's reduce-scatter of its layers' gradients, taken into their buckets; a
@@ -392,6 +393,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._check_current()
         if closure is not None:
             raise ValueError("ZeroOptimizer.step does not take a closure")
+        if self.offload is not None and self.offload.overlap and self.inner is not None and not self.fused:
+            self._early_step(marks)
+            return None
         self._reduce()
         self._reducer.arm(self._params())  # a gradient before zero_grad is refused by its hook
         grads, unscales = self._updater.grads(self._reducer.owned_grad, self.loss_scale)
@@ -401,9 +405,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._fused_step(grads, unscales, marks)
             return None
         marks.mark_grads(grads)
-        if self.offload is not None and self.offload.overlap and self.inner is not None:
-            self._early_step(grads, marks)
-            return None
         marks.reduce()
         if self._skipped(marks):
             self._updater.drop_grads()
@@ -415,15 +416,37 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._finish_step()
         return None
 
-    def _early_step(self, grads: list[torch.Tensor], marks: Marks) -> None:
+    def _early_step(self, marks: Marks | None) -> None:
         """`step` with `offload_overlap`: the host step begins (in a thread, over the gradients
         as they are before clipping) before the world-wide collectives that decide it (the
         non-finite marks, the global norm), so a stage whose backward ends first steps while
         the others finish theirs; the verdict then keeps it, puts it back (skipped), or puts it
-        back and steps again clipped (`Offload.finish`): the same bits as without overlap."""
+        back and steps again clipped (`Offload.finish`): the same bits as without overlap.
+        A tied layer's buckets wait for their pp sum (the partner stage's gradient); the others
+        begin before it, unless a tied bucket also takes a tp partial sum (then both sums come
+        first, in the order the step without overlap makes them)."""
         assert self.offload is not None
+        self._reduce(sums=False)
+        self._reducer.arm(self._params())  # a gradient before zero_grad is refused by its hook
+        tied = self._reducer.tied()
+        if self._reducer.tp_partial_in(tied):
+            self._reducer.sum_ties()
+            tied = []
+        self._reducer.sum_tp_partial()
+        first = [bi for bi in range(len(self.buckets)) if bi not in set(tied)]
+        grads: dict[int, torch.Tensor] = {}
+        grads.update(zip(first, self._updater.grads(self._reducer.owned_grad, self.loss_scale, first)[0]))
         touched = self._updater.touched_anywhere(self._reducer.touched)
-        early = self.offload.start(grads, touched, self._hyper)
+        early = self.offload.start(grads, touched, self._hyper, only=first)
+        if tied:
+            self._reducer.sum_ties()
+            grads.update(zip(tied, self._updater.grads(self._reducer.owned_grad, self.loss_scale, tied)[0]))
+            self.offload.extend(early, grads, self._hyper, only=tied)
+        ordered = [grads[bi] for bi in range(len(self.buckets))]
+        self._updater.current = ordered
+        self._grad_norm = None
+        marks = marks if marks is not None else Marks(self._updater.device())
+        marks.mark_grads(ordered)
         marks.reduce()
         skipped = self._skipped(marks)
         coef = None
@@ -431,7 +454,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             coef = self._clip_coef(self.clip_grad_norm)
         self.offload.finish(early, skip=skipped, coef=coef)  # nvme's early thread read the device's gradients
         if coef is not None and not self.offload.grads_on_host:  # ZeRO-2's host shards: finish clipped them
-            for g in grads:
+            for g in ordered:
                 g.mul_(coef)  # as without overlap: the device's gradients are clipped too
         if skipped:
             self._updater.drop_grads()
