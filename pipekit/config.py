@@ -1100,8 +1100,6 @@ NO_EFFECT: list[tuple[str, Any, str]] = [
     ("optimizer.eps", lambda c, m: c.optimizer.name == "sgd", "AdamW's; optimizer.name=sgd divides by nothing"),
     ("optimizer.reshard_after_forward", lambda c, m: c.optimizer.zero_stage != 3,
      "only ZeRO-3 gathers parameters, and optimizer.zero_stage={c.optimizer.zero_stage}"),
-    ("optimizer.offload_params", lambda c, m: c.optimizer.offload_params != "none" and c.parallel.dp == 1,
-     "ZeRO-3 shards the parameters over dp, and parallel.dp=1: nothing is sharded, so nothing is offloaded"),
     ("fp16.", lambda c, m: c.train.precision != "fp16",
      "loss scaling is for train.precision=fp16, and this run's is {c.train.precision}"),
     ("model.token_drop_policy", lambda c, m: getattr(m, "capacity_factor", None) is None,

@@ -222,6 +222,15 @@ def init_distributed(
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
+def init_alone(device: str = "cpu", timeout: datetime.timedelta | None = None) -> None:
+    """A process group of this process alone, over an in-process store (no port), where none is
+    up: what FSDP (parameter offload) needs in a run of one process. gloo, or NCCL on a GPU."""
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend="nccl" if device == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1, timeout=timeout if timeout is not None else default_timeout())
+
+
 CP_MODES = ("ring", "ulysses")  # how attention crosses the cp ranks (pipekit.layers.context)
 
 
@@ -328,11 +337,12 @@ class Topology:
             self.hsdp_mesh = init_device_mesh(device_type, (self.pp, self.dp // dp_shard, dp_shard, self.tp),
                                               mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
 
-    def fsdp_mesh(self) -> DeviceMesh | None:
+    def fsdp_mesh(self, alone: bool = False) -> DeviceMesh | None:
         """The mesh ZeRO-3 shards a stage's parameters over: this rank's dp ranks (1-D), or with
-        hybrid sharding its (dp_replicate, dp_shard) part (2-D); None at dp=1."""
+        hybrid sharding its (dp_replicate, dp_shard) part (2-D); None at dp=1, or with `alone`
+        (parameter offload) this rank by itself."""
         if self.dp_group is None:
-            return None
+            return self.mesh["dp"] if alone and self.mesh is not None else None
         if self.hsdp_mesh is not None:
             return self.hsdp_mesh["dp_replicate", "dp_shard"]
         assert self.mesh is not None  # a dp group lies on the mesh

@@ -477,10 +477,11 @@ def test_parameter_offload_is_refused_before_launch_in_one_line(given, said):
     assert said in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_parameter_offload_at_dp_1_is_noted_as_doing_nothing():
+def test_parameter_offload_at_dp_1_is_not_noted_as_doing_nothing():
+    """dp=1 offloads the parameters too (FSDP over the rank alone: `every_schedule` below)."""
     toy = str(ROOT / "configs/toy.yaml")
     run = load_run(toy, ["parallel.dp=1", "optimizer.zero_stage=3", "optimizer.offload_params=cpu"])
-    assert any(n.startswith("optimizer.offload_params=cpu has no effect") for n in run.notices), run.notices
+    assert not [n for n in run.notices if "offload_params" in n], run.notices
 
 
 def test_offload_values_are_checked():
@@ -544,6 +545,42 @@ def test_pipekit_train_with_a_ds_config_offloading_to_nvme_gives_the_weights_of_
     assert sorted(off) == sorted(none) and all(torch.equal(off[k], none[k]) for k in none)
 
 
+def test_pipekit_train_in_one_process_offloads_parameters_with_the_weights_of_no_offload(tmp_path, monkeypatch):
+    """One process (pp=1, dp=1: the single-GPU ZeRO-Infinity run): `pipekit train` with
+    offload_param cpu at stage 3 makes a group of the process alone for FSDP, which puts every
+    trained parameter's shard on the host, and trains the weights of the same run without
+    offload, bit for bit; the group is gone after."""
+    import json
+
+    import pipekit.optim.fsdp as fsdp
+    from pipekit.cli import main
+
+    sharded = []
+    real = fsdp.shard_layers
+
+    def recorded(module, **kw):
+        layers = real(module, **kw)
+        sharded.append((len(layers), all(host_shard(p) for p in module.parameters() if p.requires_grad)))
+        return layers
+    monkeypatch.setattr(fsdp, "shard_layers", recorded)
+
+    toy = str(ROOT / "configs/toy.yaml")
+    base = ["train.steps=3", "data.val_every=0", "logging.progress=false", "logging.tensorboard=false",
+            "parallel.pp=1", "optimizer.bucket_mb=0.001"]
+    ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5,
+          "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+          "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}
+    for name in ("off", "none"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(ds))
+        assert main(["train", toy, *base, f"logging.out_dir={tmp_path / name}", "--deepspeed",
+                     str(tmp_path / f"{name}.json")]) == 0
+        assert not dist.is_initialized()
+        ds["zero_optimization"].pop("offload_param", None)
+    assert sharded[0][0] > 0 and sharded[0][1] and sharded[1][0] == 0, sharded  # offloaded; then none sharded
+    off, none = (torch.load(tmp_path / d / "model.pt")["state_dict"] for d in ("off", "none"))
+    assert sorted(off) == sorted(none) and all(torch.equal(off[k], none[k]) for k in none)
+
+
 def test_the_early_step_without_a_host_step_is_refused_before_launch_in_one_line():
     toy = str(ROOT / "configs/toy.yaml")
     with pytest.raises(ConfigError) as e:
@@ -557,26 +594,15 @@ def test_the_early_step_without_a_host_step_is_refused_before_launch_in_one_line
         ZeroOptimizer(torch.nn.Linear(2, 2), offload_overlap=True)
 
 
-def test_the_early_step_with_parameter_offload_at_dp_1_is_accepted_as_the_config_accepts_it():
-    """ZeRO-3 with offload_params=cpu at dp=1 shards (so offloads) nothing: the config notes it and
-    passes offload_overlap=true; the optimizer, asked the same, must not refuse it after launch. It
-    steps as without offload."""
-    run = load_run(str(ROOT / "configs/toy.yaml"), ["optimizer.zero_stage=3", "optimizer.offload_params=cpu",
-                                                    "optimizer.offload_overlap=true"])
-    assert run.config.parallel.dp == 1 and run.config.optimizer.offload_overlap
+def test_parameter_offload_in_one_plain_process_is_refused_in_one_line():
+    """FSDP moves the offloaded parameters and needs torch.distributed: one plain process (no group)
+    is told so, not left training with its parameters on the device."""
     cfg = get_model("gpt2", "tiny", **GPT2)
-    weights = []
-    for overlap in (False, True):
-        module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=pipekit.Topology(),
-                                        seed=SEED, microbatches=2)
-        zero = ZeroOptimizer(module, "adamw", stage=3, lr=1e-2, offload_params="cpu", offload_overlap=overlap)
-        assert zero.offload is None
-        engine = pipekit.PipelineEngine(module, optimizer=zero)
-        for ids in _batches(2, 4):
-            engine.train_batch(iter([(ids[:, :-1], ids[:, 1:])]))
-        weights.append(full_state_dict(module))
-    for name, t in weights[0].items():
-        assert torch.equal(weights[1][name], t), name
+    module = pipekit.PipelineModule(model_specs(cfg), loss_fn=model_loss(cfg), topology=pipekit.Topology(),
+                                    seed=SEED, microbatches=2)
+    with pytest.raises(ValueError, match="offload_params='cpu' .* needs torch.distributed") as e:
+        ZeroOptimizer(module, "adamw", stage=3, lr=1e-2, offload_params="cpu")
+    assert "\n" not in str(e.value)
 
 
 @in_float64
@@ -589,11 +615,25 @@ def every_schedule(root: str) -> dict:
     for schedule in ("gpipe", "interleaved_1f1b", "zb_h1", "zbv", "dualpipe_v"):
         out[schedule] = {kind: _run(2, kind, f"{root}/{schedule}", dp=1, schedule=schedule, microbatches=4,
                                     overlap=kind == "nvme") for kind in ("none", "nvme")}
+    # parameter offload at dp=1: FSDP over each rank alone keeps the parameters on the host
+    params = {"none": _run(3, "none", root, dp=1)}
+    params["cpu"] = _run(3, "none", root, dp=1, params="cpu", spy=True)
+    params["early"] = _run(3, "none", root, dp=1, params="cpu", overlap=True)
+    out["ZeRO-3 at dp=1, parameters offloaded"] = params
     return out
 
 
-def test_offload_and_its_early_step_change_no_bit_in_any_schedule(tmp_path):
+def test_offload_and_its_early_step_change_no_bit_in_any_schedule_and_dp_1_offloads_parameters(tmp_path):
     for rank, runs in enumerate(run_distributed(every_schedule, 2, str(tmp_path), timeout=300)):
+        params = runs.pop("ZeRO-3 at dp=1, parameters offloaded")
+        for run in (params["cpu"], params["early"]):
+            assert run["memory"]["params"] == run["memory"]["master"] == run["memory"]["optimizer_state"] == 0
+            assert run["memory"]["host"] > 0 and run["host buckets"] == run["buckets"], run["memory"]
+        assert params["cpu"]["spy"][0] == [] and params["cpu"]["spy"][1], params["cpu"]["spy"]
+        for kind in ("cpu", "early"):
+            assert params[kind]["losses"] == params["none"]["losses"], kind
+            for name, t in params["none"]["weights"].items():
+                assert torch.equal(t, params[kind]["weights"][name]), (kind, name)
         for schedule, run in runs.items():
             assert run["nvme"]["losses"] == run["none"]["losses"], (rank, schedule)
             assert run["nvme"]["steps"] == [(False, False)] * STEPS, (rank, schedule)  # clipped: put back, redone

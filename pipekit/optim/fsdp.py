@@ -86,7 +86,8 @@ def comm_device(p: torch.Tensor) -> torch.device:
 def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: torch.dtype | None = None,
                  offload_params: bool = False, pin_memory: bool = True) -> list[Any]:
     """`fully_shard` every layer of `module` (a PipelineModule) over its topology's dp group;
-    the wrapped layers, in module order (none at dp=1: nothing to shard). The parameters keep
+    the wrapped layers, in module order (none at dp=1: nothing to shard, but with `offload_params`,
+    which shards over this rank alone so that FSDP moves them). The parameters keep
     their dtype (a bf16 model gathers bf16); gradients are accumulated over the step and
     reduced in `reduce_dtype` (None: the parameters'). `offload_params`: the shards and their
     gradients in host memory between uses (FSDP2's CPUOffloadPolicy; `pin_memory`: page-locked,
@@ -101,11 +102,15 @@ def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: t
     )
 
     topo = module.topology
-    if topo.dp_group is None:
-        return []
+    if topo.dp_group is None and not offload_params:
+        return []  # dp=1: nothing to shard (with parameter offload, FSDP over this rank alone moves them)
+    if topo.mesh is None:
+        raise ValueError("offload_params='cpu' moves the parameters through FSDP, which needs torch.distributed: "
+                         "this is one plain process; run it under `pipekit train` or torchrun, or call "
+                         "torch.distributed.init_process_group first (a group of one process will do)")
     offload = (CPUOffloadPolicy(pin_memory=pin_memory and topo.device.type == "cuda") if offload_params else
                OffloadPolicy())
-    mesh = topo.fsdp_mesh()
+    mesh = topo.fsdp_mesh(alone=offload_params)
     split_experts = topo.ep > 1  # experts split over ep: their replicas are the edp group's
     edp = topo.edp_group if split_experts else None
     expert_mesh = DeviceMesh.from_group(edp, topo.device.type) if edp is not None else None

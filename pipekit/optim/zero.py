@@ -199,7 +199,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.sharding = Stage(stage)
         check_offload_params(offload_params, stage)
         check_offload(offload, offload_dir)
-        check_overlap(steps_on(offload, offload_params), offload_overlap)  # as asked: dp=1 shards (offloads) nothing
+        check_overlap(steps_on(offload, offload_params), offload_overlap)
         if fused is True and (offload, offload_params) != ("none", "none"):
             which = f"offload={offload!r}" if offload != "none" else f"offload_params={offload_params!r}"
             raise ValueError(f"fused=True is the device kernel, but {which} steps on the CPU; use fused=False (or "

@@ -234,18 +234,21 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
     `optimizer.offload` (cpu, nvme) the master weights and optimizer state are not on the
     device, nor ZeRO-2's gradient shards: they count nothing here (`host`); with
     `optimizer.offload_params=cpu` (stage 3) neither are the sharded parameters (what is
-    gathered still is)."""
+    gathered still is), at dp=1 too (FSDP over the rank alone: gathered whole, as at dp > 1)."""
     policy, o = run.precision, run.config.optimizer
     width, grad = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
     master = policy.master_dtype.itemsize if policy.mixed else 0
     moments = (2 if o.name == "adamw" else (1 if o.momentum else 0)) * policy.master_dtype.itemsize
     mem = Memory()
     mem.params += (params.frozen_dense + params.frozen_expert) * width
-    for n, shards, whole in ((params.dense, run.zero_shards, gathered_params.dense),
-                             (params.expert, run.zero_shards // run.ep, gathered_params.expert)):
+    for n, shards, whole, dense in ((params.dense, run.zero_shards, gathered_params.dense, True),
+                                    (params.expert, run.zero_shards // run.ep, gathered_params.expert, False)):
         # parameter offload (stage 3, sharded): the shards live in host memory between uses, and their
         # master weights and state with them; the step's gradient shard is a device buffer (counted)
-        params_on_host = o.offload_params == "cpu" and zero >= 3 and shards > 1
+        # FSDP shards a group over more than one rank, or, with parameter offload, a rank alone (dp=1; not
+        # split experts, which only their edp replicas shard)
+        fsdp = zero >= 3 and (shards > 1 or (o.offload_params == "cpu" and (dense or run.ep == 1)))
+        params_on_host = o.offload_params == "cpu" and fsdp
         mem.params += (not params_on_host) * n * width / (shards if zero >= 3 else 1)
         # ZeRO-2 with offload: the gradient shard is host memory, each reduced shard added in as reduced
         grads_on_host = zero == 2 and o.offload != "none"
@@ -254,7 +257,7 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
         mem.master += on_device * n * master / (shards if zero >= 1 else 1)
         mem.optimizer += on_device * n * moments / (shards if zero >= 1 else 1)
         mem.host += host_state(n / (shards if zero >= 1 else 1), run, params_on_host, moments, zero)
-        if zero >= 3 and shards > 1:
+        if fsdp:
             mem.gathered += whole * width
             mem.unsharded_grads += n * grad
     return mem

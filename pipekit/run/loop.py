@@ -45,7 +45,7 @@ from ..plan.planner import profile_boundaries
 from ..plan.profiler import finetune, profile_layers
 from ..precision import default_dtype
 from ..schedules import Schedule, TimelineEvent, mean_costs, render_png, simulate, to_chrome_trace
-from ..topology import Topology, fell_back, init_distributed, local_workers, resolve_device
+from ..topology import Topology, fell_back, init_alone, init_distributed, local_workers, resolve_device
 from . import reports
 from .curriculum import trimmed_batches, warmed_up
 from .metrics import Logger, moe_summary
@@ -205,6 +205,8 @@ def _join(run: Run) -> tuple[Topology, str | None]:
     device, reason = resolve_device(run.config.train.device, local_workers(run.world_size))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or run.world_size > 1:
         init_distributed(device=device)
+    elif run.config.optimizer.offload_params != "none" and not dist.is_initialized():
+        init_alone(device)  # FSDP moves offloaded parameters, and needs a process group: one of this process
     topo = Topology(pp=run.pp, dp=run.dp, tp=run.tp, ep=run.ep, device=device,
                     expert_tp=run.config.parallel.expert_tp,
                     sequence_parallel=run.config.parallel.sequence_parallel,
