@@ -100,9 +100,14 @@ TUNES = {  # name -> overrides beside model.init=llama and LoRA
     "pp2-tp2-zbv": ["parallel.pp=2", "parallel.tp=2", "schedule.name=zbv", "schedule.microbatches=4"],
     "pp4-a-stage-without-adapters": ["parallel.pp=4", "schedule.partition=0,1,2,3,6"],
     "pp2-dp2-zero3": ["parallel.pp=2", "parallel.dp=2", "optimizer.zero_stage=3"],
+    # the frozen base sharded and offloaded too; ZBV's weight pass over layers FSDP gathers
+    "pp2-dp2-zero3-offload-zbv": ["parallel.pp=2", "parallel.dp=2", "optimizer.zero_stage=3",
+                                  "optimizer.offload_params=cpu", "schedule.name=zbv", "schedule.microbatches=4"],
     "tp2-dp2-dora": ["parallel.tp=2", "parallel.dp=2", "model.lora.dora=true"],
     # Mixtral from its own seeded weights (no model.init), LoRA on attention and on every expert's weights
     "mixtral-pp2-dp2-ep2-zero1": [*MOE, "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "optimizer.zero_stage=1"],
+    # frozen experts sharded over their edp replicas (dp 4 / ep 2), the frozen dense weights over dp
+    "mixtral-dp4-ep2-zero3": [*MOE, "parallel.dp=4", "parallel.ep=2", "optimizer.zero_stage=3"],
     "mixtral-tp2-dp2-ep2-expert-tp": [*MOE, "parallel.tp=2", "parallel.dp=2", "parallel.ep=2",
                                       "parallel.expert_tp=true"],
     "mixtral-tp2-dp2-ep2-sequence-parallel": [*MOE, "parallel.tp=2", "parallel.dp=2", "parallel.ep=2",
@@ -162,13 +167,17 @@ def _tune_case(model_dir: str, overrides: list[str]) -> dict:
             theirs = ref.train_batch(iter([batch]), reduce_loss=True)
             losses.append(abs(mine - theirs))
         got, want = full_state_dict(engine.module), full_state_dict(ref.module)
+    from pipekit.optim.fsdp import host_shard, sharded
+
+    base = [p for p in engine.module.parameters() if not p.requires_grad]
     adapters = [k for k in want if ".lora." in k]
     frozen = [k for k in want if ".lora." not in k]
     return {"loss": max(losses), "names": sorted(set(got) ^ set(want)),
             "adapters": max((got[k] - want[k]).abs().max().item() for k in adapters),
             "moved": max((want[k] - before[k]).abs().max().item() for k in adapters),
             "frozen_bitwise": all(torch.equal(got[k], before[k]) for k in frozen),
-            "n_adapters": len(adapters)}
+            "n_adapters": len(adapters), "base sharded": all(sharded(p) for p in base) and bool(base),
+            "base on host": all(host_shard(p) for p in base) and bool(base)}
 
 
 def _worker(dirs: dict, expected: dict) -> dict:
@@ -222,6 +231,9 @@ def test_lora_equals_one_process_and_the_frozen_weights_stay_bitwise(results, ca
         assert got["moved"] > 1e-3, got  # the adapters trained
         assert got["loss"] < 1e-10 and got["adapters"] < 1e-10, (rank, got)
         assert got["frozen_bitwise"], rank
+        # ZeRO-3 shards the frozen base as DeepSpeed's does (and offloads it with the parameters)
+        assert got["base sharded"] == ("zero_stage=3" in " ".join(TUNES[case])), (rank, got)
+        assert got["base on host"] == ("offload_params=cpu" in " ".join(TUNES[case])), (rank, got)
 
 
 def test_expert_adapters_merge_into_their_experts_exactly(float64):

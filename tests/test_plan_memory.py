@@ -351,18 +351,18 @@ def test_adapters_are_the_trained_parameters_of_an_adapted_block():
     assert lora[0] == memplan.Params(0, 0, full[0].dense, 0)  # the embedding: frozen whole
 
 
-def test_zero3_shards_and_gathers_the_adapters_alone():
-    """bf16 AdamW, dp=2 at ZeRO-3: frozen weights stay whole on every rank (FSDP's ignored
-    parameters), never gathered; the adapters are sharded, gathered and reduced like any
-    trained parameter."""
+def test_zero3_shards_and_gathers_the_frozen_weights_too():
+    """bf16 AdamW, dp=2 at ZeRO-3: frozen weights are sharded and gathered as the adapters are
+    (as DeepSpeed's ZeRO-3 partitions them), with nothing else (no gradient, master or state);
+    the adapters are sharded, gathered and reduced like any trained parameter."""
     run = load_run(LLAMA, [*LLAMA_SMALL, *LORA, "parallel.pp=1", "parallel.dp=2", "train.precision=bf16"])
     p = memplan.rank_params(run, memplan.layer_params(run))
     _, rows = _plan_rows(run)
     row = next(r for r in rows if r.candidate.schedule == "1f1b" and r.option == memplan.Option(3, False, False))
     m = row.memory
-    assert m.params == pytest.approx(2 * p.frozen_dense + 2 * p.dense / 2)
+    assert m.params == pytest.approx(2 * p.frozen_dense / 2 + 2 * p.dense / 2)
     assert (m.grads, m.master, m.optimizer) == pytest.approx((4 * p.dense / 2, 4 * p.dense / 2, 8 * p.dense / 2))
-    assert (m.gathered, m.unsharded_grads) == pytest.approx((2 * p.dense, 4 * p.dense))
+    assert (m.gathered, m.unsharded_grads) == pytest.approx((2 * (p.dense + p.frozen_dense), 4 * p.dense))
 
 
 def test_parameter_offload_takes_the_shards_and_their_state_off_the_device():

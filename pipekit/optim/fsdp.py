@@ -28,7 +28,9 @@ them after each forward and each backward and gathers them again for the next
 the reduce dtype) until the one reduce-scatter at its end.
 
 What FSDP does not manage stays as ZeRO stage 0 beside it (`ZeroOptimizer`):
-experts without replicas (dp = ep) and frozen parameters.
+experts without replicas (dp = ep). Frozen parameters (a LoRA base) are sharded, and
+offloaded, as the trained ones are (DeepSpeed's ZeRO-3 partitions them too): FSDP gathers
+them for their layer's use and gives them no gradient.
 
 FSDP's parameters are DTensors: the attributes pipekit keeps on a parameter
 (`tp_shard_dim`, `expert_parallel`, ...) are copied onto them.
@@ -118,16 +120,17 @@ def shard_layers(module, *, reshard_after_forward: bool = False, reduce_dtype: t
     attrs = {name: dict(vars(p)) for name, p in module.named_parameters()}
     wrapped: list[Any] = []  # FSDPModule: fully_shard makes each layer's class a subclass of it
     for layer in [*module.layers.values(), *module.tied.values()]:
-        params = [p for p in layer.parameters() if p.requires_grad]
-        experts = {p for p in params if split_experts and getattr(p, "expert_parallel", False)}
+        # split experts, trained or frozen: each ep rank holds other experts, so only their edp replicas shard them
+        experts = {p for p in layer.parameters() if split_experts and getattr(p, "expert_parallel", False)}
         if experts and expert_mesh is not None:  # the experts' own shards over their edp replicas, first
             for part in _holders(layer, experts):
                 fully_shard(part, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
                             offload_policy=offload)
                 wrapped.append(part)
-            experts = set()
-        kept = {p for p in layer.parameters() if not p.requires_grad} | experts
-        if not [p for p in params if p not in kept]:
+                experts -= set(part.parameters())
+            # what no holder took (an expert weight beside others in one module) stays whole: never the dense mesh
+        kept = experts  # frozen parameters are sharded (and offloaded) too: FSDP gathers them, gives them no gradient
+        if not [p for p in layer.parameters() if p not in kept]:
             continue
         tied = any(layer is t for t in module.tied.values())
         if tied:  # a later use calls forward_fn(layer, x), not the layer: FSDP must see that call too

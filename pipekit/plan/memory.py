@@ -226,11 +226,12 @@ def rank_params(run: Run, split: list[Params]) -> Params:
 
 def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = Params()) -> Memory:
     """Model state on one rank holding `params` (already split over tp and ep) at ZeRO stage
-    `zero` (see the module docstring); `gathered_params`: the trained parameters a stage-3 rank
-    holds gathered whole at once. Stage 3 also holds the step's gradients whole, in the reduce
+    `zero` (see the module docstring); `gathered_params`: the parameters (trained and frozen) a
+    stage-3 rank holds gathered whole at once. Stage 3 also holds the step's gradients whole, in the reduce
     dtype, until the step's reduce-scatter. A group sharded over one rank (dp=1, or edp=1 for
     experts) is whole already: nothing is gathered and its gradients are the `grads`
-    component. Frozen parameters: their weights, whole, and nothing else. With
+    component. Frozen parameters: their weights and nothing else, sharded (and offloaded) at
+    stage 3 as the trained ones are. With
     `optimizer.offload` (cpu, nvme) the master weights and optimizer state are not on the
     device, nor ZeRO-2's gradient shards: they count nothing here (`host`); with
     `optimizer.offload_params=cpu` (stage 3) neither are the sharded parameters (what is
@@ -240,16 +241,19 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
     master = policy.master_dtype.itemsize if policy.mixed else 0
     moments = (2 if o.name == "adamw" else (1 if o.momentum else 0)) * policy.master_dtype.itemsize
     mem = Memory()
-    mem.params += (params.frozen_dense + params.frozen_expert) * width
-    for n, shards, whole, dense in ((params.dense, run.zero_shards, gathered_params.dense, True),
-                                    (params.expert, run.zero_shards // run.ep, gathered_params.expert, False)):
-        # parameter offload (stage 3, sharded): the shards live in host memory between uses, and their
-        # master weights and state with them; the step's gradient shard is a device buffer (counted)
+    groups = ((params.dense, params.frozen_dense, run.zero_shards, gathered_params, True),
+              (params.expert, params.frozen_expert, run.zero_shards // run.ep, gathered_params, False))
+    for n, frozen, shards, gathered, dense in groups:
+        whole = gathered.dense if dense else gathered.expert
+        whole_frozen = gathered.frozen_dense if dense else gathered.frozen_expert
         # FSDP shards a group over more than one rank, or, with parameter offload, a rank alone (dp=1; not
-        # split experts, which only their edp replicas shard)
+        # split experts, which only their edp replicas shard). Parameter offload: the shards live in host
+        # memory between uses, and their master weights and state with them; the step's gradient shard
+        # is a device buffer (counted)
         fsdp = zero >= 3 and (shards > 1 or (o.offload_params == "cpu" and (dense or run.ep == 1)))
         params_on_host = o.offload_params == "cpu" and fsdp
-        mem.params += (not params_on_host) * n * width / (shards if zero >= 3 else 1)
+        mem.params += (not params_on_host) * (n + frozen) * width / (shards if fsdp else 1)
+        mem.host += params_on_host * frozen * width / shards  # a frozen shard: its weights, nothing else
         # ZeRO-2 with offload: the gradient shard is host memory, each reduced shard added in as reduced
         grads_on_host = zero == 2 and o.offload != "none"
         mem.grads += (not grads_on_host) * n * grad / (shards if zero >= 2 else 1)
@@ -258,7 +262,7 @@ def state_memory(params: Params, run: Run, zero: int, gathered_params: Params = 
         mem.optimizer += on_device * n * moments / (shards if zero >= 1 else 1)
         mem.host += host_state(n / (shards if zero >= 1 else 1), run, params_on_host, moments, zero)
         if fsdp:
-            mem.gathered += whole * width
+            mem.gathered += (whole + whole_frozen) * width
             mem.unsharded_grads += n * grad
     return mem
 
@@ -285,17 +289,17 @@ def host_state(owned: float, run: Run, params_on_host: bool, moments: int, zero:
 
 
 def gathered_params(run: Run, splits: list[Params], mine: list[int]) -> Params:
-    """The trained parameters a stage-3 rank holding layers `mine` (each held once) keeps
-    gathered at its peak: with `optimizer.reshard_after_forward` one layer at a time (FSDP frees
-    each after its forward and after its backward), the largest; without, every layer from
-    its first use to the step's end, so all of them. Frozen ones are never gathered (whole)."""
+    """The parameters a stage-3 rank holding layers `mine` (each held once) keeps gathered at
+    its peak, trained and frozen (FSDP shards and gathers both): with
+    `optimizer.reshard_after_forward` one layer at a time (FSDP frees each after its forward
+    and after its backward), the largest; without, every layer from its first use to the
+    step's end, so all of them."""
     per_layer = [rank_params(run, [splits[i]]) for i in mine]
-    trained = [Params(p.dense, p.expert) for p in per_layer]
-    if not trained:
+    if not per_layer:
         return Params()
     if run.config.optimizer.reshard_after_forward:
-        return max(trained, key=lambda p: p.trained)
-    return sum(trained, Params())
+        return max(per_layer, key=lambda p: p.trained + p.frozen_dense + p.frozen_expert)
+    return sum(per_layer, Params())
 
 
 # ---- activations -------------------------------------------------------------------
@@ -384,7 +388,7 @@ def layer_activations(run: Run, layers: list[LayerCost], sp: bool, ac: bool,
 def adjusted_layers(run: Run, layers: list[LayerCost], splits: list[Params], comm: CommModel,
                     option: Option) -> list[LayerCost]:
     """The layers' costs (per rank, already / tp) with checkpointing's recompute and ZeRO-3's
-    gathers (of the trained parameters: frozen ones stay whole)."""
+    gathers (of every parameter, trained and frozen: FSDP shards both)."""
     width = run.precision.param_dtype.itemsize
     out = []
     for c, split in zip(layers, splits):
@@ -393,7 +397,8 @@ def adjusted_layers(run: Run, layers: list[LayerCost], splits: list[Params], com
             extra_b += c.F
         if option.zero >= 3:
             mine = rank_params(run, [split])
-            for n, shards in ((mine.dense, run.zero_shards), (mine.expert, run.zero_shards // run.ep)):
+            for n, shards in ((mine.dense + mine.frozen_dense, run.zero_shards),
+                              (mine.expert + mine.frozen_expert, run.zero_shards // run.ep)):
                 if n and shards > 1:
                     gather = comm.latency + (shards - 1) / shards * n * width / comm.bandwidth
                     extra_f += gather
