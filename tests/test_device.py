@@ -201,3 +201,21 @@ def test_cpu_peak_is_measured_in_one_plain_process(plain_process):
     assert 1e8 < peak < 1e13
     text = _peak_text({"peak_flops_per_device": peak, "peak_source": "measured", "devices": 2})
     assert "GFLOP/s per device x 2 (measured)" in text
+
+
+@pytest.mark.parametrize("device, backend", [("cuda", "nccl"), ("cpu", "gloo")])
+def test_the_one_process_group_takes_the_devices_backend(monkeypatch, device, backend):
+    """`init_alone` (parameter offload in one process: FSDP needs a group) makes a group of one
+    rank over an in-process store, NCCL for a GPU run and gloo for the CPU; none where a group is
+    up already. The call is recorded, not made: the same on a GPU machine and a CPU-only one."""
+    from pipekit.topology import init_alone
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(kw))
+    init_alone(device)
+    assert len(calls) == 1 and calls[0]["backend"] == backend, calls
+    assert (calls[0]["rank"], calls[0]["world_size"]) == (0, 1) and isinstance(calls[0]["store"], dist.HashStore)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    init_alone(device)
+    assert len(calls) == 1
