@@ -27,7 +27,8 @@ Runs, all in one spawned gloo group of 2 ranks, one intra-op thread each:
     pipekit's `train_batch` does;
   * one process (the baseline): the whole model as one `nn.Sequential` in a
     plain loop over the same M microbatches (gradient accumulation, loss
-    weighted 1/M), on rank 0 while rank 1 waits in the next barrier.
+    weighted 1/M), on rank 0 while rank 1 waits in the next barrier; and the
+    same loop on both ranks at once (the busy-cores baseline).
 
 Layers are cut at the same boundaries for both libraries: the 8 blocks spread
 evenly over the 2 or 4 virtual stages, the embedding on the first, the final
@@ -52,7 +53,11 @@ communication. One process does the same busy work back to back, so pp * (1 -
 bubble) = one-process time / pipeline makespan. It ignores communication, the
 engine's own overhead, imbalance between stages (the embedding, head and loss
 are not free), the optimizer step and this machine's sharing of 2 cores
-between 2 ranks and gloo's threads: a ceiling, not a prediction.
+between 2 ranks and gloo's threads: a ceiling, not a prediction. The last of
+those is measured apart: "1 process, both cores busy" runs the same plain loop on
+both ranks at once (each its own copy), and "of the bound (busy cores)" is the
+speedup over that per-process rate divided by the bubble bound, so what a core
+loses when the other one works too is not counted against the schedule.
 
 Not measured: GPUs, NCCL, more than 2 ranks, tensor or data parallelism,
 memory, the tied embedding, process start-up. The machine's 1-, 5- and
@@ -99,6 +104,7 @@ TORCH_SCHEDULES = {
 }
 SINGLE_STAGE = ("ScheduleGPipe", "Schedule1F1B")  # the rest take a list of stages
 BASELINE = "1 process"
+BUSY = "1 process, both cores busy"  # the same loop on every rank at once: what a core does when both work
 
 
 @dataclass(frozen=True)
@@ -203,10 +209,11 @@ def _loss_everywhere(losses: list) -> float:
     return total.item()
 
 
-def one_process_step(shape: Shape, batch):
+def one_process_step(shape: Shape, batch, everywhere: bool = False):
     """The baseline on rank 0: the whole model, a plain loop over the same microbatches.
-    Other ranks do nothing (they wait in the barrier before the next step)."""
-    if dist.get_rank() != 0:
+    Other ranks do nothing (they wait in the barrier before the next step); `everywhere`: every
+    rank runs its own copy at the same time (the busy baseline)."""
+    if dist.get_rank() != 0 and not everywhere:
         return lambda: float("nan")
     model = reference_model(gpt_specs(shape), SEED)
     loss_fn, opt = make_loss(), torch.optim.AdamW(model.parameters(), lr=LR)
@@ -273,7 +280,8 @@ def first_steps(makers: dict) -> tuple[dict, dict]:
 
 def shape_worker(shape: Shape, schedules: list[str], cfg: dict) -> dict:
     batch = make_batch(shape)
-    makers = {BASELINE: lambda: one_process_step(shape, batch)}
+    makers = {BASELINE: lambda: one_process_step(shape, batch),
+              BUSY: lambda: one_process_step(shape, batch, everywhere=True)}
     for name in schedules:
         makers[f"pipekit {name}"] = lambda n=name: pipekit_step(n, shape, batch)
         makers[f"torch {name}"] = lambda n=name: torch_step(n, shape, batch)
@@ -305,7 +313,7 @@ def run_summary(per_rank: list[dict], key: str, shape: Shape) -> dict | None:
 
 
 def shape_rows(per_rank: list[dict], shape: Shape, schedules: list[str]) -> tuple[dict, list[dict]]:
-    base = run_summary(per_rank, BASELINE, shape)
+    base, busy = run_summary(per_rank, BASELINE, shape), run_summary(per_rank, BUSY, shape)
     rows = []
     for name in schedules:
         ours, theirs = (run_summary(per_rank, f"{lib} {name}", shape) for lib in ("pipekit", "torch"))
@@ -315,7 +323,8 @@ def shape_rows(per_rank: list[dict], shape: Shape, schedules: list[str]) -> tupl
                      "pipekit_error": per_rank[0]["errors"].get(f"pipekit {name}"),
                      "ratio": _ratio(ours, theirs), "ratio_fastest": _fastest_ratio(ours, theirs),
                      "pipekit_vs_1_process": _ratio(ours, base),
-                     "torch_vs_1_process": _ratio(theirs, base), "bubble_fraction": bubble, "bubble_bound": bound})
+                     "torch_vs_1_process": _ratio(theirs, base), "bubble_fraction": bubble, "bubble_bound": bound,
+                     "pipekit_vs_busy": _ratio(ours, busy), "torch_vs_busy": _ratio(theirs, busy), "busy": busy})
     return base, rows
 
 
@@ -361,13 +370,20 @@ def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def _pct(speedup: float | None, bound: float) -> str:
+    return "-" if speedup is None else f"{100 * speedup / bound:.0f}%"
+
+
 def throughput_table(rows: list[dict]) -> str:
     body = [[r["schedule"], r["torch_schedule"], _rate(r["pipekit"], r["pipekit_error"]),
              _rate(r["torch"], r["torch_error"]), _x(r["ratio"]), _x(r["ratio_fastest"]), _x(r["pipekit_vs_1_process"]),
-             _x(r["torch_vs_1_process"]), f"{r['bubble_bound']:.2f}x ({100 * r['bubble_fraction']:.1f}% bubble)"]
+             _x(r["torch_vs_1_process"]), f"{r['bubble_bound']:.2f}x ({100 * r['bubble_fraction']:.1f}% bubble)",
+             _pct(r.get("pipekit_vs_1_process"), r["bubble_bound"]), _pct(r.get("pipekit_vs_busy"), r["bubble_bound"]),
+             _pct(r.get("torch_vs_busy"), r["bubble_bound"])]
             for r in rows]
     headers = ["schedule", "torch counterpart", "pipekit tok/s", "torch tok/s", "pipekit/torch",
-               "pipekit/torch, fastest steps", "pipekit vs 1 process", "torch vs 1 process", "bubble bound"]
+               "pipekit/torch, fastest steps", "pipekit vs 1 process", "torch vs 1 process", "bubble bound",
+               "pipekit, of the bound", "pipekit, of the bound (busy cores)", "torch, of the bound (busy cores)"]
     return table(headers, body)
 
 
@@ -388,6 +404,10 @@ def shape_report(key: str, shape: Shape, r: dict, cfg: dict) -> str:
             f"warm-ups, {len(round_sizes(cfg['steps'], cfg['rounds']))} alternating rounds")
     base_line = (f"1 process (plain loop, 1 thread): {base['tokens_per_s']:,.0f} tok/s "
                  f"(median step {base['step_s'] * 1e3:.1f} ms)" if base else "1 process: failed")
+    busy = r["rows"][0].get("busy") if r["rows"] else None
+    if busy:
+        base_line += (f"; the same loop on both ranks at once (both cores busy, as in a pipeline): "
+                      f"{busy['tokens_per_s']:,.0f} tok/s per process (median step {busy['step_s'] * 1e3:.1f} ms)")
     return "\n\n".join([head, base_line, throughput_table(r["rows"]), loss_table(base, r["rows"])])
 
 
