@@ -22,10 +22,10 @@ N the group the state is sharded over:
     unsharded_grads  stage 3 only: Ψ · gradient bytes, the step's gradients FSDP accumulates whole
                      until the one reduce-scatter at the step's end
 
-Frozen parameters (fine-tuning: `profiler.finetune`) hold their weights alone, in param bytes,
-whole on every rank at every stage: the optimizer never sees them, so they have no gradient,
-master copy or moments, and ZeRO-3 leaves them out of FSDP's sharding (its `ignored_params`),
-so they are neither sharded nor gathered; only a layer's trained parameters (its adapters) are.
+Frozen parameters (fine-tuning: `profiler.finetune`) hold their weights alone, in param bytes:
+the optimizer never sees them, so they have no gradient, master copy or moments. Below ZeRO-3
+they are whole on every rank; at ZeRO-3 FSDP shards and gathers them as it does the trained
+ones (and parameter offload keeps their shards on the host), with no gradient to reduce.
 The adapters are trained parameters like any other: A (r, in) and B (out, r) per target linear,
 DoRA's magnitude (out,) beside them, counted from the adapted model itself.
 

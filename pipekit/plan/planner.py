@@ -104,7 +104,8 @@ def activation_peaks(schedule: Schedule, saved: list[int]) -> list[int]:
 def state_bytes(params: int, run: Run, frozen: int = 0) -> int:
     """Weights, gradients, master weights and optimizer moments of `params` trained parameters
     on one rank, in the run's precision policy's dtypes, with ZeRO's sharding over dp, and the
-    weights alone of `frozen` ones (whole on every rank: the optimizer never sees them).
+    weights alone of `frozen` ones (the optimizer never sees them). Weights count whole, at
+    ZeRO-3 too: a balance between stages, not the memory plan (`pipekit.plan.memory`).
     ZeRO shards over dp x cp (`Run.zero_shards`)."""
     o, dp, policy = run.config.optimizer, run.zero_shards, run.precision
     width = policy.param_dtype.itemsize
