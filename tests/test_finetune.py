@@ -93,6 +93,7 @@ LOADS = {  # name -> (model dir, overrides)
                                                             "optimizer.zero_stage=3"]),
 }
 LORA = r"attn\.(q|k|v|o)$|mlp\.(gate|up|down)$"
+GPT2_LORA = r"attn\.(q|k|v|o)$|mlp\.(fc|proj)$"
 # the balancing loss on the step's loads (the same in every layout); 2 blocks x (2 + 3) adapters
 MOE = ["model.family=mixtral", "model.global_balance=true", r"model.lora.targets=attn\.(q|v)$|experts\.w_"]
 TUNES = {  # name -> overrides beside model.init=llama and LoRA
@@ -104,6 +105,9 @@ TUNES = {  # name -> overrides beside model.init=llama and LoRA
     "pp2-dp2-zero3-offload-zbv": ["parallel.pp=2", "parallel.dp=2", "optimizer.zero_stage=3",
                                   "optimizer.offload_params=cpu", "schedule.name=zbv", "schedule.microbatches=4"],
     "tp2-dp2-dora": ["parallel.tp=2", "parallel.dp=2", "model.lora.dora=true"],
+    # GPT-2 from its HF weights: the tied embedding and head, frozen, one layer FSDP shards on two stages
+    "gpt2-pp2-dp2-zero3-offload": ["model.init=gpt2", f"model.lora.targets={GPT2_LORA}", "parallel.pp=2",
+                                   "parallel.dp=2", "optimizer.zero_stage=3", "optimizer.offload_params=cpu"],
     # Mixtral from its own seeded weights (no model.init), LoRA on attention and on every expert's weights
     "mixtral-pp2-dp2-ep2-zero1": [*MOE, "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "optimizer.zero_stage=1"],
     # frozen experts sharded over their edp replicas (dp 4 / ep 2), the frozen dense weights over dp
@@ -146,7 +150,7 @@ def _load_case(model_dir: str, overrides: list[str], expected: dict) -> dict:
     return {"weights": worst, "names": sorted(set(sd) ^ set(expected)), "loss": float(loss)}
 
 
-def _tune_case(model_dir: str, overrides: list[str]) -> dict:
+def _tune_case(model_dir: str, overrides: list[str], gpt2_dir: str | None = None) -> dict:
     from pipekit.checkpoint import full_state_dict
     from pipekit.precision import default_dtype
     from pipekit.testing import Reference
@@ -155,6 +159,9 @@ def _tune_case(model_dir: str, overrides: list[str]) -> dict:
     common = [f"model.init={model_dir}" if not moe else "model.family=mixtral", "train.dtype=float64",
               "model.lora.rank=4", "model.lora.alpha=8", f"model.lora.targets={LORA}", "optimizer.lr=0.02",
               "optimizer.warmup_steps=0", "optimizer.clip_grad_norm=1.0", f"train.steps={STEPS}"]
+    if "model.init=gpt2" in overrides:  # (the name of a model dir in `dirs`)
+        overrides = [o for o in overrides if o != "model.init=gpt2"]
+        common[0] = f"model.init={gpt2_dir}"
     dora, dp = [o for o in overrides if o.startswith("model.")], _dp(overrides)  # the model: the same on both sides
     with default_dtype(torch.float64):
         _, ref = _engine([*common, *dora, f"train.micro_batch={ROWS // 2}"], alone=True)
@@ -185,7 +192,7 @@ def _worker(dirs: dict, expected: dict) -> dict:
     for name, (family, overrides) in LOADS.items():
         out[name] = _load_case(dirs[family], overrides, expected[family])
     for name, overrides in TUNES.items():
-        out[name] = _tune_case(dirs["llama"], overrides)
+        out[name] = _tune_case(dirs["llama"], overrides, dirs["gpt2"])
     return out
 
 
@@ -226,7 +233,8 @@ def test_lora_equals_one_process_and_the_frozen_weights_stay_bitwise(results, ca
     for rank, out in enumerate(per_rank):
         got = out[case]
         assert got["names"] == [], (rank, got["names"])
-        want = 2 * 5 * 2 if "mixtral" in case else 3 * 7 * 2 + (3 * 7 if "dora" in case else 0)
+        want = (2 * 5 * 2 if "mixtral" in case else 3 * 6 * 2 if "gpt2" in case
+                else 3 * 7 * 2 + (3 * 7 if "dora" in case else 0))
         assert got["n_adapters"] == want, got["n_adapters"]
         assert got["moved"] > 1e-3, got  # the adapters trained
         assert got["loss"] < 1e-10 and got["adapters"] < 1e-10, (rank, got)
