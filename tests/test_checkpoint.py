@@ -55,7 +55,13 @@ def losses(out: str) -> dict[int, float]:
 
 def _run(layout: str, out: str, *extra: str) -> dict[int, float]:
     run = load_run(None, [*MODEL, *LAYOUTS[layout], f"logging.out_dir={out}", *extra])
-    train(run)
+    threads = torch.get_num_threads()
+    if layout == "one_process":  # in this process: one thread, as each spawned rank has, so the same kernels
+        torch.set_num_threads(1)
+    try:
+        train(run)
+    finally:
+        torch.set_num_threads(threads)
     return losses(out)
 
 
