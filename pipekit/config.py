@@ -88,6 +88,12 @@ class ModelConfig:
     hidden: Optional[int] = None  # llama: feed-forward width
     tie_embeddings: Optional[bool] = None
     rope_theta: Optional[float] = None
+    # llama | mixtral: rotary scaling as Hugging Face writes it ({rope_type: llama3, factor: 8.0, low_freq_factor: 1.0,
+    # high_freq_factor: 4.0, original_max_position_embeddings: 8192}, or {rope_type: linear, factor: 2.0})
+    rope_scaling: Optional[dict[str, Any]] = None
+    head_dim: Optional[int] = None  # llama | mixtral: each head's width (default dim / n_heads)
+    qkv_bias: Optional[bool] = None  # llama: biases on q, k, v (Qwen2)
+    qk_norm: Optional[bool] = None  # llama | mixtral: RMSNorm on each q and k head (Qwen3)
     vocab_pad_multiple: Optional[int] = None  # tables padded to a multiple of this (default 128; masked, exact)
     fused_loss: Optional[bool] = None  # gpt2 | llama | mixtral: head fused into the loss, no logits in training
     # mixtral (MoE): routed experts, experts per token, always-on shared experts, router settings
@@ -972,7 +978,7 @@ def _check_model_family(m: ModelConfig) -> None:
 _NOT_OVERRIDES = ("family", "flavour", "kernels", "init", "freeze", "lora")  # keys that are not the family's fields
 # The keys that shape the weights: with model.init they come from the weights, and one that differs is refused.
 _FROM_WEIGHTS = ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden", "tie_embeddings",
-                 "rope_theta", "n_experts", "top_k", "n_shared_experts", "score")
+                 "rope_theta", "n_experts", "top_k", "n_shared_experts", "score", "head_dim", "qkv_bias", "qk_norm")
 
 
 def model_config(model: ModelConfig):

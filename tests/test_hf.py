@@ -1,4 +1,7 @@
-"""Hugging Face interchange: tiny random GPT2LMHeadModel / LlamaForCausalLM, float32.
+"""Hugging Face interchange: tiny random GPT2LMHeadModel / LlamaForCausalLM, float32,
+and the Llama variants a user brings: Llama 3.1's scaled rope, Qwen2 (q/k/v biases, tied),
+Qwen3 (q/k head norms, head_dim twice dim / n_heads) and Mistral (a sliding window no
+longer than the sequence).
 
 Each case builds a transformers model from a config object (random weights,
 every parameter perturbed so biases and norm weights are not at their
@@ -42,22 +45,42 @@ TRAIN_STEPS, LR = 2, 0.5
 LAYOUTS = [(1, 2, 2), (2, 1, 2), (2, 2, 1)]  # (pp, dp, tp) on 4 ranks
 
 
+# the Llama variants: (transformers config class, model class, extra config keys)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # head_dim 8, theta 1e4: one frequency of each kind
+
+
+def _variants() -> dict:
+    return {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+        "llama3rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                       {"rope_scaling": dict(LLAMA3_ROPE), "max_position_embeddings": 128}),  # a copy: HF adds to it
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"use_sliding_window": False}),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": SEQ}),
+    }
+
+
 def hf_config(family: str, tied: bool, vocab: int = VOCAB):
     if family == "gpt2":
         return transformers.GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                        tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None,
                                        attn_implementation="eager")
     # theta 10000 and head_dim 8: every rotary frequency turns noticeably over 16 positions
-    return transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                    rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied,
-                                    attn_implementation="eager")
+    config_cls, _, extra = _variants()[family]
+    keys = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=tied, attn_implementation="eager")
+    return config_cls(**{**keys, **extra})
+
+
+def hf_class(family: str):
+    return transformers.GPT2LMHeadModel if family == "gpt2" else _variants()[family][1]
 
 
 def hf_model(family: str, tied: bool, vocab: int = VOCAB, seed: int = 0):
     torch.manual_seed(seed)
-    cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.LlamaForCausalLM
-    model = cls(hf_config(family, tied, vocab)).eval()
+    model = hf_class(family)(hf_config(family, tied, vocab)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -65,14 +88,14 @@ def hf_model(family: str, tied: bool, vocab: int = VOCAB, seed: int = 0):
 
 
 def fresh_hf_model(family: str, tied: bool, hf_sd: dict, vocab: int = VOCAB):
-    cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.LlamaForCausalLM
-    model = cls(hf_config(family, tied, vocab)).eval()
+    model = hf_class(family)(hf_config(family, tied, vocab)).eval()
     model.load_state_dict(hf_sd, strict=True)
     return model
 
 
 CASES = [("gpt2", True, VOCAB), ("gpt2", False, VOCAB), ("llama", False, VOCAB), ("llama", True, VOCAB),
-         ("gpt2", True, ODD), ("llama", False, ODD)]
+         ("gpt2", True, ODD), ("llama", False, ODD), ("llama3rope", False, VOCAB), ("qwen2", True, VOCAB),
+         ("qwen3", False, VOCAB), ("mistral", False, VOCAB)]
 CASE_IDS = [f"{f}-{'tied' if t else 'untied'}" + ("" if v == VOCAB else f"-v{v}") for f, t, v in CASES]
 ODD_IDS = [i for i in CASE_IDS if i.endswith(f"-v{ODD}")]
 
@@ -81,20 +104,22 @@ class Case:
     """An HF model, its pipekit config and full state dict, a batch and HF's answers:
     logits and loss, then the losses and weights of TRAIN_STEPS SGD steps."""
 
-    def __init__(self, family: str, tied: bool, vocab: int):
-        self.family, self.tied, self.vocab = family, tied, vocab
-        self.model = hf_model(family, tied, vocab)
+    def __init__(self, kind: str, tied: bool, vocab: int):
+        self.kind, self.tied, self.vocab = kind, tied, vocab  # kind: the HF model (a Llama variant's name)
+        self.family = "gpt2" if kind == "gpt2" else "llama"
+        self.model = hf_model(kind, tied, vocab)
         self.hf_sd = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         self.cfg = hf.config_from_hf(self.model.config)
         if vocab == ODD:
             self.cfg = with_overrides(self.cfg, vocab_pad_multiple=ODD_PAD_MULTIPLE)
+        family = self.family
         self.full = hf.from_hf_state_dict(family, self.hf_sd, self.cfg)
         gen = torch.Generator().manual_seed(1)
         self.ids = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
         self.labels = torch.randint(0, vocab, (BATCH, SEQ), generator=gen)
         self.logits = hf_logits(self.model, self.ids)
         self.loss = F.cross_entropy(self.logits.flatten(0, 1), self.labels.flatten()).item()
-        fresh = fresh_hf_model(family, tied, self.hf_sd, vocab)
+        fresh = fresh_hf_model(kind, tied, self.hf_sd, vocab)
         self.train_losses, self.trained_sd = hf_train(fresh, self.ids, self.labels)
 
     def payload(self) -> tuple:
@@ -197,7 +222,7 @@ def check_result(case: Case, result: dict, where: str) -> None:
     assert result["full_exact"], f"{where}: full_state_dict does not give back the loaded weights exactly"
     assert result["hf_exact"], f"{where}: to_hf_state_dict does not give back HF's state dict exactly"
     if result["hf_sd"] is not None:
-        again = fresh_hf_model(case.family, case.tied, torch.load(io.BytesIO(result["hf_sd"])), case.vocab)
+        again = fresh_hf_model(case.kind, case.tied, torch.load(io.BytesIO(result["hf_sd"])), case.vocab)
         assert max_diff(hf_logits(again, case.ids), case.logits) == 0.0, f"{where}: the round-tripped HF model differs"
     assert result["train_loss"] <= TOL, f"{where}: training losses differ from HF's by {result['train_loss']:.3g}"
     assert result["trained"] <= TOL, f"{where}: weights after training differ from HF's by {result['trained']:.3g}"
@@ -253,7 +278,8 @@ def offline(monkeypatch):
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
 
 
-@pytest.mark.parametrize("case_id", ["gpt2-tied", "llama-untied", "llama-tied"])
+@pytest.mark.parametrize("case_id", ["gpt2-tied", "llama-untied", "llama-tied", "llama3rope-untied",
+                                     "qwen2-tied", "qwen3-untied"])
 def test_save_hf_checkpoint_loads_in_transformers(cases, case_id, tmp_path, offline):
     case = cases[case_id]
     out = tmp_path / "hf"
@@ -376,17 +402,48 @@ def test_unsupported_gpt2_options(change, match):
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}, "llama3"),
-    ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}, "llama3.*low_freq_factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0}}, "yarn.*valid.*linear"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+    ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 0.5}}, "factor must be"),
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"head_dim": 16}, "head_dim"),
-    ({"model_type": "bert"}, "model_type"),
+    ({"head_dim": 7}, "head dim 7 must be even"),
+    ({"model_type": "bert"}, "model_type.*qwen3"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8}, "sliding"),
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
 ])
 def test_unsupported_llama_options(change, match):
     d = hf_config("llama", False).to_dict() | change
     with pytest.raises(ValueError, match=match):
         hf.config_from_hf(d)
+
+
+def test_llama_variant_configs():
+    """What each variant's config.json becomes, and back: the scaled rope, head_dim, the biases,
+    the head norms; Mistral's window bounds max_seq_len (only there does it mask nothing)."""
+    cfg = hf.config_from_hf(hf_config("llama3rope", False))
+    assert cfg.rope_scaling == LLAMA3_ROPE and cfg.head_dim is None and not (cfg.qkv_bias or cfg.qk_norm)
+    back = hf.hf_config_from(cfg)
+    assert type(back) is transformers.LlamaConfig and back.rope_parameters["rope_type"] == "llama3"
+    assert hf.config_from_hf(back) == cfg
+    linear = hf.config_from_hf(hf_config("llama", False).to_dict() | {
+        "rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    assert linear.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    q3 = hf.config_from_hf(hf_config("qwen3", False))
+    assert (q3.head_dim, q3.qk_norm, q3.qkv_bias, q3.attn_head_dim) == (16, True, False, 16)
+    assert type(hf.hf_config_from(q3)) is transformers.Qwen3Config and hf.config_from_hf(hf.hf_config_from(q3)) == q3
+    q2 = hf.config_from_hf(hf_config("qwen2", True))
+    assert (q2.qkv_bias, q2.qk_norm, q2.tie_embeddings) == (True, False, True)
+    assert type(hf.hf_config_from(q2)) is transformers.Qwen2Config and hf.config_from_hf(hf.hf_config_from(q2)) == q2
+    mistral = hf.config_from_hf(hf_config("mistral", False).to_dict() | {"max_position_embeddings": 4096})
+    assert mistral.max_seq_len == SEQ, "a sliding window W: positions up to W, where it masks nothing"
+    assert hf.config_from_hf(hf_config("mistral", False).to_dict() | {"sliding_window": None}).max_seq_len == 32
+    with pytest.raises(ValueError, match="qkv_bias and qk_norm"):
+        hf.hf_config_from(with_overrides(q3, qkv_bias=True))
+    from pipekit.models import mixtral
+    with pytest.raises(ValueError, match="qkv_bias=True"):
+        hf.hf_config_from(mixtral.MixtralConfig(**{**asdict(get_model("mixtral", "tiny")), "qkv_bias": True}))
 
 
 def test_old_llama_config_json_keys():
@@ -423,3 +480,38 @@ def test_the_toy_family_has_no_hf_form():
                  lambda: hf.from_hf_state_dict("toy", {}, toy)):
         with pytest.raises(ValueError, match=said):
             call()
+
+
+@pytest.mark.parametrize("scaling", [dict(LLAMA3_ROPE), {"rope_type": "linear", "factor": 4.0},
+                                     {**LLAMA3_ROPE, "factor": 32.0, "original_max_position_embeddings": 8192}])
+def test_scaled_rope_frequencies_are_transformers(scaling):
+    """pipekit's scaled rotary frequencies are transformers' own (its rope init functions), bitwise
+    in float32, at a Llama-3.1 head (128 wide, theta 500000) and at the tests' tiny one."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pipekit.layers.rotary import inv_frequencies, rope_scaling_of
+    for dim, heads, theta in ((4096, 32, 500000.0), (32, 4, 10000.0)):
+        config = transformers.LlamaConfig(hidden_size=dim, num_attention_heads=heads, rope_theta=theta,
+                                          max_position_embeddings=131072, rope_scaling=dict(scaling))
+        theirs, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu")
+        ours = inv_frequencies(dim // heads, theta, rope_scaling_of(scaling))
+        assert ours.dtype == theirs.dtype == torch.float32 and torch.equal(ours, theirs), (dim, scaling)
+        assert not torch.equal(ours, inv_frequencies(dim // heads, theta)), "the scaling must change something"
+
+
+def test_a_qwen3_dir_sets_the_run_model(cases, tmp_path, offline):
+    """`pipekit train model.init=<a Qwen3 dir>`: the run's model takes the head norms and the head
+    width from the weights; a key that contradicts them is refused naming both values, one that
+    does not shape them (the rope scaling, for a longer context) may change."""
+    from pipekit.config import ConfigError, load_run
+
+    case = cases["qwen3-untied"]
+    case.model.save_pretrained(str(tmp_path / "q3"))
+    init = f"model.init={tmp_path / 'q3'}"
+    run = load_run(None, [init, "data.source=synthetic", "train.seq_len=16", "train.steps=1"])
+    assert run.model == case.cfg and (run.model.qk_norm, run.model.head_dim) == (True, 16)
+    with pytest.raises(ConfigError, match="model.qk_norm=False contradicts"):
+        load_run(None, [init, "data.source=synthetic", "train.seq_len=16", "model.qk_norm=false"])
+    longer = load_run(None, [init, "data.source=synthetic", "train.seq_len=16",
+                             "model.rope_scaling={rope_type: linear, factor: 2.0}"])
+    assert longer.model.rope_scaling == {"rope_type": "linear", "factor": 2.0}

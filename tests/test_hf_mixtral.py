@@ -255,7 +255,7 @@ def test_configs_without_a_hf_form_are_refused_in_one_line(cases, overrides, tmp
     ({"sliding_window": 4096}, "sliding-window"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "yarn"),
-    ({"head_dim": 16}, "head_dim"),
+    ({"attention_bias": True}, "attention_bias"),
 ])
 def test_unsupported_mixtral_options(change, match):
     d = hf_config(2, False).to_dict() | change

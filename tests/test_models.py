@@ -35,6 +35,7 @@ from pipekit.models import (
     padded_vocab,
     with_overrides,
 )
+from pipekit.models.common import attention_flops
 from pipekit.models.hf import vocab_tensor_names
 from pipekit.spec import LayerSpec, TiedLayerSpec, build_layer
 from pipekit.testing import FakeGroup
@@ -201,6 +202,18 @@ def test_count_params_matches_the_spec_list(family, flavour, tied):
     tie = {"tie_embeddings": tied} if "tie_embeddings" in model_keys(family) else {}  # the toy's table is its head
     cfg = get_model(family, flavour, n_layers=2, **tie)  # the blocks repeat: two show the formula
     assert count_params(cfg) == meta_count(model_specs(cfg))
+
+
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+@pytest.mark.parametrize("variant", [dict(qkv_bias=True), dict(qk_norm=True, head_dim=64), dict(head_dim=16)])
+def test_count_params_of_llama_variants(family, variant):
+    """The Hugging Face variants (Qwen2's q/k/v biases, Qwen3's head norms and head_dim) counted in
+    closed form as built; the attention FLOPs follow the heads' real width."""
+    cfg = get_model(family, "tiny", n_layers=2, **variant)
+    assert count_params(cfg) == meta_count(model_specs(cfg))
+    base = get_model(family, "tiny", n_layers=2)
+    ratio = cfg.attn_head_dim / base.attn_head_dim
+    assert attention_flops(cfg, 64) == attention_flops(base, 64) * ratio
 
 
 @pytest.mark.parametrize("moe", [dict(n_experts=4), dict(n_experts=4, n_shared_experts=2, top_k=1)])

@@ -11,14 +11,18 @@ from torch import nn
 from .context import attention_core, chunk_index
 from .kv_cache import active_kv_cache
 from .linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linears
-from .parallel import current_context_parallel, current_tp_group, group_size
-from .rotary import apply_rotary, rotary_cos_sin, rotary_cos_sin_at
+from .norm import RMSNorm
+from .parallel import current_context_parallel, current_tp_group, group_size, mark_tp_partial
+from .rotary import RopeScaling, apply_rotary, rope_scaling_of, rotary_cos_sin, rotary_cos_sin_at
 
 
-def check_heads(dim: int, n_heads: int, n_kv_heads: int, tp: int) -> None:
-    """Raise a ValueError naming the values unless the head layout is valid at tp size `tp`."""
-    if dim % n_heads:
+def check_heads(dim: int, n_heads: int, n_kv_heads: int, tp: int, head_dim: int | None = None) -> None:
+    """Raise a ValueError naming the values unless the head layout is valid at tp size `tp`
+    (`head_dim` given: the heads need not divide dim)."""
+    if head_dim is None and dim % n_heads:
         raise ValueError(f"dim={dim} is not divisible by n_heads={n_heads}")
+    if head_dim is not None and head_dim < 1:
+        raise ValueError(f"head_dim must be >= 1, got {head_dim}")
     if n_heads % n_kv_heads:
         raise ValueError(f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}")
     for name, value in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
@@ -37,8 +41,15 @@ class CausalSelfAttention(nn.Module):
     finds its kv head on the same rank), `o` is row-parallel. Input and output
     are full on every rank. Communication: one all-reduce forward (in `o`);
     one backward (the input's `copy_to_tp`, shared by q, k and v).
-    Rotary embedding (Llama) when `rope_theta` is not None; none for GPT-2.
-    `out_init_std` (default `init_std`) initialises `o`.
+    Rotary embedding (Llama) when `rope_theta` is not None, its frequencies scaled by
+    `rope_scaling` (a `RopeScaling` or its Hugging Face dict: Llama 3.1's "llama3", "linear");
+    none for GPT-2. `out_init_std` (default `init_std`) initialises `o`.
+    `head_dim` (default dim / n_heads) may differ from dim / n_heads (Qwen3, Gemma): q and k, v
+    are n_heads * head_dim and n_kv_heads * head_dim wide, o maps n_heads * head_dim back to dim.
+    `qkv_bias` (default `bias`): biases on q, k and v alone (Qwen2), `bias` then being o's.
+    `qk_norm_eps`, when given: an RMSNorm over each head's head_dim on q and on k before the
+    rotary embedding (Qwen3's q_norm and k_norm), one weight shared by all heads; with tp > 1
+    each rank's heads give their part of its gradient (marked `tp_partial`: summed over tp).
 
     Packed documents: `forward(x, positions=...)` with each token's position in its
     document (B, T) int64 (a document starts where the position is not the one before
@@ -58,20 +69,33 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int | None = None, bias: bool = True,
                  rope_theta: float | None = None, init_std: float = 0.02,
-                 out_init_std: float | None = None, group=None):
+                 out_init_std: float | None = None, group=None, *, head_dim: int | None = None,
+                 qkv_bias: bool | None = None, qk_norm_eps: float | None = None,
+                 rope_scaling: RopeScaling | dict | None = None):
         super().__init__()
         group = current_tp_group() if group is None else group
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         tp = group_size(group)
-        check_heads(dim, n_heads, n_kv_heads, tp)
-        self.head_dim = dim // n_heads
+        check_heads(dim, n_heads, n_kv_heads, tp, head_dim)
+        self.head_dim = dim // n_heads if head_dim is None else head_dim
         self.local_heads, self.local_kv_heads = n_heads // tp, n_kv_heads // tp
         self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling_of(rope_scaling)
+        if self.rope_scaling is not None and rope_theta is None:
+            raise ValueError("rope_scaling scales the rotary embedding, which needs a rope_theta")
+        qkv_bias = bias if qkv_bias is None else qkv_bias
         out_std = init_std if out_init_std is None else out_init_std
-        self.q = ColumnParallelLinear(dim, n_heads * self.head_dim, bias=bias, init_std=init_std, group=group)
-        self.k = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, bias=bias, init_std=init_std, group=group)
-        self.v = ColumnParallelLinear(dim, n_kv_heads * self.head_dim, bias=bias, init_std=init_std, group=group)
-        self.o = RowParallelLinear(n_heads * self.head_dim, dim, bias=bias, init_std=out_std, group=group)
+        hd = self.head_dim
+        self.q = ColumnParallelLinear(dim, n_heads * hd, bias=qkv_bias, init_std=init_std, group=group)
+        self.k = ColumnParallelLinear(dim, n_kv_heads * hd, bias=qkv_bias, init_std=init_std, group=group)
+        self.v = ColumnParallelLinear(dim, n_kv_heads * hd, bias=qkv_bias, init_std=init_std, group=group)
+        self.o = RowParallelLinear(n_heads * hd, dim, bias=bias, init_std=out_std, group=group)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm_eps is not None:
+            self.q_norm, self.k_norm = RMSNorm(hd, eps=qk_norm_eps), RMSNorm(hd, eps=qk_norm_eps)
+            if tp > 1:  # each rank normalises its own heads: its part of the shared weight's gradient
+                mark_tp_partial(self.q_norm.weight, self.k_norm.weight)
         self.context = current_context_parallel()  # (cp group, mode) when built under context parallelism
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,14 +106,18 @@ class CausalSelfAttention(nn.Module):
         q = einops.rearrange(q, "b t (h d) -> b h t d", d=self.head_dim)  # (B, H/tp, T, hd)
         k = einops.rearrange(k, "b t (h d) -> b h t d", d=self.head_dim)  # (B, KV/tp, T, hd)
         v = einops.rearrange(v, "b t (h d) -> b h t d", d=self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # per head, before the rotation (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.context is not None:
             y = self._across_context(q, k, v, positions, *self.context)
             return self.o(einops.rearrange(y, "b h t d -> b t (h d)"))
         if self.rope_theta is not None and positions is None:
-            cos, sin = rotary_cos_sin(q.shape[2], self.head_dim, self.rope_theta, q.device, q.dtype)
+            cos, sin = rotary_cos_sin(q.shape[2], self.head_dim, self.rope_theta, q.device, q.dtype,
+                                      self.rope_scaling)
             q, k = apply_rotary(q, k, cos, sin)
         elif positions is not None and self.rope_theta is not None:  # packed: at positions in documents
-            cos, sin = rotary_cos_sin_at(positions, self.head_dim, self.rope_theta, q.dtype)  # (B, T, hd)
+            cos, sin = rotary_cos_sin_at(positions, self.head_dim, self.rope_theta, q.dtype,
+                                         self.rope_scaling)  # (B, T, hd)
             q, k = apply_rotary(q, k, cos.unsqueeze(1), sin.unsqueeze(1))  # tables (B, 1, T, hd)
         cache, mask = active_kv_cache(), None
         if cache is not None:  # incremental decoding: attend over the cached keys too
@@ -121,7 +149,7 @@ class CausalSelfAttention(nn.Module):
         index = chunk_index(T, group_size(group), dist.get_rank(group), device=q.device)  # (T,) global indices
         if self.rope_theta is not None:
             at = positions if positions is not None else index.expand(q.shape[0], T)
-            cos, sin = rotary_cos_sin_at(at, self.head_dim, self.rope_theta, q.dtype)  # (B, T, hd)
+            cos, sin = rotary_cos_sin_at(at, self.head_dim, self.rope_theta, q.dtype, self.rope_scaling)
             q, k = apply_rotary(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
         doc = None if positions is None else index - positions  # (B, T): where each token's document starts
         q, k, v = (t.contiguous() for t in (q, k, v))  # they travel between ranks (the ring, all-to-all)

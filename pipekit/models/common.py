@@ -273,4 +273,5 @@ def attention_flops(cfg, seq_len: int) -> int:
     """Training FLOPs per token of the attention scores and weighted sum,
     12 * n_layers * (n_heads * head_dim) * seq_len (PaLM, Chowdhery et al. 2022, appendix B;
     counted without the causal half-saving, as MFU reports conventionally do)."""
-    return 12 * cfg.n_layers * cfg.n_heads * (cfg.dim // cfg.n_heads) * seq_len
+    head_dim = getattr(cfg, "attn_head_dim", cfg.dim // cfg.n_heads)  # Llama's may differ from dim / n_heads
+    return 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len

@@ -44,6 +44,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..layers.rotary import rope_scaling_of
 from .gpt2 import GPT2Config
 from .llama import LlamaConfig
 from .mixtral import MixtralConfig
@@ -253,8 +254,12 @@ class LlamaAdapter(StateDictAdapter):
         names = (("norm1", "input_layernorm"), ("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"),
                  ("attn.v", "self_attn.v_proj"), ("attn.o", "self_attn.o_proj"),
                  ("norm2", "post_attention_layernorm"), *mlp)
+        names += (("attn.q_norm", "self_attn.q_norm"), ("attn.k_norm", "self_attn.k_norm")) if cfg.qk_norm else ()
+        biases = (("attn.q", "self_attn.q_proj"), ("attn.k", "self_attn.k_proj"),
+                  ("attn.v", "self_attn.v_proj")) if cfg.qkv_bias else ()
         for i in range(L):
             pairs += [(f"layers.{i + 1}.{ours}.weight", f"model.layers.{i}.{theirs}.weight") for ours, theirs in names]
+            pairs += [(f"layers.{i + 1}.{ours}.bias", f"model.layers.{i}.{theirs}.bias") for ours, theirs in biases]
         pairs.append((f"layers.{L + 1}.weight", "model.norm.weight"))
         if not cfg.tie_embeddings:
             pairs.append((f"layers.{L + 2}.weight", "lm_head.weight"))
@@ -271,30 +276,49 @@ class LlamaAdapter(StateDictAdapter):
 
     @classmethod
     def _fields_from_hf(cls, d: dict) -> dict:
-        """The config fields Llama and Mixtral share, from a config.json dict."""
-        _require(d, {"hidden_act": ("silu", ("silu",)), "attention_bias": (False, (False,)),
-                     "mlp_bias": (False, (False,))})
-        rope = d.get("rope_parameters") or {}  # transformers >= 5
-        scaling = d.get("rope_scaling") or {}  # older config.json files
-        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-        if rope_type != "default":
-            raise ValueError(f"Hugging Face config has rope type {rope_type!r}; "
-                             "pipekit supports only unscaled rope ('default')")
+        """The config fields Llama and Mixtral (and Mistral, Qwen2, Qwen3) share, from a config.json dict."""
+        _require(d, {"hidden_act": ("silu", ("silu",)), "mlp_bias": (False, (False,))})
+        rope = dict(d.get("rope_parameters") or {})  # transformers >= 5
+        scaling = dict(d.get("rope_scaling") or {})  # older config.json files
+        try:
+            rope_scaling = rope_scaling_of({k: v for k, v in (rope or scaling).items() if k != "rope_theta"})
+        except ValueError as e:
+            raise ValueError(f"Hugging Face config: {e}") from None
         dim, heads = d["hidden_size"], d["num_attention_heads"]
-        if d.get("head_dim") not in (None, dim // heads):
-            raise ValueError(f"Hugging Face config has head_dim={d['head_dim']}; "
-                             f"pipekit needs hidden_size/num_attention_heads = {dim // heads}")
+        head_dim = d.get("head_dim")
         theta = rope.get("rope_theta", d.get("rope_theta", cls.defaults["rope_theta"]))
         return dict(vocab_size=d["vocab_size"], max_seq_len=d["max_position_embeddings"],
                     n_layers=d["num_hidden_layers"], dim=dim, n_heads=heads,
                     n_kv_heads=d.get("num_key_value_heads") or heads, hidden=d["intermediate_size"],
                     norm_eps=d.get("rms_norm_eps", cls.defaults["rms_norm_eps"]), rope_theta=float(theta),
-                    tie_embeddings=d.get("tie_word_embeddings", False), init_std=d.get("initializer_range", 0.02))
+                    tie_embeddings=d.get("tie_word_embeddings", False), init_std=d.get("initializer_range", 0.02),
+                    rope_scaling=None if rope_scaling is None else rope_scaling.as_dict(),
+                    head_dim=None if head_dim in (None, dim // heads) and not dim % heads else head_dim)
 
     @classmethod
     def config_from_hf(cls, d: dict) -> LlamaConfig:
-        """A Llama config.json (dict) -> LlamaConfig; options pipekit lacks raise a ValueError."""
-        return LlamaConfig(**cls._fields_from_hf(d))
+        """A Llama, Mistral, Qwen2 or Qwen3 config.json (dict) -> LlamaConfig; options pipekit
+        lacks raise a ValueError. Mistral: Llama's tensors; a sliding window W makes
+        max_seq_len min(max_position_embeddings, W), where the window masks nothing. Qwen2:
+        biases on q, k and v (`qkv_bias`). Qwen3: q_norm and k_norm (`qk_norm`), its head_dim."""
+        kind = d.get("model_type", "llama")
+        if kind in ("qwen2", "qwen3"):
+            _no_sliding_window(d)
+            _require(d, {"attention_bias": (False, (False, None))} if kind == "qwen3" else {})
+            fields = cls._fields_from_hf(d)
+            return LlamaConfig(**fields, qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3")
+        _require(d, {"attention_bias": (False, (False,))})
+        fields = cls._fields_from_hf(d)
+        window = d.get("sliding_window") if kind == "mistral" else None
+        if window is not None:
+            fields["max_seq_len"] = min(fields["max_seq_len"], int(window))
+        return LlamaConfig(**fields)
+
+    def check(self) -> None:
+        """Refuse what no Hugging Face model holds: q/k/v biases with q/k head norms."""
+        if self.cfg.qkv_bias and self.cfg.qk_norm:
+            raise ValueError("a Llama config with both qkv_bias and qk_norm has no Hugging Face form (Qwen2 has "
+                             "the biases, Qwen3 the norms); set one of them")
 
     def _hf_fields(self) -> dict:
         """The transformers config keys Llama and Mixtral share."""
@@ -302,16 +326,32 @@ class LlamaAdapter(StateDictAdapter):
         return dict(
             vocab_size=cfg.vocab_size, max_position_embeddings=cfg.max_seq_len, hidden_size=cfg.dim,
             num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-            head_dim=cfg.dim // cfg.n_heads, intermediate_size=cfg.hidden, hidden_act="silu",
+            head_dim=cfg.attn_head_dim, intermediate_size=cfg.hidden, hidden_act="silu",
             rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
             initializer_range=cfg.init_std, bos_token_id=_token_id(1, cfg.vocab_size),
             eos_token_id=_token_id(2, cfg.vocab_size),
+            rope_scaling=None if cfg.rope_scaling is None else dict(cfg.rope_scaling),  # transformers writes into it
         )
 
     def hf_config(self):
-        """The transformers.LlamaConfig of `cfg`."""
-        return _transformers().LlamaConfig(**self._hf_fields(), attention_bias=False, mlp_bias=False,
-                                           architectures=["LlamaForCausalLM"])
+        """The transformers config of `cfg`: Qwen3Config with q/k head norms, Qwen2Config with
+        q/k/v biases, LlamaConfig otherwise (a Mistral model comes back as Llama: the same tensors)."""
+        t = _transformers()
+        if self.cfg.qk_norm:
+            return t.Qwen3Config(**self._hf_fields(), attention_bias=False, use_sliding_window=False,
+                                 architectures=["Qwen3ForCausalLM"])
+        if self.cfg.qkv_bias:
+            return t.Qwen2Config(**self._hf_fields(), use_sliding_window=False, architectures=["Qwen2ForCausalLM"])
+        return t.LlamaConfig(**self._hf_fields(), attention_bias=False, mlp_bias=False,
+                             architectures=["LlamaForCausalLM"])
+
+
+def _no_sliding_window(d: dict) -> None:
+    """Refuse a Qwen config whose layers use a sliding window (pipekit's attention has none)."""
+    if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ()):
+        raise ValueError(f"Hugging Face {d.get('model_type')} config has use_sliding_window="
+                         f"{d.get('use_sliding_window')!r} (sliding_window={d.get('sliding_window')!r}); pipekit's "
+                         f"attention has no sliding window: only configs without it convert")
 
 
 # ---- Mixtral -------------------------------------------------------------------
@@ -337,13 +377,15 @@ class MixtralAdapter(LlamaAdapter):
         bias; it has no shared experts)."""
         cfg = self.cfg
         extras = ([f"n_shared_experts={cfg.n_shared_experts}"] if cfg.n_shared_experts else []) + \
+                 (["qkv_bias=True"] if cfg.qkv_bias else []) + (["qk_norm=True"] if cfg.qk_norm else []) + \
                  ([f"score={cfg.score!r}"] if cfg.score != "softmax" else []) + \
                  ([f"n_groups={cfg.n_groups}"] if cfg.n_groups is not None else []) + \
                  ([f"bias_update_rate={cfg.bias_update_rate}"] if cfg.bias_update_rate else [])
         if extras:
             raise ValueError(f"this Mixtral config has {' and '.join(extras)}, which Hugging Face's Mixtral lacks "
-                             f"(softmax, plain top-k routing, no shared experts); only configs with "
-                             f"score='softmax', n_shared_experts=0, no n_groups and bias_update_rate=0 convert")
+                             f"(softmax, plain top-k routing, no shared experts, no attention biases or head "
+                             f"norms); only configs with score='softmax', n_shared_experts=0, no n_groups, "
+                             f"bias_update_rate=0, qkv_bias and qk_norm false convert")
 
     def _experts_from_hf(self, hf: _Taken, i: int) -> dict:
         """Block i's router and experts in pipekit's names and layouts, from the fused form or
@@ -391,6 +433,7 @@ class MixtralAdapter(LlamaAdapter):
         if d.get("sliding_window") is not None:
             raise ValueError(f"Hugging Face config has sliding_window={d['sliding_window']!r}; pipekit has no "
                              "sliding-window attention (only null converts)")
+        _require(d, {"attention_bias": (False, (False,))})
         if d.get("router_jitter_noise"):
             raise ValueError(f"Hugging Face config has router_jitter_noise={d['router_jitter_noise']!r}; pipekit's "
                              "Mixtral routes without input jitter (only 0 converts)")
@@ -411,6 +454,10 @@ class MixtralAdapter(LlamaAdapter):
 
 ADAPTERS: dict[str, type[StateDictAdapter]] = {"gpt2": GPT2Adapter, "llama": LlamaAdapter,
                                                "mixtral": MixtralAdapter}  # family -> its HF adapter
+# transformers' model_type -> the adapter that reads it (Mistral, Qwen2 and Qwen3 are Llama variants)
+HF_MODEL_TYPES: dict[str, type[StateDictAdapter]] = {"gpt2": GPT2Adapter, "llama": LlamaAdapter,
+                                                     "mistral": LlamaAdapter, "qwen2": LlamaAdapter,
+                                                     "qwen3": LlamaAdapter, "mixtral": MixtralAdapter}
 
 
 # ---- by family -----------------------------------------------------------------
@@ -452,10 +499,9 @@ def config_from_hf(hf_config) -> GPT2Config | LlamaConfig | MixtralConfig:
     Raises a ValueError for architecture options pipekit does not implement."""
     d = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
     model_type = d.get("model_type")
-    adapter = next((a for a in ADAPTERS.values() if a.model_type == model_type), None)
+    adapter = HF_MODEL_TYPES.get(str(model_type))
     if adapter is None:
-        supported = sorted(a.model_type for a in ADAPTERS.values())
-        raise ValueError(f"unsupported Hugging Face model_type {model_type!r}; supported: {supported}")
+        raise ValueError(f"unsupported Hugging Face model_type {model_type!r}; supported: {sorted(HF_MODEL_TYPES)}")
     try:
         return adapter.config_from_hf(d)
     except KeyError as e:

@@ -19,8 +19,11 @@ sequence length (no position input travels between stages); with packed document
 the inputs are `(ids, positions)` and the positions travel with the hidden states
 (`pipekit.models.common`: "Packed documents"). Generation feeds the new tokens alone at
 their positions under a KV cache (`pipekit.layers.kv_cache`, `pipekit generate`).
-Limits: no Llama-3.1 rope frequency scaling; the KV cache is for one process (no pipeline
-stages), at most max_seq_len positions.
+Variants a Hugging Face model brings, all off by default: `rope_scaling` (Llama 3.1/3.2/3.3's
+"llama3" frequency scaling, or "linear"; `pipekit.layers.rotary.RopeScaling`), a `head_dim`
+other than dim / n_heads (Qwen3), biases on q, k and v (`qkv_bias`, Qwen2) and an RMSNorm of
+each query and key head before the rotation (`qk_norm`, Qwen3).
+Limits: the KV cache is for one process (no pipeline stages), at most max_seq_len positions.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Any, Optional
 
 from ..layers import CausalSelfAttention, RMSNorm, SwiGLUMLP, TransformerBlock
+from ..layers.rotary import rope_scaling_of
 from ..spec import LayerSpec
 from .common import FinalRMSNorm, check_finite_positive, check_positive, padded_vocab, vocab_table_and_head, zoo_loss
 
@@ -53,22 +57,42 @@ class LlamaConfig:
     vocab_pad_multiple: int = 128
     # Train with the head fused into the loss (common.zoo_loss): no (B, T, Vp/tp) logits in training.
     fused_loss: bool = False
+    # Rotary frequency scaling in Hugging Face's form, e.g. {"rope_type": "llama3", "factor": 8.0,
+    # "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    # (Llama 3.1), or {"rope_type": "linear", "factor": 2.0}; None: unscaled.
+    rope_scaling: Optional[dict[str, Any]] = None
+    head_dim: Optional[int] = None  # each head's width; None: dim / n_heads
+    qkv_bias: bool = False  # biases on q, k and v (not o), as Qwen2 has
+    qk_norm: bool = False  # RMSNorm over each q and k head before the rotation, as Qwen3 has
 
     @property
     def padded_vocab(self) -> int:
         return padded_vocab(self)
+
+    @property
+    def attn_head_dim(self) -> int:
+        """Each attention head's width: `head_dim`, or dim / n_heads."""
+        return self.dim // self.n_heads if self.head_dim is None else self.head_dim
 
     def __post_init__(self):
         check_positive(self, ("vocab_size", "max_seq_len", "n_layers", "dim", "n_heads", "n_kv_heads", "hidden",
                               "vocab_pad_multiple"))
         check_finite_positive(self, ("rope_theta", "norm_eps"))
         name = type(self).__name__  # MixtralConfig too
-        if self.dim % self.n_heads:
-            raise ValueError(f"{name}: dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.head_dim is None and self.dim % self.n_heads:
+            raise ValueError(f"{name}: dim={self.dim} is not divisible by n_heads={self.n_heads} (or set head_dim)")
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ValueError(f"{name}: head_dim must be >= 1 (or None: dim / n_heads), got {self.head_dim}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{name}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"{name}: head dim {self.dim // self.n_heads} must be even for the rotary embedding")
+        if self.attn_head_dim % 2:
+            raise ValueError(f"{name}: head dim {self.attn_head_dim} must be even for the rotary embedding")
+        try:
+            scaling = rope_scaling_of(self.rope_scaling)
+        except ValueError as e:
+            raise ValueError(f"{name}: rope_scaling={self.rope_scaling!r}: {e}") from None
+        # kept in Hugging Face's dict form (what configs and checkpoints hold), None when unscaled
+        self.rope_scaling = None if scaling is None else scaling.as_dict()
 
 
 # Sizes: `tiny` is ours (byte vocabulary, grouped-query attention, CPU-sized).
@@ -94,16 +118,23 @@ def llama_specs(cfg: LlamaConfig, mlp: Optional[Callable[[int], Callable]] = Non
     `mlp(i)`, when given, is block i's feed-forward factory (`TransformerBlock`'s `mlp=`)
     instead of the dense SwiGLU MLP: mixtral.py builds its MoE model as this list with MoE factories."""
     embed, head = vocab_table_and_head(cfg)
-    parts = llama_block_parts(cfg.n_heads, cfg.n_kv_heads, cfg.hidden, cfg.norm_eps, cfg.rope_theta)
+    parts = llama_block_parts(cfg.n_heads, cfg.n_kv_heads, cfg.hidden, cfg.norm_eps, cfg.rope_theta,
+                              rope_scaling=cfg.rope_scaling, head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                              qk_norm=cfg.qk_norm)
     blocks = [LayerSpec(TransformerBlock, cfg.dim, **{**parts, "mlp": mlp(i) if mlp else parts["mlp"]})
               for i in range(cfg.n_layers)]
     return [embed, *blocks, LayerSpec(FinalRMSNorm, cfg.dim, cfg.norm_eps), head]
 
 
-def llama_block_parts(n_heads: int, n_kv_heads: int, hidden: int, norm_eps: float, rope_theta: float) -> dict:
+def llama_block_parts(n_heads: int, n_kv_heads: int, hidden: int, norm_eps: float, rope_theta: float, *,
+                      rope_scaling: Optional[dict] = None, head_dim: Optional[int] = None, qkv_bias: bool = False,
+                      qk_norm: bool = False) -> dict:
     """`TransformerBlock`'s parts in Llama's form: RMSNorm, grouped-query attention without
-    biases and with the rotary embedding at `rope_theta`, the SwiGLU MLP of width `hidden`."""
-    attn = partial(CausalSelfAttention, n_heads=n_heads, n_kv_heads=n_kv_heads, bias=False, rope_theta=rope_theta)
+    biases and with the rotary embedding at `rope_theta`, the SwiGLU MLP of width `hidden`;
+    the variants of `LlamaConfig` (scaled rope, head_dim, q/k/v biases, q/k head norms)."""
+    attn = partial(CausalSelfAttention, n_heads=n_heads, n_kv_heads=n_kv_heads, bias=False, rope_theta=rope_theta,
+                   rope_scaling=rope_scaling, head_dim=head_dim, qkv_bias=qkv_bias,
+                   qk_norm_eps=norm_eps if qk_norm else None)
     return dict(norm=partial(RMSNorm, eps=norm_eps), attn=attn, mlp=partial(SwiGLUMLP, hidden=hidden, bias=False))
 
 
@@ -120,8 +151,10 @@ def llama_params(cfg: LlamaConfig, *, padded: bool = True, active: bool = False,
     (default: the SwiGLU MLP's 3 * dim * hidden; mixtral.py gives its MoE layer's)."""
     D, L = cfg.dim, cfg.n_layers
     V = cfg.padded_vocab if padded else cfg.vocab_size
-    hd = D // cfg.n_heads
+    hd = cfg.attn_head_dim
     attn = 2 * D * cfg.n_heads * hd + 2 * D * cfg.n_kv_heads * hd  # q, o; k, v
+    attn += (cfg.n_heads + 2 * cfg.n_kv_heads) * hd if cfg.qkv_bias else 0
+    attn += 2 * hd if cfg.qk_norm else 0
     block = attn + (3 * D * cfg.hidden if ffn is None else ffn) + 2 * D  # and two RMSNorms
     head = 0 if cfg.tie_embeddings else V * D
     return V * D + L * block + D + head, (0 if cfg.tie_embeddings else V * D)
