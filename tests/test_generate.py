@@ -202,3 +202,30 @@ def test_bad_requests_are_one_line(hf_dir, tmp_path, capsys):
     convert(str(hf_dir), str(tmp_path / "model.pt"), "from_hf")  # a model.pt that names no tokenizer: bytes
     said = _one_line(["generate", str(tmp_path / "model.pt"), "--chat", "--prompt", "hi"], capsys)
     assert "its tokenizer is the byte tokenizer, which has none; give --tokenizer" in said, said
+
+
+@pytest.mark.parametrize("kind", ["llama3rope", "qwen2", "qwen3"])
+def test_hf_llama_variants_decode_to_transformers_greedy_tokens(kind, tmp_path):
+    """The KV cache with Llama 3.1's scaled rope (positions past its original context, where the
+    scaling acts), Qwen2's q/k/v biases and Qwen3's head norms and wide heads: the greedy tokens
+    of transformers' own generate."""
+    transformers = pytest.importorskip("transformers")
+    keys = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=kind == "qwen2",
+                initializer_range=0.2, eos_token_id=None, bos_token_id=None)
+    config_cls, model_cls, extra = {
+        "llama3rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+                       {"rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 2.0, "original_max_position_embeddings": 16}}),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+    }[kind]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**keys, **extra)).to(torch.float64)
+    with torch.no_grad():
+        for p in model.parameters():  # biases and norm weights away from their 0 and 1
+            p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(str(tmp_path))
+    module, cfg, _ = load_model(str(tmp_path))
+    ours = sample(module, PROMPT, 30, max_len=cfg.max_seq_len, temperature=0)
+    assert ours == _hf_greedy(tmp_path, PROMPT, 30) and len(set(ours[len(PROMPT):])) > 5
