@@ -101,6 +101,7 @@ class ModelConfig:
     top_k: Optional[int] = None
     n_shared_experts: Optional[int] = None
     score: Optional[str] = None  # softmax | sigmoid
+    renormalize: Optional[bool] = None  # a token's top_k weights rescaled to sum to 1 (default: when top_k > 1)
     aux_loss_coef: Optional[float] = None
     global_balance: Optional[bool] = None  # the balancing loss on the whole step's loads (microbatches x dp):
     #                                        the same training at any micro_batch / dp / ep; an extra forward

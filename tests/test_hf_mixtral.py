@@ -291,3 +291,81 @@ def test_state_dict_mismatches_are_named(cases):
         hf.from_hf_state_dict("mixtral", case.hf_sd, with_overrides(case.cfg, hidden=32))
     with pytest.raises(ValueError, match="mlp.router.weight"):
         hf.from_hf_state_dict("mixtral", case.hf_sd, with_overrides(case.cfg, n_experts=8))
+
+
+# ---- Qwen3-MoE: the Mixtral family with q/k head norms, wide heads and its own top-k rescaling ----------
+def qwen3_moe(norm_topk_prob: bool):
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=HIDDEN, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=N_EXPERTS,
+        num_experts_per_tok=TOP_K, norm_topk_prob=norm_topk_prob, max_position_embeddings=32, rope_theta=10000.0,
+        rms_norm_eps=1e-5, router_aux_loss_coef=HF_AUX_COEF, attn_implementation="eager")
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def pipekit_logits(cfg, full: dict, ids: torch.Tensor) -> torch.Tensor:
+    module = pipekit.PipelineModule(model_specs(cfg), seed=0)
+    load_full_state_dict(module, full)
+    auxloss.metrics.pop()
+    with torch.no_grad():
+        out = module.train()(ids)[..., :VOCAB]
+    auxloss.metrics.pop()
+    return out
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_gives_transformers_logits_both_ways(norm_topk_prob, tmp_path, offline):
+    """Qwen3-MoE (Qwen3-30B-A3B's architecture): the logits of transformers' model within 1e-5 with
+    the top-k weights rescaled or not; HF's state dict back exactly; what save_pretrained writes
+    (one tensor per expert) imports to the same weights; the export loads as a Qwen3MoeForCausalLM
+    with the same logits, and its config comes back as the same pipekit config."""
+    model = qwen3_moe(norm_topk_prob)
+    hf_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cfg = hf.config_from_hf(model.config)
+    assert (cfg.qk_norm, cfg.head_dim, cfg.hidden) == (True, 16, HIDDEN)
+    assert cfg.renormalize == (None if norm_topk_prob else False)  # None: rescaled, the default at top_k > 1
+    full = hf.from_hf_state_dict("mixtral", hf_sd, cfg)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    theirs = hf_logits(model, ids)
+    assert max_diff(pipekit_logits(cfg, full, ids), theirs) <= TOL
+    other = with_overrides(cfg, renormalize=not norm_topk_prob)
+    assert max_diff(pipekit_logits(other, full, ids), theirs) > 1e-3, "the rescaling must show in the logits"
+    assert same_state(hf.to_hf_state_dict("mixtral", full, cfg), hf_sd)
+    model.save_pretrained(str(tmp_path / "saved"))
+    family, again, from_disk = interchange.load_hf_checkpoint(str(tmp_path / "saved"))
+    assert (family, again) == ("mixtral", cfg) and same_state(from_disk, full)
+    interchange.save_hf_checkpoint("mixtral", full, cfg, str(tmp_path / "out"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager")
+    assert type(loaded) is transformers.Qwen3MoeForCausalLM and loaded.config.norm_topk_prob is norm_topk_prob
+    assert max_diff(hf_logits(loaded.eval(), ids), theirs) == 0.0
+    assert interchange.load_hf_checkpoint(str(tmp_path / "out"))[1] == cfg
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({"use_sliding_window": True, "sliding_window": 8}, "sliding"),
+    ({"attention_bias": True}, "attention_bias"),
+])
+def test_unsupported_qwen3_moe_options(change, match):
+    d = qwen3_moe(True).config.to_dict() | change
+    with pytest.raises(ValueError, match=match):
+        hf.config_from_hf(d)
+
+
+def test_a_mixtral_config_that_does_not_rescale_has_no_mixtral_form():
+    """HF's Mixtral rescales every token's top-k weights (even one: to 1.0), so a config that does
+    not is refused, naming the key; importing a Mixtral says renormalize=True, whatever its top_k."""
+    cfg = get_model("mixtral", "tiny", renormalize=False)
+    with pytest.raises(ValueError, match="renormalize=False"):
+        hf.hf_config_from(cfg)
+    with pytest.raises(ValueError, match="renormalize=None"):
+        hf.hf_config_from(get_model("mixtral", "tiny", top_k=1))
+    one = hf.config_from_hf(hf_config(1, False).to_dict() | {"num_experts_per_tok": 1})
+    assert (one.top_k, one.renormalize) == (1, True)
+    assert hf.config_from_hf(hf_config(1, False)).renormalize is None  # top_k=2: rescaled by default

@@ -71,6 +71,8 @@ class MoEConfig:
     top_k: int = 2  # routed experts per token
     n_shared_experts: int = 0  # always-on experts beside the routed ones (one dense MLP of n_shared * hidden)
     score: str = "softmax"  # router scores: softmax | sigmoid (DeepSeek-V3)
+    # the top_k weights of a token rescaled to sum to one (Mixtral, Qwen3-MoE's norm_topk_prob); None: when top_k > 1
+    renormalize: Optional[bool] = None
     aux_loss_coef: float = 0.01  # load-balancing loss weight, per block
     global_balance: bool = False  # balancing loss on the loads of the whole step (microbatches x dp; pre-pass)
     z_loss_coef: float = 0.0  # router z-loss weight, per block
@@ -118,6 +120,8 @@ def check_moe(cfg: MoEConfig) -> None:
     rate = cfg.bias_update_rate
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < float("inf"):
         raise ValueError(f"{name}: bias_update_rate must be a finite number >= 0 (0: off), got {rate!r}")
+    if cfg.renormalize is not None and not isinstance(cfg.renormalize, bool):
+        raise ValueError(f"{name}: renormalize must be true, false or None (when top_k > 1), got {cfg.renormalize!r}")
     for flag in ("global_balance", "pad_expert_input_to_capacity"):
         if not isinstance(getattr(cfg, flag), bool):
             raise ValueError(f"{name}: {flag} must be true or false, got {getattr(cfg, flag)!r}")
@@ -260,6 +264,7 @@ def moe_mlp(dim: int, hidden: int, *, group=None, init_std: float = 0.02, out_in
     from ..moe import MoEMLP
 
     return MoEMLP(dim, hidden, cfg.n_experts, cfg.top_k, activation=activation, bias=bias, score=cfg.score,
+                  renormalize=cfg.renormalize,
                   aux_loss_coef=cfg.aux_loss_coef, z_loss_coef=cfg.z_loss_coef, global_balance=cfg.global_balance,
                   bias_update_rate=cfg.bias_update_rate, bias_update="step", n_groups=cfg.n_groups,
                   topk_groups=cfg.topk_groups, capacity_factor=cfg.capacity_factor,

@@ -1,4 +1,10 @@
-"""Hugging Face mapping: GPT2LMHeadModel, LlamaForCausalLM and MixtralForCausalLM names, layouts and configs.
+"""Hugging Face mapping: GPT-2, Llama, Mixtral and their kin: names, layouts and configs.
+
+transformers' model_type -> pipekit family: gpt2 -> gpt2; llama, mistral, qwen2, qwen3 -> llama
+(Llama 3.1's scaled rope, Qwen2's q/k/v biases, Qwen3's q/k head norms and head_dim are
+LlamaConfig fields); mixtral, qwen3_moe -> mixtral (`HF_MODEL_TYPES`). Export writes
+Qwen3 / Qwen2 / Qwen3-MoE where the config has their features, Llama or Mixtral otherwise
+(a Mistral comes back as a Llama: the same tensors and math).
 
 One adapter per family, in the manner of torchtitan's state-dict adapters:
 `hf_adapter(cfg)` gives the family's `StateDictAdapter` for one config, whose
@@ -27,6 +33,8 @@ Mixtral attention and norms as Llama; the router `mlp.router` is HF's `mlp.gate`
         (D, H)). Export gives the fused in-memory form, which from_pretrained loads
         as it is. HF's Mixtral routes by softmax and has no shared experts: configs
         with `score="sigmoid"` or `n_shared_experts > 0` are refused both ways.
+        Qwen3-MoE: the same fused names in memory; on disk (save_pretrained) one
+        `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj` per expert, read too.
 
 With tied embeddings `lm_head.weight` is the token table: given in the HF state
 dict (as the same tensor, like `model.state_dict()`) and not required on reading.
@@ -346,6 +354,11 @@ class LlamaAdapter(StateDictAdapter):
                              architectures=["LlamaForCausalLM"])
 
 
+def _renormalize(rescaled: bool, top_k: int) -> bool | None:
+    """MoEConfig.renormalize for top-k weights that are `rescaled` or not: None where that is the default."""
+    return None if rescaled == (top_k > 1) else rescaled
+
+
 def _no_sliding_window(d: dict) -> None:
     """Refuse a Qwen config whose layers use a sliding window (pipekit's attention has none)."""
     if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ()):
@@ -373,29 +386,44 @@ class MixtralAdapter(LlamaAdapter):
     defaults = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-5}
 
     def check(self) -> None:
-        """Refuse what HF's Mixtral lacks (its routing is softmax, plain top-k, without an aux-free
-        bias; it has no shared experts)."""
+        """Refuse what HF's Mixtral and Qwen3-MoE lack (their routing is softmax, plain top-k, without
+        an aux-free bias; they have no shared experts, no attention biases; Mixtral always rescales
+        the top-k weights to sum to one, Qwen3-MoE as its norm_topk_prob says)."""
         cfg = self.cfg
         extras = ([f"n_shared_experts={cfg.n_shared_experts}"] if cfg.n_shared_experts else []) + \
-                 (["qkv_bias=True"] if cfg.qkv_bias else []) + (["qk_norm=True"] if cfg.qk_norm else []) + \
+                 (["qkv_bias=True"] if cfg.qkv_bias else []) + \
                  ([f"score={cfg.score!r}"] if cfg.score != "softmax" else []) + \
                  ([f"n_groups={cfg.n_groups}"] if cfg.n_groups is not None else []) + \
                  ([f"bias_update_rate={cfg.bias_update_rate}"] if cfg.bias_update_rate else [])
         if extras:
-            raise ValueError(f"this Mixtral config has {' and '.join(extras)}, which Hugging Face's Mixtral lacks "
-                             f"(softmax, plain top-k routing, no shared experts, no attention biases or head "
-                             f"norms); only configs with score='softmax', n_shared_experts=0, no n_groups, "
-                             f"bias_update_rate=0, qkv_bias and qk_norm false convert")
+            raise ValueError(f"this Mixtral config has {' and '.join(extras)}, which Hugging Face's Mixtral lacks, "
+                             f"as does Qwen3-MoE (softmax, plain top-k routing, no shared experts, no attention "
+                             f"biases); only configs with score='softmax', n_shared_experts=0, no n_groups, "
+                             f"bias_update_rate=0 and qkv_bias false convert")
+        if not cfg.qk_norm and not self.renormalized():
+            raise ValueError(f"this Mixtral config does not rescale its top_k={cfg.top_k} weights to sum to one "
+                             f"(renormalize={cfg.renormalize}), which Hugging Face's Mixtral always does; set "
+                             f"renormalize=true (Qwen3-MoE, with qk_norm, holds either)")
+
+    def renormalized(self) -> bool:
+        """Whether a token's top-k weights sum to one (`renormalize`, by default when top_k > 1)."""
+        return self.cfg.top_k > 1 if self.cfg.renormalize is None else self.cfg.renormalize
 
     def _experts_from_hf(self, hf: _Taken, i: int) -> dict:
         """Block i's router and experts in pipekit's names and layouts, from the fused form or
         (when the block has it) the per-expert one."""
         p, ours, H = f"model.layers.{i}.", f"layers.{i + 1}.mlp.", self.cfg.hidden
         old = p + "block_sparse_moe."
+        E = self.cfg.n_experts
         if p + "mlp.experts.gate_up_proj" not in hf and old + "gate.weight" in hf:
-            per = {n: torch.stack([hf.take(f"{old}experts.{e}.{n}.weight").t() for e in range(self.cfg.n_experts)])
+            per = {n: torch.stack([hf.take(f"{old}experts.{e}.{n}.weight").t() for e in range(E)])
                    for n in ("w1", "w3", "w2")}  # w1, w3: (H, D) -> (E, D, H); w2: (D, H) -> (E, H, D)
             router, gate, up, down = hf.take(old + "gate.weight"), per["w1"], per["w3"], per["w2"]
+        elif p + "mlp.experts.gate_up_proj" not in hf and p + "mlp.experts.0.gate_proj.weight" in hf:
+            # Qwen3-MoE on disk: mlp.experts.{e}.gate_proj / up_proj (H, D), down_proj (D, H)
+            per = {n: torch.stack([hf.take(f"{p}mlp.experts.{e}.{n}.weight").t() for e in range(E)])
+                   for n in ("gate_proj", "up_proj", "down_proj")}
+            router, gate, up, down = hf.take(p + "mlp.gate.weight"), per["gate_proj"], per["up_proj"], per["down_proj"]
         else:
             router = hf.take(p + "mlp.gate.weight")
             gate_up = hf.take(p + "mlp.experts.gate_up_proj")  # (E, 2H, D)
@@ -429,7 +457,11 @@ class MixtralAdapter(LlamaAdapter):
 
     @classmethod
     def config_from_hf(cls, d: dict) -> MixtralConfig:
-        """A Mixtral config.json (dict) -> MixtralConfig; options pipekit lacks raise a ValueError."""
+        """A Mixtral or Qwen3-MoE config.json (dict) -> MixtralConfig; options pipekit lacks raise a
+        ValueError. Qwen3-MoE: q/k head norms, its head_dim, experts of moe_intermediate_size, the
+        top-k weights rescaled as norm_topk_prob says; every layer sparse."""
+        if d.get("model_type") == "qwen3_moe":
+            return cls._qwen3_moe_config(d)
         if d.get("sliding_window") is not None:
             raise ValueError(f"Hugging Face config has sliding_window={d['sliding_window']!r}; pipekit has no "
                              "sliding-window attention (only null converts)")
@@ -440,11 +472,34 @@ class MixtralAdapter(LlamaAdapter):
         fields = cls._fields_from_hf(d)
         top_k = d["num_experts_per_tok"]
         coef = _scaled(d.get("router_aux_loss_coef", 0.001), top_k / fields["n_layers"])
-        return MixtralConfig(**fields, n_experts=d["num_local_experts"], top_k=top_k, aux_loss_coef=coef)
+        return MixtralConfig(**fields, n_experts=d["num_local_experts"], top_k=top_k, aux_loss_coef=coef,
+                             renormalize=_renormalize(True, top_k))  # HF's Mixtral always rescales them
+
+    @classmethod
+    def _qwen3_moe_config(cls, d: dict) -> MixtralConfig:
+        _no_sliding_window(d)
+        _require(d, {"attention_bias": (False, (False, None)), "decoder_sparse_step": (1, (1,))})
+        if d.get("mlp_only_layers"):
+            raise ValueError(f"Hugging Face qwen3_moe config has mlp_only_layers={d['mlp_only_layers']!r}; pipekit's "
+                             f"MoE model has experts in every block (only [] converts)")
+        fields = {**cls._fields_from_hf(d), "hidden": d["moe_intermediate_size"]}
+        top_k = d["num_experts_per_tok"]
+        coef = _scaled(d.get("router_aux_loss_coef", 0.001), top_k / fields["n_layers"])
+        experts = d["num_experts"] if "num_experts" in d else d["num_local_experts"]  # config.json < 5 / 5.x
+        return MixtralConfig(**fields, n_experts=experts, top_k=top_k, aux_loss_coef=coef, qk_norm=True,
+                             renormalize=_renormalize(bool(d.get("norm_topk_prob", False)), top_k))
 
     def hf_config(self):
-        """The transformers.MixtralConfig of `cfg` (see the class docstring for the router loss)."""
+        """The transformers.MixtralConfig of `cfg` (see the class docstring for the router loss);
+        Qwen3MoeConfig with q/k head norms."""
         cfg = self.cfg
+        if cfg.qk_norm:
+            return _transformers().Qwen3MoeConfig(
+                **self._hf_fields(), num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
+                moe_intermediate_size=cfg.hidden, norm_topk_prob=self.renormalized(), decoder_sparse_step=1,
+                mlp_only_layers=[], router_aux_loss_coef=_scaled(cfg.aux_loss_coef, cfg.n_layers / cfg.top_k),
+                output_router_logits=False, attention_bias=False, use_sliding_window=False,
+                architectures=["Qwen3MoeForCausalLM"])
         return _transformers().MixtralConfig(
             **self._hf_fields(), num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
             router_aux_loss_coef=_scaled(cfg.aux_loss_coef, cfg.n_layers / cfg.top_k), router_jitter_noise=0.0,
@@ -457,7 +512,8 @@ ADAPTERS: dict[str, type[StateDictAdapter]] = {"gpt2": GPT2Adapter, "llama": Lla
 # transformers' model_type -> the adapter that reads it (Mistral, Qwen2 and Qwen3 are Llama variants)
 HF_MODEL_TYPES: dict[str, type[StateDictAdapter]] = {"gpt2": GPT2Adapter, "llama": LlamaAdapter,
                                                      "mistral": LlamaAdapter, "qwen2": LlamaAdapter,
-                                                     "qwen3": LlamaAdapter, "mixtral": MixtralAdapter}
+                                                     "qwen3": LlamaAdapter, "mixtral": MixtralAdapter,
+                                                     "qwen3_moe": MixtralAdapter}
 
 
 # ---- by family -----------------------------------------------------------------
