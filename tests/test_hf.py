@@ -409,6 +409,8 @@ def test_unsupported_gpt2_options(change, match):
     ({"attention_bias": True}, "attention_bias"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"head_dim": 7}, "head dim 7 must be even"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}}, "0.75"),
     ({"model_type": "bert"}, "model_type.*qwen3"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8}, "sliding"),
     ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),

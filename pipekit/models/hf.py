@@ -288,8 +288,13 @@ class LlamaAdapter(StateDictAdapter):
         _require(d, {"hidden_act": ("silu", ("silu",)), "mlp_bias": (False, (False,))})
         rope = dict(d.get("rope_parameters") or {})  # transformers >= 5
         scaling = dict(d.get("rope_scaling") or {})  # older config.json files
+        partial = (rope or scaling).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1.0):
+            raise ValueError(f"Hugging Face config has partial_rotary_factor={partial!r}; pipekit rotates every "
+                             f"channel of a head (only 1.0 converts)")
         try:
-            rope_scaling = rope_scaling_of({k: v for k, v in (rope or scaling).items() if k != "rope_theta"})
+            rope_scaling = rope_scaling_of({k: v for k, v in (rope or scaling).items()
+                                            if k not in ("rope_theta", "partial_rotary_factor")})
         except ValueError as e:
             raise ValueError(f"Hugging Face config: {e}") from None
         dim, heads = d["hidden_size"], d["num_attention_heads"]
