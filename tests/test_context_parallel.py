@@ -31,6 +31,11 @@ MODELS = {
     "llama": dict(vocab_size=40, max_seq_len=32, n_layers=2, dim=16, n_heads=4, n_kv_heads=2, hidden=24),
     "mixtral": dict(vocab_size=40, max_seq_len=32, n_layers=2, dim=16, n_heads=4, n_kv_heads=2, hidden=8,
                     n_experts=4, top_k=2, global_balance=True),
+    # the Hugging Face variants at once: Llama 3.1's scaled rope, q/k/v biases, q/k head norms, wide heads
+    "llama+": dict(vocab_size=40, max_seq_len=32, n_layers=2, dim=16, n_heads=4, n_kv_heads=2, hidden=24,
+                   head_dim=8, qkv_bias=True, qk_norm=True,
+                   rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 2.0,
+                                 "original_max_position_embeddings": 8}),
 }
 # (family, seq_len, pp, dp, tp, cp, mode, schedule, microbatches, zero stage, more Topology arguments)
 CASES = [
@@ -48,6 +53,8 @@ CASES = [
     ("llama", 16, 2, 1, 1, 2, "ring", "interleaved_1f1b", 4, 1, {"activation_checkpoint_interval": 1}),
     ("llama", 16, 2, 1, 1, 2, "ulysses", "zb_h1", 2, 0, {}),
     ("gpt2", 16, 2, 1, 1, 2, "ring", "dualpipe_v", 4, 1, {"activation_checkpoint_interval": 1}),
+    ("llama+", 16, 1, 1, 2, 2, "ring", "1f1b", 2, 1, {"sequence_parallel": True}),
+    ("llama+", 12, 1, 2, 1, 2, "ulysses", "1f1b", 2, 0, {}),
 ]
 
 
@@ -56,7 +63,7 @@ def adamw(params):
 
 
 def _build(family, pp, dp, tp, cp, mode, schedule, microbatches, stage, more):
-    cfg = get_model(family, "tiny", **MODELS[family])
+    cfg = get_model(family.rstrip("+"), "tiny", **MODELS[family])
     specs = model_specs(cfg)
     more = dict(more)
     module_kw = {k: more.pop(k) for k in ("activation_checkpoint_interval",) if k in more}
