@@ -94,6 +94,7 @@ class ModelConfig:
     head_dim: Optional[int] = None  # llama | mixtral: each head's width (default dim / n_heads)
     qkv_bias: Optional[bool] = None  # llama: biases on q, k, v (Qwen2)
     qk_norm: Optional[bool] = None  # llama | mixtral: RMSNorm on each q and k head (Qwen3)
+    sliding_window: Optional[int] = None  # llama | mixtral: each token sees the last W tokens (Mistral 7B v0.1)
     vocab_pad_multiple: Optional[int] = None  # tables padded to a multiple of this (default 128; masked, exact)
     fused_loss: Optional[bool] = None  # gpt2 | llama | mixtral: head fused into the loss, no logits in training
     # mixtral (MoE): routed experts, experts per token, always-on shared experts, router settings
@@ -954,6 +955,10 @@ def _check_context_parallel(cfg: Config, model) -> None:
     if family not in CP_FAMILIES:
         raise ConfigError(f"parallel.cp={p.cp} splits each sequence across ranks, which model.family={family} does "
                           f"not support; use parallel.cp=1 or one of {list(CP_FAMILIES)}")
+    window = getattr(model, "sliding_window", None)
+    if window is not None:
+        raise ConfigError(f"parallel.cp={p.cp} with model.sliding_window={window}: sliding-window attention is not "
+                          f"implemented under context parallelism; use parallel.cp=1")
     if t.seq_len % (2 * p.cp):
         raise ConfigError(f"train.seq_len={t.seq_len} is not divisible by 2 * parallel.cp = {2 * p.cp} (each cp rank "
                           f"holds 2 of the sequence's {2 * p.cp} chunks); use a seq_len multiple of {2 * p.cp}")

@@ -178,6 +178,7 @@ def test_pipekit_train_at_cp2_follows_the_cp1_curve(tmp_path):
      "parallel.cp_mode=ulysses splits the 4 attention heads of each tp rank"),
     (["parallel.cp=2", "parallel.cp_mode=stripes"], "parallel.cp_mode"),
     (["parallel.cp=0"], "parallel.cp"),
+    (["parallel.cp=2", "model.sliding_window=16"], "model.sliding_window=16: sliding-window attention is not"),
 ])
 def test_bad_context_parallel_settings_are_refused_before_launch(overrides, said, capsys):
     from pathlib import Path
@@ -188,6 +189,15 @@ def test_bad_context_parallel_settings_are_refused_before_launch(overrides, said
     assert main(["train", config, "parallel.pp=1", *overrides, "--show"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and said in err[0], err
+
+
+def test_a_sliding_window_layer_refuses_context_parallelism():
+    from pipekit.layers import CausalSelfAttention
+    from pipekit.layers.parallel import context_parallel
+    from pipekit.testing import FakeGroup
+
+    with context_parallel(FakeGroup(2), "ring"), pytest.raises(ValueError, match="not implemented under context"):
+        CausalSelfAttention(16, 4, 2, rope_theta=1e4, sliding_window=4)
 
 
 def test_a_family_without_attention_refuses_cp(capsys):

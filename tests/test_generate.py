@@ -204,11 +204,11 @@ def test_bad_requests_are_one_line(hf_dir, tmp_path, capsys):
     assert "its tokenizer is the byte tokenizer, which has none; give --tokenizer" in said, said
 
 
-@pytest.mark.parametrize("kind", ["llama3rope", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama3rope", "qwen2", "qwen3", "mistral"])
 def test_hf_llama_variants_decode_to_transformers_greedy_tokens(kind, tmp_path):
     """The KV cache with Llama 3.1's scaled rope (positions past its original context, where the
-    scaling acts), Qwen2's q/k/v biases and Qwen3's head norms and wide heads: the greedy tokens
-    of transformers' own generate."""
+    scaling acts), Qwen2's q/k/v biases, Qwen3's head norms and wide heads, and Mistral's sliding
+    window (6 tokens, 35 generated): the greedy tokens of transformers' own generate."""
     transformers = pytest.importorskip("transformers")
     keys = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=kind == "qwen2",
@@ -219,6 +219,7 @@ def test_hf_llama_variants_decode_to_transformers_greedy_tokens(kind, tmp_path):
                                          "high_freq_factor": 2.0, "original_max_position_embeddings": 16}}),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": 6}),
     }[kind]
     torch.manual_seed(0)
     model = model_cls(config_cls(**keys, **extra)).to(torch.float64)

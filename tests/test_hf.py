@@ -1,7 +1,7 @@
 """Hugging Face interchange: tiny random GPT2LMHeadModel / LlamaForCausalLM, float32,
 and the Llama variants a user brings: Llama 3.1's scaled rope, Qwen2 (q/k/v biases, tied),
-Qwen3 (q/k head norms, head_dim twice dim / n_heads) and Mistral (a sliding window no
-longer than the sequence).
+Qwen3 (q/k head norms, head_dim twice dim / n_heads) and Mistral (a sliding window of 5
+tokens over sequences of 16).
 
 Each case builds a transformers model from a config object (random weights,
 every parameter perturbed so biases and norm weights are not at their
@@ -41,6 +41,7 @@ from pipekit.testing import run_distributed  # noqa: E402
 TOL = 1e-5
 VOCAB, SEQ, BATCH = 64, 16, 4
 ODD, ODD_PAD_MULTIPLE = 61, 8  # 61 ids padded to 64 rows
+WINDOW = 5  # Mistral's sliding window, shorter than the sequence
 TRAIN_STEPS, LR = 2, 0.5
 LAYOUTS = [(1, 2, 2), (2, 1, 2), (2, 2, 1)]  # (pp, dp, tp) on 4 ranks
 
@@ -57,7 +58,7 @@ def _variants() -> dict:
                        {"rope_scaling": dict(LLAMA3_ROPE), "max_position_embeddings": 128}),  # a copy: HF adds to it
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"use_sliding_window": False}),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": SEQ}),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": WINDOW}),
     }
 
 
@@ -279,7 +280,7 @@ def offline(monkeypatch):
 
 
 @pytest.mark.parametrize("case_id", ["gpt2-tied", "llama-untied", "llama-tied", "llama3rope-untied",
-                                     "qwen2-tied", "qwen3-untied"])
+                                     "qwen2-tied", "qwen3-untied", "mistral-untied"])
 def test_save_hf_checkpoint_loads_in_transformers(cases, case_id, tmp_path, offline):
     case = cases[case_id]
     out = tmp_path / "hf"
@@ -438,9 +439,15 @@ def test_llama_variant_configs():
     q2 = hf.config_from_hf(hf_config("qwen2", True))
     assert (q2.qkv_bias, q2.qk_norm, q2.tie_embeddings) == (True, False, True)
     assert type(hf.hf_config_from(q2)) is transformers.Qwen2Config and hf.config_from_hf(hf.hf_config_from(q2)) == q2
-    mistral = hf.config_from_hf(hf_config("mistral", False).to_dict() | {"max_position_embeddings": 4096})
-    assert mistral.max_seq_len == SEQ, "a sliding window W: positions up to W, where it masks nothing"
-    assert hf.config_from_hf(hf_config("mistral", False).to_dict() | {"sliding_window": None}).max_seq_len == 32
+    mistral = hf.config_from_hf(hf_config("mistral", False))
+    assert (mistral.sliding_window, mistral.max_seq_len) == (WINDOW, 32)
+    assert type(hf.hf_config_from(mistral)) is transformers.MistralConfig
+    assert hf.config_from_hf(hf.hf_config_from(mistral)) == mistral
+    for covering in (None, 32, 4096):  # a window over every position masks nothing: plain Llama
+        d = hf_config("mistral", False).to_dict() | {"sliding_window": covering}
+        assert hf.config_from_hf(d).sliding_window is None
+    with pytest.raises(ValueError, match="sliding_window=5 and qkv_bias"):
+        hf.hf_config_from(with_overrides(mistral, qkv_bias=True))
     with pytest.raises(ValueError, match="qkv_bias and qk_norm"):
         hf.hf_config_from(with_overrides(q3, qkv_bias=True))
     from pipekit.models import mixtral

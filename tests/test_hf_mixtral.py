@@ -252,7 +252,6 @@ def test_configs_without_a_hf_form_are_refused_in_one_line(cases, overrides, tmp
 
 @pytest.mark.parametrize("change,match", [
     ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
-    ({"sliding_window": 4096}, "sliding-window"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "yarn"),
     ({"attention_bias": True}, "attention_bias"),
@@ -356,6 +355,13 @@ def test_unsupported_qwen3_moe_options(change, match):
     d = qwen3_moe(True).config.to_dict() | change
     with pytest.raises(ValueError, match=match):
         hf.config_from_hf(d)
+
+
+def test_a_mixtral_sliding_window_is_kept_where_it_masks_something():
+    d = hf_config(1, False).to_dict()
+    assert hf.config_from_hf(d | {"sliding_window": 4096}).sliding_window is None  # over 32 positions: nothing
+    cfg = hf.config_from_hf(d | {"sliding_window": 8})
+    assert cfg.sliding_window == 8 and hf.hf_config_from(cfg).sliding_window == 8
 
 
 def test_a_mixtral_config_that_does_not_rescale_has_no_mixtral_form():

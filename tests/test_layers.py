@@ -452,3 +452,31 @@ def test_errors_name_the_values():
             RowParallelLinear(10, 8)
     with pytest.raises(ValueError, match=r"n_heads=8 is not divisible by n_kv_heads=3"):
         CausalSelfAttention(32, 8, 3)
+
+
+# ---- sliding-window attention --------------------------------------------------------
+@in_float64
+def test_sliding_window_attention_sees_the_last_w_tokens_and_stays_in_its_document():
+    """window_mask against a loop over (query, key); a window at least T long is plain causal
+    attention, bitwise; packed documents with a window equal each document run alone; a
+    shorter window changes the output (it is applied)."""
+    from pipekit.layers.attention import window_mask
+
+    for T, W in ((7, 3), (5, 1), (4, 9)):
+        want = torch.tensor([[t - W < s <= t for s in range(T)] for t in range(T)])
+        assert torch.equal(window_mask(T, W), want)
+    torch.manual_seed(0)
+    plain = CausalSelfAttention(16, 4, 2, bias=False, rope_theta=10000.0)
+    windowed = CausalSelfAttention(16, 4, 2, bias=False, rope_theta=10000.0, sliding_window=3)
+    wide = CausalSelfAttention(16, 4, 2, bias=False, rope_theta=10000.0, sliding_window=9)
+    windowed.load_state_dict(plain.state_dict())
+    wide.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 9, 16)
+    assert torch.equal(wide(x), plain(x))
+    assert (windowed(x) - plain(x)).abs().max() > 1e-3
+    docs = [x[:, :5], x[:, 5:]]  # two documents of 5 and 4 tokens packed in one row
+    positions = torch.cat([torch.arange(5), torch.arange(4)]).expand(2, 9)
+    alone = torch.cat([windowed(d) for d in docs], dim=1)
+    torch.testing.assert_close(windowed(x, positions), alone, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="sliding_window must be a positive int"):
+        CausalSelfAttention(16, 4, 2, sliding_window=0)

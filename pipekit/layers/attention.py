@@ -50,6 +50,10 @@ class CausalSelfAttention(nn.Module):
     `qk_norm_eps`, when given: an RMSNorm over each head's head_dim on q and on k before the
     rotary embedding (Qwen3's q_norm and k_norm), one weight shared by all heads; with tp > 1
     each rank's heads give their part of its gradient (marked `tp_partial`: summed over tp).
+    `sliding_window` W, when given: a query at position p sees the keys at p - W + 1 .. p only
+    (Mistral's, as transformers masks it), with packed documents within its document, and
+    behind a KV cache the cached keys of those positions; up to W tokens the plain causal
+    path runs unchanged (the window masks nothing there). Not under context parallelism.
 
     Packed documents: `forward(x, positions=...)` with each token's position in its
     document (B, T) int64 (a document starts where the position is not the one before
@@ -71,7 +75,7 @@ class CausalSelfAttention(nn.Module):
                  rope_theta: float | None = None, init_std: float = 0.02,
                  out_init_std: float | None = None, group=None, *, head_dim: int | None = None,
                  qkv_bias: bool | None = None, qk_norm_eps: float | None = None,
-                 rope_scaling: RopeScaling | dict | None = None):
+                 rope_scaling: RopeScaling | dict | None = None, sliding_window: int | None = None):
         super().__init__()
         group = current_tp_group() if group is None else group
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -97,6 +101,13 @@ class CausalSelfAttention(nn.Module):
             if tp > 1:  # each rank normalises its own heads: its part of the shared weight's gradient
                 mark_tp_partial(self.q_norm.weight, self.k_norm.weight)
         self.context = current_context_parallel()  # (cp group, mode) when built under context parallelism
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be a positive int (or None: full causal), got {sliding_window!r}")
+        if sliding_window is not None and self.context is not None:
+            raise ValueError(f"sliding_window={sliding_window} attention is not implemented under context "
+                             f"parallelism (cp > 1); train at cp=1, or without the window")
+        self.sliding_window = sliding_window
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         # one backward all-reduce for q, k and v together; sequence-parallel: the all-gather of the
@@ -124,8 +135,15 @@ class CausalSelfAttention(nn.Module):
             if positions is None:
                 raise ValueError("attention with a KV cache needs the new tokens' positions: feed (ids, positions)")
             k, v, mask = cache.append(self, k, v, positions)  # (B, KV/tp, S, hd); mask (B, 1, T, S)
+            if self.sliding_window is not None:  # key index s is position s
+                keys = torch.arange(k.shape[2], device=positions.device)
+                mask = mask & ((positions.unsqueeze(-1) - keys) < self.sliding_window).unsqueeze(1)
         elif positions is not None:
             mask = document_mask(positions)
+            if self.sliding_window is not None:  # within a document positions count tokens
+                mask = mask & ((positions.unsqueeze(2) - positions.unsqueeze(1)) < self.sliding_window).unsqueeze(1)
+        elif self.sliding_window is not None and q.shape[2] > self.sliding_window:
+            mask = window_mask(q.shape[2], self.sliding_window, q.device)
         if self.local_kv_heads != self.local_heads:  # query head i uses kv head i // r
             r = self.local_heads // self.local_kv_heads
             k = einops.repeat(k, "b h t d -> b (h r) t d", r=r)  # (B, H/tp, T or S, hd)
@@ -154,6 +172,13 @@ class CausalSelfAttention(nn.Module):
         doc = None if positions is None else index - positions  # (B, T): where each token's document starts
         q, k, v = (t.contiguous() for t in (q, k, v))  # they travel between ranks (the ring, all-to-all)
         return attention_core(q, k, v, mode=mode, group=group, index=index, doc=doc)
+
+
+def window_mask(T: int, window: int, device=None) -> torch.Tensor:
+    """(T, T) bool: query t sees key s when t - window < s <= t (causal, the last `window` tokens)."""
+    t = torch.arange(T, device=device)
+    gap = t.unsqueeze(1) - t.unsqueeze(0)  # t - s
+    return (gap >= 0) & (gap < window)
 
 
 def document_mask(positions: torch.Tensor) -> torch.Tensor:

@@ -311,8 +311,8 @@ class LlamaAdapter(StateDictAdapter):
     @classmethod
     def config_from_hf(cls, d: dict) -> LlamaConfig:
         """A Llama, Mistral, Qwen2 or Qwen3 config.json (dict) -> LlamaConfig; options pipekit
-        lacks raise a ValueError. Mistral: Llama's tensors; a sliding window W makes
-        max_seq_len min(max_position_embeddings, W), where the window masks nothing. Qwen2:
+        lacks raise a ValueError. Mistral: Llama's tensors and its sliding window (none when the
+        window covers max_position_embeddings: it masks nothing there). Qwen2:
         biases on q, k and v (`qkv_bias`). Qwen3: q_norm and k_norm (`qk_norm`), its head_dim."""
         kind = d.get("model_type", "llama")
         if kind in ("qwen2", "qwen3"):
@@ -322,16 +322,19 @@ class LlamaAdapter(StateDictAdapter):
             return LlamaConfig(**fields, qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3")
         _require(d, {"attention_bias": (False, (False,))})
         fields = cls._fields_from_hf(d)
-        window = d.get("sliding_window") if kind == "mistral" else None
-        if window is not None:
-            fields["max_seq_len"] = min(fields["max_seq_len"], int(window))
-        return LlamaConfig(**fields)
+        return LlamaConfig(**fields, sliding_window=_window(d) if kind == "mistral" else None)
 
     def check(self) -> None:
-        """Refuse what no Hugging Face model holds: q/k/v biases with q/k head norms."""
-        if self.cfg.qkv_bias and self.cfg.qk_norm:
+        """Refuse what no Hugging Face model holds: q/k/v biases with q/k head norms, or either
+        with a sliding window (pipekit writes Qwen2 and Qwen3 without one)."""
+        cfg = self.cfg
+        if cfg.qkv_bias and cfg.qk_norm:
             raise ValueError("a Llama config with both qkv_bias and qk_norm has no Hugging Face form (Qwen2 has "
                              "the biases, Qwen3 the norms); set one of them")
+        if cfg.sliding_window is not None and (cfg.qkv_bias or cfg.qk_norm):
+            raise ValueError(f"a Llama config with sliding_window={cfg.sliding_window} and "
+                             f"{'qkv_bias' if cfg.qkv_bias else 'qk_norm'} has no Hugging Face form pipekit writes "
+                             f"(Mistral has the window without them); set sliding_window=None or drop the other")
 
     def _hf_fields(self) -> dict:
         """The transformers config keys Llama and Mixtral share."""
@@ -355,8 +358,17 @@ class LlamaAdapter(StateDictAdapter):
                                  architectures=["Qwen3ForCausalLM"])
         if self.cfg.qkv_bias:
             return t.Qwen2Config(**self._hf_fields(), use_sliding_window=False, architectures=["Qwen2ForCausalLM"])
+        if self.cfg.sliding_window is not None:
+            return t.MistralConfig(**self._hf_fields(), sliding_window=self.cfg.sliding_window,
+                                   architectures=["MistralForCausalLM"])
         return t.LlamaConfig(**self._hf_fields(), attention_bias=False, mlp_bias=False,
                              architectures=["LlamaForCausalLM"])
+
+
+def _window(d: dict) -> int | None:
+    """A Mistral or Mixtral config's sliding window; None where it covers every position (it masks nothing)."""
+    window = d.get("sliding_window")
+    return None if window is None or window >= d["max_position_embeddings"] else int(window)
 
 
 def _renormalize(rescaled: bool, top_k: int) -> bool | None:
@@ -405,6 +417,9 @@ class MixtralAdapter(LlamaAdapter):
                              f"as does Qwen3-MoE (softmax, plain top-k routing, no shared experts, no attention "
                              f"biases); only configs with score='softmax', n_shared_experts=0, no n_groups, "
                              f"bias_update_rate=0 and qkv_bias false convert")
+        if cfg.qk_norm and cfg.sliding_window is not None:
+            raise ValueError(f"this Mixtral config has qk_norm and sliding_window={cfg.sliding_window}: pipekit writes "
+                             f"Qwen3-MoE without a window (Mixtral has the window without the norms)")
         if not cfg.qk_norm and not self.renormalized():
             raise ValueError(f"this Mixtral config does not rescale its top_k={cfg.top_k} weights to sum to one "
                              f"(renormalize={cfg.renormalize}), which Hugging Face's Mixtral always does; set "
@@ -467,9 +482,6 @@ class MixtralAdapter(LlamaAdapter):
         top-k weights rescaled as norm_topk_prob says; every layer sparse."""
         if d.get("model_type") == "qwen3_moe":
             return cls._qwen3_moe_config(d)
-        if d.get("sliding_window") is not None:
-            raise ValueError(f"Hugging Face config has sliding_window={d['sliding_window']!r}; pipekit has no "
-                             "sliding-window attention (only null converts)")
         _require(d, {"attention_bias": (False, (False,))})
         if d.get("router_jitter_noise"):
             raise ValueError(f"Hugging Face config has router_jitter_noise={d['router_jitter_noise']!r}; pipekit's "
@@ -478,7 +490,8 @@ class MixtralAdapter(LlamaAdapter):
         top_k = d["num_experts_per_tok"]
         coef = _scaled(d.get("router_aux_loss_coef", 0.001), top_k / fields["n_layers"])
         return MixtralConfig(**fields, n_experts=d["num_local_experts"], top_k=top_k, aux_loss_coef=coef,
-                             renormalize=_renormalize(True, top_k))  # HF's Mixtral always rescales them
+                             renormalize=_renormalize(True, top_k),  # HF's Mixtral always rescales them
+                             sliding_window=_window(d))
 
     @classmethod
     def _qwen3_moe_config(cls, d: dict) -> MixtralConfig:
@@ -508,7 +521,7 @@ class MixtralAdapter(LlamaAdapter):
         return _transformers().MixtralConfig(
             **self._hf_fields(), num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
             router_aux_loss_coef=_scaled(cfg.aux_loss_coef, cfg.n_layers / cfg.top_k), router_jitter_noise=0.0,
-            output_router_logits=False, sliding_window=None, architectures=["MixtralForCausalLM"],
+            output_router_logits=False, sliding_window=cfg.sliding_window, architectures=["MixtralForCausalLM"],
         )
 
 

@@ -22,7 +22,8 @@ their positions under a KV cache (`pipekit.layers.kv_cache`, `pipekit generate`)
 Variants a Hugging Face model brings, all off by default: `rope_scaling` (Llama 3.1/3.2/3.3's
 "llama3" frequency scaling, or "linear"; `pipekit.layers.rotary.RopeScaling`), a `head_dim`
 other than dim / n_heads (Qwen3), biases on q, k and v (`qkv_bias`, Qwen2) and an RMSNorm of
-each query and key head before the rotation (`qk_norm`, Qwen3).
+each query and key head before the rotation (`qk_norm`, Qwen3), a sliding attention window
+(`sliding_window`, Mistral 7B v0.1).
 Limits: the KV cache is for one process (no pipeline stages), at most max_seq_len positions.
 """
 
@@ -64,6 +65,7 @@ class LlamaConfig:
     head_dim: Optional[int] = None  # each head's width; None: dim / n_heads
     qkv_bias: bool = False  # biases on q, k and v (not o), as Qwen2 has
     qk_norm: bool = False  # RMSNorm over each q and k head before the rotation, as Qwen3 has
+    sliding_window: Optional[int] = None  # each token sees the last W (itself included), as Mistral 7B v0.1
 
     @property
     def padded_vocab(self) -> int:
@@ -85,6 +87,9 @@ class LlamaConfig:
             raise ValueError(f"{name}: head_dim must be >= 1 (or None: dim / n_heads), got {self.head_dim}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{name}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"{name}: sliding_window must be a positive int (or None: full causal), got {window!r}")
         if self.attn_head_dim % 2:
             raise ValueError(f"{name}: head dim {self.attn_head_dim} must be even for the rotary embedding")
         try:
@@ -120,7 +125,7 @@ def llama_specs(cfg: LlamaConfig, mlp: Optional[Callable[[int], Callable]] = Non
     embed, head = vocab_table_and_head(cfg)
     parts = llama_block_parts(cfg.n_heads, cfg.n_kv_heads, cfg.hidden, cfg.norm_eps, cfg.rope_theta,
                               rope_scaling=cfg.rope_scaling, head_dim=cfg.head_dim, qkv_bias=cfg.qkv_bias,
-                              qk_norm=cfg.qk_norm)
+                              qk_norm=cfg.qk_norm, sliding_window=cfg.sliding_window)
     blocks = [LayerSpec(TransformerBlock, cfg.dim, **{**parts, "mlp": mlp(i) if mlp else parts["mlp"]})
               for i in range(cfg.n_layers)]
     return [embed, *blocks, LayerSpec(FinalRMSNorm, cfg.dim, cfg.norm_eps), head]
@@ -128,13 +133,13 @@ def llama_specs(cfg: LlamaConfig, mlp: Optional[Callable[[int], Callable]] = Non
 
 def llama_block_parts(n_heads: int, n_kv_heads: int, hidden: int, norm_eps: float, rope_theta: float, *,
                       rope_scaling: Optional[dict] = None, head_dim: Optional[int] = None, qkv_bias: bool = False,
-                      qk_norm: bool = False) -> dict:
+                      qk_norm: bool = False, sliding_window: Optional[int] = None) -> dict:
     """`TransformerBlock`'s parts in Llama's form: RMSNorm, grouped-query attention without
     biases and with the rotary embedding at `rope_theta`, the SwiGLU MLP of width `hidden`;
     the variants of `LlamaConfig` (scaled rope, head_dim, q/k/v biases, q/k head norms)."""
     attn = partial(CausalSelfAttention, n_heads=n_heads, n_kv_heads=n_kv_heads, bias=False, rope_theta=rope_theta,
                    rope_scaling=rope_scaling, head_dim=head_dim, qkv_bias=qkv_bias,
-                   qk_norm_eps=norm_eps if qk_norm else None)
+                   qk_norm_eps=norm_eps if qk_norm else None, sliding_window=sliding_window)
     return dict(norm=partial(RMSNorm, eps=norm_eps), attn=attn, mlp=partial(SwiGLUMLP, hidden=hidden, bias=False))
 
 
