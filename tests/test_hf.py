@@ -1,7 +1,7 @@
 """Hugging Face interchange: tiny random GPT2LMHeadModel / LlamaForCausalLM, float32,
 and the Llama variants a user brings: Llama 3.1's scaled rope, Qwen2 (q/k/v biases, tied),
-Qwen3 (q/k head norms, head_dim twice dim / n_heads) and Mistral (a sliding window of 5
-tokens over sequences of 16).
+Qwen3 (q/k head norms, head_dim twice dim / n_heads), Mistral (a sliding window of 5
+tokens over sequences of 16) and Phi-3 (Mistral's with q/k/v and gate/up fused).
 
 Each case builds a transformers model from a config object (random weights,
 every parameter perturbed so biases and norm weights are not at their
@@ -59,6 +59,9 @@ def _variants() -> dict:
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"use_sliding_window": False}),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": WINDOW}),
+        # fused q/k/v and gate/up; grouped-query heads (Phi-3-medium's, Phi-4's), a window
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"sliding_window": WINDOW,
+                                                                          "pad_token_id": None}),
     }
 
 
@@ -96,7 +99,7 @@ def fresh_hf_model(family: str, tied: bool, hf_sd: dict, vocab: int = VOCAB):
 
 CASES = [("gpt2", True, VOCAB), ("gpt2", False, VOCAB), ("llama", False, VOCAB), ("llama", True, VOCAB),
          ("gpt2", True, ODD), ("llama", False, ODD), ("llama3rope", False, VOCAB), ("qwen2", True, VOCAB),
-         ("qwen3", False, VOCAB), ("mistral", False, VOCAB)]
+         ("qwen3", False, VOCAB), ("mistral", False, VOCAB), ("phi3", False, VOCAB)]
 CASE_IDS = [f"{f}-{'tied' if t else 'untied'}" + ("" if v == VOCAB else f"-v{v}") for f, t, v in CASES]
 ODD_IDS = [i for i in CASE_IDS if i.endswith(f"-v{ODD}")]
 
@@ -280,7 +283,7 @@ def offline(monkeypatch):
 
 
 @pytest.mark.parametrize("case_id", ["gpt2-tied", "llama-untied", "llama-tied", "llama3rope-untied",
-                                     "qwen2-tied", "qwen3-untied", "mistral-untied"])
+                                     "qwen2-tied", "qwen3-untied", "mistral-untied", "phi3-untied"])
 def test_save_hf_checkpoint_loads_in_transformers(cases, case_id, tmp_path, offline):
     case = cases[case_id]
     out = tmp_path / "hf"
@@ -446,9 +449,17 @@ def test_llama_variant_configs():
     for covering in (None, 32, 4096):  # a window over every position masks nothing: plain Llama
         d = hf_config("mistral", False).to_dict() | {"sliding_window": covering}
         assert hf.config_from_hf(d).sliding_window is None
-    with pytest.raises(ValueError, match="sliding_window=5 and qkv_bias"):
+    with pytest.raises(ValueError, match="qkv_bias, sliding_window has no Hugging Face qwen2 form nor any"):
         hf.hf_config_from(with_overrides(mistral, qkv_bias=True))
-    with pytest.raises(ValueError, match="qkv_bias and qk_norm"):
+    no_window = hf.config_from_hf(hf_config("mistral", False).to_dict() | {"sliding_window": None})
+    assert no_window.hf_model_type == "mistral" and type(hf.hf_config_from(no_window)) is transformers.MistralConfig
+    phi3 = hf.config_from_hf(hf_config("phi3", False))
+    assert (phi3.hf_model_type, phi3.sliding_window) == ("phi3", WINDOW)
+    assert type(hf.hf_config_from(phi3)) is transformers.Phi3Config
+    assert hf.config_from_hf(hf.hf_config_from(phi3)) == phi3
+    with pytest.raises(ValueError, match="has no Hugging Face llama form .it fits mistral, phi3"):
+        hf.hf_config_from(with_overrides(mistral, hf_model_type="llama"))
+    with pytest.raises(ValueError, match="qk_norm, qkv_bias has no Hugging Face qwen3 form nor any other"):
         hf.hf_config_from(with_overrides(q3, qkv_bias=True))
     from pipekit.models import mixtral
     with pytest.raises(ValueError, match="qkv_bias=True"):

@@ -50,6 +50,19 @@ def gpt2_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def phi3_dir(tmp_path_factory):
+    """Phi-3 with grouped-query heads (Phi-3-medium's, Phi-4's shape): q, k, v of 32, 16, 16 rows
+    fused in qkv_proj, gate and up in gate_up_proj."""
+    torch.manual_seed(2)
+    cfg = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                  pad_token_id=None, tie_word_embeddings=False)
+    path = str(tmp_path_factory.mktemp("phi3"))
+    transformers.Phi3ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
 def _run(path: str, targets: str, dora: bool):
     return load_run(None, [f"model.init={path}", "train.dtype=float32", f"train.seq_len={SEQ}", "train.device=cpu",
                            "model.lora.rank=2", "model.lora.alpha=6", f"model.lora.targets={targets}",
@@ -181,3 +194,20 @@ def test_what_has_no_peft_form_is_refused_in_one_line(llama_dir, tmp_path, capsy
         to_peft(run.family, run.model, experts, rank=2, alpha=6.0)
     with pytest.raises(ValueError, match=r"adapter has rank 2, but its settings say model.lora.rank=4"):
         to_peft(run.family, run.model, sd, rank=4, alpha=6.0)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_phi3s_fused_weights_take_one_exact_adapter_each(phi3_dir, tmp_path, dora):
+    """Adapters on pipekit's separate q, v and gate of a Phi-3: one LoRA on qkv_proj (q and v, rows
+    of unequal length) and one on gate_up_proj, PEFT's logits equal to pipekit's."""
+    run = _run(phi3_dir, r"attn\.(q|v|o)$|mlp\.gate$", dora)
+    module = _adapted(run)
+    pt = _save_model_pt(run, module, str(tmp_path / "model.pt"))
+    assert main(["convert", "--to-peft", pt, "--out", str(tmp_path / "peft")]) == 0
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["gate_up_proj", "o_proj", "qkv_proj"]
+    assert config["rank_pattern"] == {f"model.layers.{i}.self_attn.qkv_proj": 4 for i in range(2)}
+    tensors = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    b = tensors["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"]
+    assert b.shape == (64, 4) and not b[32:48].any()  # k's 16 rows: no adapter
+    _assert_peft_gives_our_logits(module, phi3_dir, str(tmp_path / "peft"), seed=3)

@@ -49,6 +49,7 @@ transformers is imported only by `hf_config()`, which builds its config objects.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -118,8 +119,9 @@ class StateDictAdapter:
 
     def fused(self) -> dict[str, tuple[str, bool, int, int]]:
         """{pipekit name: (HF name, transposed, j, n)} of the tensors HF fuses with others: the
-        pipekit tensor is chunk j of n along dim 0 of the HF tensor in pipekit's layout
-        (transposed back first if `transposed`). Default: none."""
+        pipekit tensor is part j of n along dim 0 of the HF tensor in pipekit's layout
+        (transposed back first if `transposed`), the parts as long as their pipekit tensors
+        (GPT-2's three equal ones; Phi-3's q, k, v with grouped-query heads are not). Default: none."""
         return {}
 
     def _from_hf(self, hf: _Taken) -> dict:
@@ -274,13 +276,65 @@ class LlamaAdapter(StateDictAdapter):
         return pairs
 
     def renamed(self, hf_state_dict) -> dict[str, tuple[str, bool]]:
-        return {ours: (theirs, False) for ours, theirs in self._pairs(self.mlp)}
+        fused = self.fused()
+        return {ours: (theirs, False) for ours, theirs in self._pairs(self.mlp) if ours not in fused}
+
+    def fused(self) -> dict[str, tuple[str, bool, int, int]]:
+        """Phi-3's: q, k, v the parts 0, 1, 2 of `qkv_proj`'s rows, gate and up 0, 1 of `gate_up_proj`'s."""
+        if self.cfg.hf_model_type != "phi3":
+            return {}
+        llama_names = {theirs: ours for ours, theirs in self._pairs(self.mlp)}
+        out = {}
+        for i in range(self.cfg.n_layers):
+            for fused, parts in self._splits().items():
+                for j, (part, _) in enumerate(parts):
+                    ours = llama_names[f"model.layers.{i}.{part}.weight"]
+                    out[ours] = (f"model.layers.{i}.{fused}.weight", False, j, len(parts))
+        return out
 
     def _from_hf(self, hf: _Taken) -> dict:
-        return {ours: hf.take(theirs) for ours, theirs in self._pairs(self.mlp) if hf.wants(ours)}
+        parts = self._unfused(hf)
+        return {ours: parts[ours] if ours in parts else hf.take(theirs)
+                for ours, theirs in self._pairs(self.mlp) if hf.wants(ours)}
 
     def _to_hf(self, sd: dict) -> dict:
-        return {theirs: sd[ours] for ours, theirs in self._pairs(self.mlp)}
+        out = {theirs: sd[ours] for ours, theirs in self._pairs(self.mlp)}
+        return self._fused(out) if self.cfg.hf_model_type == "phi3" else out
+
+    def _splits(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Phi-3's fused tensors: {its name in a block: ((the Llama name, rows), ...)} in row order."""
+        cfg = self.cfg
+        hd, H = cfg.attn_head_dim, cfg.hidden
+        kv = cfg.n_kv_heads * hd
+        return {"self_attn.qkv_proj": (("self_attn.q_proj", cfg.n_heads * hd), ("self_attn.k_proj", kv),
+                                       ("self_attn.v_proj", kv)),
+                "mlp.gate_up_proj": (("mlp.gate_proj", H), ("mlp.up_proj", H))}
+
+    def _unfused(self, hf: _Taken) -> dict:
+        """The pipekit tensors cut out of Phi-3's fused q/k/v and gate/up weights, where `hf` has them."""
+        llama_names = {theirs: ours for ours, theirs in self._pairs(self.mlp)}
+        out: dict[str, torch.Tensor] = {}
+        for i in range(self.cfg.n_layers):
+            for fused, parts in self._splits().items():
+                name = f"model.layers.{i}.{fused}.weight"
+                wanted = [llama_names[f"model.layers.{i}.{part}.weight"] for part, _ in parts]
+                if name not in hf or not any(hf.wants(w) for w in wanted):
+                    continue
+                t = hf.take(name)
+                rows = [n for _, n in parts]
+                if t.dim() != 2 or t.shape[0] != sum(rows):
+                    raise ValueError(f"{name} has shape {tuple(t.shape)}; the config needs ({sum(rows)}, dim)")
+                out.update(zip(wanted, (c.contiguous() for c in t.split(rows))))
+        return out
+
+    def _fused(self, hf_sd: dict) -> dict:
+        """A Llama-named HF state dict with Phi-3's fused q/k/v and gate/up weights in its place."""
+        out = dict(hf_sd)
+        for i in range(self.cfg.n_layers):
+            for fused, parts in self._splits().items():
+                out[f"model.layers.{i}.{fused}.weight"] = torch.cat(
+                    [out.pop(f"model.layers.{i}.{part}.weight") for part, _ in parts])
+        return out
 
     @classmethod
     def _fields_from_hf(cls, d: dict) -> dict:
@@ -310,9 +364,10 @@ class LlamaAdapter(StateDictAdapter):
 
     @classmethod
     def config_from_hf(cls, d: dict) -> LlamaConfig:
-        """A Llama, Mistral, Qwen2 or Qwen3 config.json (dict) -> LlamaConfig; options pipekit
+        """A Llama, Mistral, Phi-3, Qwen2 or Qwen3 config.json (dict) -> LlamaConfig; options pipekit
         lacks raise a ValueError. Mistral: Llama's tensors and its sliding window (none when the
-        window covers max_position_embeddings: it masks nothing there). Qwen2:
+        window covers max_position_embeddings: it masks nothing there). Phi-3: Mistral's with
+        q/k/v and gate/up fused in the files (`hf_model_type="phi3"`, written back so). Qwen2:
         biases on q, k and v (`qkv_bias`). Qwen3: q_norm and k_norm (`qk_norm`), its head_dim."""
         kind = d.get("model_type", "llama")
         if kind in ("qwen2", "qwen3"):
@@ -322,19 +377,12 @@ class LlamaAdapter(StateDictAdapter):
             return LlamaConfig(**fields, qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3")
         _require(d, {"attention_bias": (False, (False,))})
         fields = cls._fields_from_hf(d)
-        return LlamaConfig(**fields, sliding_window=_window(d) if kind == "mistral" else None)
+        cfg = LlamaConfig(**fields, sliding_window=_window(d) if kind in ("mistral", "phi3") else None)
+        return cfg if hf_form(cfg) == kind else replace(cfg, hf_model_type=kind)  # remembered where not implied
 
     def check(self) -> None:
-        """Refuse what no Hugging Face model holds: q/k/v biases with q/k head norms, or either
-        with a sliding window (pipekit writes Qwen2 and Qwen3 without one)."""
-        cfg = self.cfg
-        if cfg.qkv_bias and cfg.qk_norm:
-            raise ValueError("a Llama config with both qkv_bias and qk_norm has no Hugging Face form (Qwen2 has "
-                             "the biases, Qwen3 the norms); set one of them")
-        if cfg.sliding_window is not None and (cfg.qkv_bias or cfg.qk_norm):
-            raise ValueError(f"a Llama config with sliding_window={cfg.sliding_window} and "
-                             f"{'qkv_bias' if cfg.qkv_bias else 'qk_norm'} has no Hugging Face form pipekit writes "
-                             f"(Mistral has the window without them); set sliding_window=None or drop the other")
+        """Refuse a config no Hugging Face form pipekit writes holds (`hf_form`)."""
+        hf_form(self.cfg)
 
     def _hf_fields(self) -> dict:
         """The transformers config keys Llama and Mixtral share."""
@@ -350,23 +398,54 @@ class LlamaAdapter(StateDictAdapter):
         )
 
     def hf_config(self):
-        """The transformers config of `cfg`: Qwen3Config with q/k head norms, Qwen2Config with
-        q/k/v biases, LlamaConfig otherwise (a Mistral model comes back as Llama: the same tensors)."""
-        t = _transformers()
-        if self.cfg.qk_norm:
+        """The transformers config of `cfg`, in the form `hf_form` names."""
+        t, cfg, form = _transformers(), self.cfg, hf_form(self.cfg)
+        if form == "qwen3":
             return t.Qwen3Config(**self._hf_fields(), attention_bias=False, use_sliding_window=False,
                                  architectures=["Qwen3ForCausalLM"])
-        if self.cfg.qkv_bias:
+        if form == "qwen2":
             return t.Qwen2Config(**self._hf_fields(), use_sliding_window=False, architectures=["Qwen2ForCausalLM"])
-        if self.cfg.sliding_window is not None:
-            return t.MistralConfig(**self._hf_fields(), sliding_window=self.cfg.sliding_window,
+        if form == "mistral":
+            return t.MistralConfig(**self._hf_fields(), sliding_window=cfg.sliding_window,
                                    architectures=["MistralForCausalLM"])
+        if form == "phi3":
+            return t.Phi3Config(**self._hf_fields(), sliding_window=cfg.sliding_window, pad_token_id=None,
+                                architectures=["Phi3ForCausalLM"])
         return t.LlamaConfig(**self._hf_fields(), attention_bias=False, mlp_bias=False,
                              architectures=["LlamaForCausalLM"])
 
 
+_LLAMA_FORMS = {  # form -> (what it needs, what it cannot hold)
+    "qwen3": ({"qk_norm"}, {"qkv_bias", "sliding_window"}),
+    "qwen2": ({"qkv_bias"}, {"qk_norm", "sliding_window"}),
+    "mistral": (set(), {"qkv_bias", "qk_norm"}),
+    "phi3": (set(), {"qkv_bias", "qk_norm"}),
+    "llama": (set(), {"qkv_bias", "qk_norm", "sliding_window"}),
+}
+
+
+def hf_form(cfg: LlamaConfig) -> str:
+    """The Hugging Face model a Llama-family config is written as: its `hf_model_type` where set,
+    else by its features (q/k head norms: qwen3; q/k/v biases: qwen2; a sliding window:
+    mistral; none: llama). A config no form holds (biases with head norms, either with a
+    window), or an hf_model_type its features contradict, is a one-line ValueError."""
+    on = {f for f in ("qkv_bias", "qk_norm") if getattr(cfg, f)} | ({"sliding_window"} if cfg.sliding_window else set())
+    form = cfg.hf_model_type or ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else
+                                 "mistral" if cfg.sliding_window is not None else "llama")
+    needs, lacks = _LLAMA_FORMS[form]
+    if needs - on or on & lacks:
+        said = ", ".join(sorted(on)) or "none of qkv_bias, qk_norm, sliding_window"
+        fits = [f for f, (n, x) in _LLAMA_FORMS.items() if not (n - on or on & x)]
+        raise ValueError(f"a Llama config with {said} has no Hugging Face {form} form"
+                         + (f" (it fits {', '.join(fits)}: set hf_model_type to one, or None)" if fits else
+                            " nor any other pipekit writes (Qwen2 has the biases, Qwen3 the norms, Mistral the "
+                            "window, none two of them)"))
+    return form
+
+
 def _window(d: dict) -> int | None:
-    """A Mistral or Mixtral config's sliding window; None where it covers every position (it masks nothing)."""
+    """A Mistral, Phi-3 or Mixtral config's sliding window; None where it covers every position
+    (it masks nothing)."""
     window = d.get("sliding_window")
     return None if window is None or window >= d["max_position_embeddings"] else int(window)
 
@@ -529,7 +608,8 @@ ADAPTERS: dict[str, type[StateDictAdapter]] = {"gpt2": GPT2Adapter, "llama": Lla
                                                "mixtral": MixtralAdapter}  # family -> its HF adapter
 # transformers' model_type -> the adapter that reads it (Mistral, Qwen2 and Qwen3 are Llama variants)
 HF_MODEL_TYPES: dict[str, type[StateDictAdapter]] = {"gpt2": GPT2Adapter, "llama": LlamaAdapter,
-                                                     "mistral": LlamaAdapter, "qwen2": LlamaAdapter,
+                                                     "mistral": LlamaAdapter, "phi3": LlamaAdapter,
+                                                     "qwen2": LlamaAdapter,
                                                      "qwen3": LlamaAdapter, "mixtral": MixtralAdapter,
                                                      "qwen3_moe": MixtralAdapter}
 

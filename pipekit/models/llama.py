@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from ..layers import CausalSelfAttention, RMSNorm, SwiGLUMLP, TransformerBlock
 from ..layers.rotary import rope_scaling_of
@@ -66,6 +66,11 @@ class LlamaConfig:
     qkv_bias: bool = False  # biases on q, k and v (not o), as Qwen2 has
     qk_norm: bool = False  # RMSNorm over each q and k head before the rotation, as Qwen3 has
     sliding_window: Optional[int] = None  # each token sees the last W (itself included), as Mistral 7B v0.1
+    # The Hugging Face model this config came from where its features alone do not say it (a Mistral without
+    # a window, a Phi-3): export writes that form again. None: chosen by the features (`hf.hf_form`).
+    hf_model_type: Optional[str] = None
+
+    HF_FORMS: ClassVar[tuple[str, ...]] = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # valid hf_model_type
 
     @property
     def padded_vocab(self) -> int:
@@ -87,6 +92,9 @@ class LlamaConfig:
             raise ValueError(f"{name}: head_dim must be >= 1 (or None: dim / n_heads), got {self.head_dim}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"{name}: n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.hf_model_type is not None and self.hf_model_type not in self.HF_FORMS:
+            raise ValueError(f"{name}: hf_model_type={self.hf_model_type!r} is not one of {list(self.HF_FORMS)} "
+                             f"(or None)")
         window = self.sliding_window
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"{name}: sliding_window must be a positive int (or None: full causal), got {window!r}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 from ..spec import LayerSpec
 from .common import MoEConfig, check_moe, moe_mlp, zoo_loss
@@ -40,6 +41,8 @@ class MixtralConfig(LlamaConfig, MoEConfig):
     n_experts: int = 8
     aux_loss_coef: float = 0.02
     rope_theta: float = 1000000.0
+
+    HF_FORMS: ClassVar[tuple[str, ...]] = ("mixtral", "qwen3_moe")
 
     def __post_init__(self):
         super().__post_init__()
