@@ -217,3 +217,23 @@ def _tensors(tree):
     elif isinstance(tree, (list, tuple)):
         for v in tree:
             yield from _tensors(v)
+
+
+def test_marks_name_the_microbatches_whatever_their_inputs_hold():
+    """Marks, alone: a NaN among a microbatch's float inputs marks that microbatch only (token
+    ids are never marked, a microbatch of ids alone is skipped), a non-scalar loss is checked
+    whole, and a NaN loss that weighs nothing is not marked."""
+    from pipekit.optim.finite import Marks
+
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    nan = torch.tensor([[1.0, float("nan")]])
+    marks = Marks(dp=1, microbatches=3)
+    marks.mark_inputs([(nan, ids), ids, (torch.ones(1, 2), ids)])
+    marks.mark_losses([torch.tensor(1.0), torch.tensor([2.0, float("inf")]), torch.tensor(float("nan"))],
+                      torch.tensor([1.0, 1.0, 0.0]))
+    skip = marks.verdict()
+    assert skip is not None and skip.inputs == ((0, 0),) and skip.losses == ((0, 1),) and not skip.grads
+    clean = Marks(dp=1, microbatches=2)
+    clean.mark_inputs([ids, ids])
+    clean.mark_losses([torch.tensor(1.0), torch.tensor(2.0)], torch.ones(2))
+    assert clean.verdict() is None

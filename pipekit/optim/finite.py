@@ -49,17 +49,27 @@ class Marks:
             self.grads.copy_(torch.maximum(self.grads, (~torch.isfinite(g)).any().float().to(self.values.device)))
 
     def mark_losses(self, losses: list[torch.Tensor], weights: torch.Tensor) -> None:
-        """Each microbatch's loss (`weights`: what it counts for; 0: not at all, not marked)."""
-        bad = torch.stack([~torch.isfinite(loss.detach()).all() for loss in losses])
+        """Each microbatch's loss (`weights`: what it counts for; 0: not at all, not marked).
+        Scalar losses (the usual) are checked in one op over their stack."""
+        if all(loss.dim() == 0 for loss in losses):
+            bad = ~torch.isfinite(torch.stack([loss.detach() for loss in losses]))
+        else:
+            bad = torch.stack([~torch.isfinite(loss.detach()).all() for loss in losses])
         self._row(0).copy_((bad & (weights.to(bad.device) != 0)).float())
 
     def mark_inputs(self, micro_in: list) -> None:
-        """Each microbatch's floating-point inputs (token ids are never marked)."""
+        """Each microbatch's floating-point inputs (token ids are never marked): one flag per
+        microbatch, written into the row at once."""
+        flags = [[(~torch.isfinite(t)).any() for t in all_tensors(x) if t.is_floating_point()] for x in micro_in]
+        held = [m for m, f in enumerate(flags) if f]
+        if not held:
+            return
+        bad = torch.stack([f[0] if len(f) == 1 else torch.stack(f).any() for f in flags if f]).float()
         row = self._row(1)
-        for m, x in enumerate(micro_in):
-            for t in all_tensors(x):
-                if t.is_floating_point():
-                    row[m].copy_(torch.maximum(row[m], (~torch.isfinite(t)).any().float()))
+        if len(held) == len(flags):
+            row.copy_(bad)
+        else:
+            row[torch.tensor(held, device=row.device)] = bad
 
     def reduce(self) -> None:
         """Every rank's marks on every rank (one all-reduce over the world)."""
