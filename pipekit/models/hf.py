@@ -456,11 +456,13 @@ def _renormalize(rescaled: bool, top_k: int) -> bool | None:
 
 
 def _no_sliding_window(d: dict) -> None:
-    """Refuse a Qwen config whose layers use a sliding window (pipekit's attention has none)."""
+    """Refuse a Qwen config whose layers use a sliding window: Qwen's are per layer (its
+    layer_types, from max_window_layers), pipekit's `sliding_window` is one for every layer."""
     if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ()):
         raise ValueError(f"Hugging Face {d.get('model_type')} config has use_sliding_window="
-                         f"{d.get('use_sliding_window')!r} (sliding_window={d.get('sliding_window')!r}); pipekit's "
-                         f"attention has no sliding window: only configs without it convert")
+                         f"{d.get('use_sliding_window')!r} (sliding_window={d.get('sliding_window')!r}, per layer "
+                         f"from max_window_layers); pipekit's sliding window is one for every layer: only Qwen "
+                         f"configs without it convert")
 
 
 # ---- Mixtral -------------------------------------------------------------------
@@ -496,6 +498,11 @@ class MixtralAdapter(LlamaAdapter):
                              f"as does Qwen3-MoE (softmax, plain top-k routing, no shared experts, no attention "
                              f"biases); only configs with score='softmax', n_shared_experts=0, no n_groups, "
                              f"bias_update_rate=0 and qkv_bias false convert")
+        form = "qwen3_moe" if cfg.qk_norm else "mixtral"
+        if cfg.hf_model_type not in (None, form):
+            raise ValueError(f"this Mixtral config has hf_model_type={cfg.hf_model_type!r} but "
+                             f"{'' if cfg.qk_norm else 'no '}q/k head norms (qk_norm={cfg.qk_norm}), which makes it "
+                             f"{form}; set hf_model_type={form!r} or None")
         if cfg.qk_norm and cfg.sliding_window is not None:
             raise ValueError(f"this Mixtral config has qk_norm and sliding_window={cfg.sliding_window}: pipekit writes "
                              f"Qwen3-MoE without a window (Mixtral has the window without the norms)")
