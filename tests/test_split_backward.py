@@ -127,11 +127,24 @@ def gpt_blocks(n: int = 2) -> nn.Module:
     return blocks
 
 
+def llama_variant_blocks(n: int = 2) -> nn.Module:
+    """Llama blocks with every Hugging Face variant on: a sliding window shorter than the input
+    (an explicit mask into SDPA), q/k/v biases, q/k head norms, wide heads, the scaled rope."""
+    cfg = get_model("llama", "tiny", dim=DIM * 4, n_layers=n, n_heads=4, n_kv_heads=2, hidden=DIM * 6, max_seq_len=16,
+                    sliding_window=3, qkv_bias=True, qk_norm=True, head_dim=DIM * 2,
+                    rope_scaling={"rope_type": "linear", "factor": 2.0})
+    blocks = nn.Sequential(*[spec.build(seed=0, index=i, device="cpu") for i, spec in enumerate(model_specs(cfg))
+                             if 1 <= i <= n])
+    blocks.width = DIM * 4
+    return blocks
+
+
 def mlp() -> nn.Module:
     return nn.Sequential(nn.LayerNorm(DIM), nn.Linear(DIM, 3 * DIM), nn.GELU(), nn.Linear(3 * DIM, DIM))
 
 
-MODULES = {"mlp": mlp, "gpt blocks": gpt_blocks, "weight used twice": Twice, "tied at two places": Tied,
+MODULES = {"mlp": mlp, "gpt blocks": gpt_blocks, "llama blocks, every HF variant": llama_variant_blocks,
+           "weight used twice": Twice, "tied at two places": Tied,
            "checkpointed": Checkpointed, "an output without the input": Constant, "custom Function": Custom,
            "matmul under its bias add and another path": SharedMatmul}
 
