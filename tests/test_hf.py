@@ -416,6 +416,8 @@ def test_unsupported_gpt2_options(change, match):
 
 @pytest.mark.parametrize("change,match", [
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}, "llama3.*low_freq_factor"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "beta": 1}}, "unknown key.*beta"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0}}, "yarn.*valid.*linear"),
     ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 0.5}}, "factor must be"),
@@ -442,6 +444,9 @@ def test_llama_variant_configs():
     back = hf.hf_config_from(cfg)
     assert type(back) is transformers.LlamaConfig and back.rope_parameters["rope_type"] == "llama3"
     assert hf.config_from_hf(back) == cfg
+    short = {k: v for k, v in LLAMA3_ROPE.items() if k != "original_max_position_embeddings"}
+    assert hf.config_from_hf(hf_config("llama", False).to_dict() | {"rope_parameters": {
+        **short, "rope_theta": 1e4}}).rope_scaling["original_max_position_embeddings"] == 32  # HF's fallback
     linear = hf.config_from_hf(hf_config("llama", False).to_dict() | {
         "rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert linear.rope_scaling == {"rope_type": "linear", "factor": 2.0}

@@ -346,9 +346,11 @@ class LlamaAdapter(StateDictAdapter):
         if partial not in (None, 1.0):
             raise ValueError(f"Hugging Face config has partial_rotary_factor={partial!r}; pipekit rotates every "
                              f"channel of a head (only 1.0 converts)")
+        given = {k: v for k, v in (rope or scaling).items() if k not in ("rope_theta", "partial_rotary_factor")}
+        if given.get("rope_type", given.get("type")) == "llama3":  # as transformers: the model's context by default
+            given.setdefault("original_max_position_embeddings", d["max_position_embeddings"])
         try:
-            rope_scaling = rope_scaling_of({k: v for k, v in (rope or scaling).items()
-                                            if k not in ("rope_theta", "partial_rotary_factor")})
+            rope_scaling = rope_scaling_of(given)
         except ValueError as e:
             raise ValueError(f"Hugging Face config: {e}") from None
         dim, heads = d["hidden_size"], d["num_attention_heads"]
