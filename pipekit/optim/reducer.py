@@ -71,6 +71,7 @@ class Reducer:
         # no hook; `read_touched` tells who got a gradient from each own view's version counter
         self.free = {id(p): (b, p) for b in buckets for p in b.params if HOOK_FREE and self.needs_no_hook(b, p)}
         self.views: dict[int, tuple[torch.Tensor, int]] = {}  # id(p) -> (its p.grad view, version last seen)
+        self.aliased: dict[int, torch.Tensor] = {}  # id(p) -> the gradient buffer its p.grad aliases
         self.read = False  # read_touched ran since the last zero_grad
         # ZeRO-2 with offload: the gradient shards are host memory (`Offload.add_grad` adds each reduced
         # shard in; `flush` before they are read); their collectives go through the device
@@ -350,6 +351,12 @@ class Reducer:
             if buf is not None:
                 buf.zero_()
             for p in b.params:
+                if id(p) in self.free:
+                    seen = self.views.get(id(p))
+                    if seen is not None and p.grad is seen[0] and self.aliased.get(id(p)) is buf:
+                        # still the alias of this very buffer, zeroed with it (zero_ moved the buffer's counter only)
+                        self.views[id(p)] = (seen[0], seen[0]._version)
+                        continue
                 in_place = buf is not None and buf.dtype == p.dtype and b.shard_group is None
                 p.grad = b.view_of(buf, p) if buf is not None and in_place else None
                 if id(p) in self.free:  # its own version counter (a view shares its base's)
@@ -358,6 +365,8 @@ class Reducer:
                     p.grad = torch.empty(0, dtype=v.dtype, device=v.device).set_(
                         v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
                     self.views[id(p)] = (p.grad, p.grad._version)
+                    assert buf is not None  # a hook-free parameter's bucket keeps its whole gradient buffer
+                    self.aliased[id(p)] = buf
             b.launched = False
             if b.grad_shard is not None:
                 b.grad_shard.zero_()
