@@ -433,7 +433,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._reducer.sum_ties()
             tied = []
         self._reducer.sum_tp_partial()
-        first = [bi for bi in range(len(self.buckets)) if bi not in set(tied)]
+        later = set(tied)
+        first = [bi for bi in range(len(self.buckets)) if bi not in later]
         grads: dict[int, torch.Tensor] = {}
         grads.update(zip(first, self._updater.grads(self._reducer.owned_grad, self.loss_scale, first)[0]))
         touched = self._updater.touched_anywhere(self._reducer.touched)
