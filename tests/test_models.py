@@ -214,6 +214,8 @@ def test_count_params_of_llama_variants(family, variant):
     base = get_model(family, "tiny", n_layers=2)
     ratio = cfg.attn_head_dim / base.attn_head_dim
     assert attention_flops(cfg, 64) == attention_flops(base, 64) * ratio
+    windowed = with_overrides(cfg, sliding_window=16)
+    assert attention_flops(windowed, 64) * 4 == attention_flops(cfg, 64) == attention_flops(windowed, 16) * 4
 
 
 @pytest.mark.parametrize("moe", [dict(n_experts=4), dict(n_experts=4, n_shared_experts=2, top_k=1)])

@@ -277,6 +277,8 @@ def moe_mlp(dim: int, hidden: int, *, group=None, init_std: float = 0.02, out_in
 def attention_flops(cfg, seq_len: int) -> int:
     """Training FLOPs per token of the attention scores and weighted sum,
     12 * n_layers * (n_heads * head_dim) * seq_len (PaLM, Chowdhery et al. 2022, appendix B;
-    counted without the causal half-saving, as MFU reports conventionally do)."""
+    counted without the causal half-saving, as MFU reports conventionally do); with a sliding
+    window W, min(seq_len, W) keys per query in place of seq_len."""
     head_dim = getattr(cfg, "attn_head_dim", cfg.dim // cfg.n_heads)  # Llama's may differ from dim / n_heads
-    return 12 * cfg.n_layers * cfg.n_heads * head_dim * seq_len
+    window = getattr(cfg, "sliding_window", None)  # a query sees at most that many keys
+    return 12 * cfg.n_layers * cfg.n_heads * head_dim * (seq_len if window is None else min(seq_len, window))
