@@ -53,15 +53,17 @@ ranks holding the last stage, a detached 0-dim float64 tensor, the loss of this
 data-parallel replica's batch as one process would compute it on that batch
 (for a token-level loss, the mean over its valid tokens); None on the other ranks (as
 torch.distributed.pipelining gives losses on the last stage only). With
-`reduce_loss=True` (a collective: every rank passes the same) it is the loss of
-the whole global batch as a Python float on every rank (DeepSpeed's
-`train_batch`): one all-reduce over pp, one over dp and a host sync.
+`reduce_loss=True` (every rank passes the same) it is the loss of the whole
+global batch as a Python float on every rank (DeepSpeed's `train_batch`): in
+training its shares travel in the optimizer's all-reduce of the non-finite marks
+and come back in that read (no collective or host sync of its own; a rank that did
+not ask is named by the others); `eval_batch` all-reduces it over pp and dp.
 
 Host syncs: one inside a step on a GPU beyond what the caller asks for: the
 optimizer's read of the world's non-finite marks, which decides whether it
 steps at all. Loss weights and token counts stay on the device, so do the
-optimizer's norm and clipping; `reduce_loss=True` and reading `last_grad_norm`
-are reads the caller asks for. What is left is counted in tests/test_host_sync.py.
+optimizer's norm and clipping; reading `last_grad_norm` (and `reduce_loss=True` in
+`eval_batch`) are reads the caller asks for. What is left is counted in tests/test_host_sync.py.
 """
 
 from __future__ import annotations
@@ -317,8 +319,9 @@ class PipelineEngine:
         replica's loss over its batch as a detached 0-dim float64 tensor on the
         ranks holding the last stage, and None on the others. `reduce_loss=True`
         returns the loss of the global batch (as in one process) as a float on every
-        rank: a collective (an all-reduce over pp and over dp) and a host read, so
-        every rank must pass it. The gradients and the step are the same either way.
+        rank, summed with the step's non-finite marks (the optimizer's one all-reduce and
+        one host read), so every rank must pass it. The gradients and the step are the
+        same either way.
 
         Layers that need a statistic of the whole step (`pipekit.auxloss.StepStatistic`, e.g.
         MoE global-batch balancing) get a pre-pass first: the step's forward actions, without
@@ -332,7 +335,8 @@ class PipelineEngine:
             with torch.no_grad(), auxloss.prepass(self._step_layers, self.topo.dp_group):
                 self._run(self.eval_actions, batch, training=False)
         step = self._run(self.actions, batch, training=True)
-        self.optimizer.step(marks=self._marks(step))  # reduction, unscaling, finite check, clipping, update
+        marks = self._marks(step, reduce_loss)
+        self.optimizer.step(marks=marks)  # reduction, unscaling, finite check, clipping, update (the loss too)
         self.steps_run += 1
         auxloss.end_step(self._step_layers, self.topo.dp_group)
         skip = self.optimizer.last_skip
@@ -340,14 +344,19 @@ class PipelineEngine:
             self.say(skip.line(self.steps_run))
         if self.lr_scheduler is not None and skip is None:
             self.lr_scheduler.step()
-        return step.loss.value(reduce_loss, self.topo, self.timeout)
+        if reduce_loss:
+            return step.loss.from_marks(marks, self.topo)
+        return step.loss.value(False, self.topo, self.timeout)
 
-    def _marks(self, st: Step) -> Marks:
+    def _marks(self, st: Step, reduce_loss: bool = False) -> Marks:
         """What this rank knows of the step that is not finite, for the optimizer's world-wide
         check (`pipekit.optim.finite`): each microbatch's loss (last stage; one weighing
-        nothing is not marked) and floating-point inputs (stage 0). On the device: no sync."""
+        nothing is not marked) and floating-point inputs (stage 0); with `reduce_loss`, this
+        rank's share of the global batch's loss, reduced with them. On the device: no sync."""
         marks = Marks(self.topo.device, dp=self.topo.dp, microbatches=self.num_microbatches,
-                      dp_rank=self.topo.dp_rank)
+                      dp_rank=self.topo.dp_rank, loss=True)
+        if reduce_loss:
+            marks.carry_loss(st.loss.share(self.topo))
         if st.loss.raw:
             marks.mark_losses(st.loss.raw, st.loss.weights)
         if st.micro_in is not None and 0 in self.module.local_stages:
@@ -823,6 +832,27 @@ class StepLoss:
             return None
         raw = torch.stack([loss.double() for loss in self.raw])
         return torch.where(self.local_weights != 0, raw * self.local_weights, 0.0).sum()
+
+    def share(self, topo: Topology) -> torch.Tensor:
+        """This rank's part of dp times the global batch's loss, in a sum over the whole world: its
+        weighted microbatch losses on the last stage's rank of tp rank 0 (every tp rank holds the same
+        ones; cp ranks hold parts); zero elsewhere. 0-dim float64, on the device."""
+        total = torch.zeros((), dtype=torch.float64, device=topo.device)
+        if self.weighted and topo.tp_rank == 0:
+            total += torch.stack(self.weighted).double().sum()
+        return total
+
+    def from_marks(self, marks: Marks, topo: Topology) -> float:
+        """The step's loss, from the marks' reduction (`share` summed over the world): every rank
+        asked for it, or it is a one-line PipelineError on those that did."""
+        assert marks.loss_read is not None, "the optimizer reads the marks (verdict) in every step"
+        total, asked = marks.loss_read
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if asked != world:
+            raise PipelineError(f"rank {topo.rank}: {int(asked)} of the {world} ranks passed reduce_loss=True to "
+                                f"train_batch: every rank must pass the same reduce_loss (the loss is summed over "
+                                f"the whole world)")
+        return total / topo.dp if topo.dp > 1 else total  # the mean over dp replicas, as `_mean_loss`
 
     def _mean_loss(self, topo: Topology, timeout: datetime.timedelta) -> float:
         """The step's loss (the last stage's weighted microbatch losses, averaged over dp),

@@ -8,13 +8,17 @@ vector (`Marks`):
     1 + (dp + r) * M + m       the inputs of microbatch m of dp replica r (stage 0's ranks)
 
 (the engine marks the losses and inputs; a plain `ZeroOptimizer.step()` only the gradients).
-One all-reduce (MAX) over the world and one host read later every rank holds the same
-verdict, so no rank steps while another skips. A step with any mark set is skipped: no
-update, the weights, optimizer state and step counts untouched (with an fp16 loss scaler it
-counts as an overflow), and `Skip` says why, in one line naming the step and whether the
-loss (which comes first, in forward) or only the gradients went non-finite, and which
-microbatches' losses or inputs did. A microbatch whose loss weighs nothing (no valid token)
-is not marked: its NaN loss is expected and counts 0.
+One all-reduce over the world and one host read later every rank holds the same verdict, so
+no rank steps while another skips. The engine's marks also carry the step's loss
+(`carry_loss`: this rank's share of the global batch's loss, and whether it asked for it), so
+`train_batch(reduce_loss=True)` costs no collective and no host read of its own: the marks
+are summed (a mark set anywhere stays nonzero; a count, not a 0/1, after the reduction), the
+loss shares with them. A plain `ZeroOptimizer.step()` reduces its marks by MAX, as before.
+A step with any mark set is skipped: no update, the weights, optimizer state and step counts
+untouched (with an fp16 loss scaler it counts as an overflow), and `Skip` says why, in one
+line naming the step and whether the loss (which comes first, in forward) or only the
+gradients went non-finite, and which microbatches' losses or inputs did. A microbatch whose
+loss weighs nothing (no valid token) is not marked: its NaN loss is expected and counts 0.
 """
 
 from __future__ import annotations
@@ -31,9 +35,21 @@ class Marks:
     """One step's non-finite marks (module docstring), on the device until `verdict` reads them."""
 
     def __init__(self, device: torch.device | str | None = None, *, dp: int = 1, microbatches: int = 0,
-                 dp_rank: int = 0):
+                 dp_rank: int = 0, loss: bool = False):
         self.dp, self.microbatches, self.dp_rank = dp, microbatches, dp_rank
         self.values = torch.zeros(1 + 2 * dp * microbatches, dtype=torch.float32, device=device)
+        # `loss`: two float64 slots after the marks, [this rank's loss share, 1 if it asked for the loss]
+        self.loss = torch.zeros(2, dtype=torch.float64, device=device) if loss else None
+        self._reduced: torch.Tensor | None = None  # the marks and the loss slots after `reduce`, summed
+        self.loss_read: tuple[float, float] | None = None  # the loss slots as `verdict` read them
+
+    def carry_loss(self, share: torch.Tensor) -> None:
+        """Carry `share` (0-dim, this rank's part of the global batch's loss: zero where it holds
+        no loss, or is not the one rank of its tp group that counts it) in the reduction, and
+        say that this rank asked for the loss."""
+        assert self.loss is not None, "Marks(loss=True) carries the loss"
+        self.loss[0] = share.to(self.loss.dtype)
+        self.loss[1] = 1.0
 
     @property
     def grads(self) -> torch.Tensor:
@@ -72,17 +88,32 @@ class Marks:
             row[torch.tensor(held, device=row.device)] = bad
 
     def reduce(self) -> None:
-        """Every rank's marks on every rank (one all-reduce over the world)."""
+        """Every rank's marks on every rank (one all-reduce over the world): with the loss slots
+        the marks and the loss shares summed in one float64 message, else the marks by MAX."""
+        if self.loss is None:
+            if dist.is_initialized():
+                dist.all_reduce(self.values, op=dist.ReduceOp.MAX)
+            return
+        assert self._reduced is None, "the marks are reduced once a step (a sum is not idempotent)"
+        packed = torch.cat([self.values.double(), self.loss])
         if dist.is_initialized():
-            dist.all_reduce(self.values, op=dist.ReduceOp.MAX)
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+        self.values.copy_(packed[:-2])  # counts of the ranks that marked: nonzero where any did
+        self._reduced = packed
 
     def any(self) -> torch.Tensor:
         """Whether any mark is set: a 0-dim float32 on the device (fused AdamW's `found_inf`)."""
         return self.values.amax()
 
     def verdict(self, loss_scale: float | None = None) -> Skip | None:
-        """The reduced marks read on the host (the one read): None, or why the step is skipped."""
-        values = self.values.tolist()
+        """The reduced marks read on the host (the one read; the loss slots with them, into
+        `loss_read`): None, or why the step is skipped."""
+        if self._reduced is not None:
+            values = self._reduced.tolist()
+            self.loss_read = (values[-2], values[-1])
+            values = values[:-2]
+        else:
+            values = self.values.tolist()
         if not any(values):
             return None
         m = self.microbatches
