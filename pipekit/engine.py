@@ -354,7 +354,7 @@ class PipelineEngine:
         nothing is not marked) and floating-point inputs (stage 0); with `reduce_loss`, this
         rank's share of the global batch's loss, reduced with them. On the device: no sync."""
         marks = Marks(self.topo.device, dp=self.topo.dp, microbatches=self.num_microbatches,
-                      dp_rank=self.topo.dp_rank, loss=True)
+                      dp_rank=self.topo.dp_rank, loss=True, world=self.topo.world_size)
         if reduce_loss:
             marks.carry_loss(st.loss.share(self.topo))
         if st.loss.raw:
@@ -847,7 +847,7 @@ class StepLoss:
         asked for it, or it is a one-line PipelineError on those that did."""
         assert marks.loss_read is not None, "the optimizer reads the marks (verdict) in every step"
         total, asked = marks.loss_read
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        world = topo.world_size  # the ranks the marks were summed over (1: a rank alone)
         if asked != world:
             raise PipelineError(f"rank {topo.rank}: {int(asked)} of the {world} ranks passed reduce_loss=True to "
                                 f"train_batch: every rank must pass the same reduce_loss (the loss is summed over "

@@ -35,8 +35,11 @@ class Marks:
     """One step's non-finite marks (module docstring), on the device until `verdict` reads them."""
 
     def __init__(self, device: torch.device | str | None = None, *, dp: int = 1, microbatches: int = 0,
-                 dp_rank: int = 0, loss: bool = False):
+                 dp_rank: int = 0, loss: bool = False, world: int | None = None):
         self.dp, self.microbatches, self.dp_rank = dp, microbatches, dp_rank
+        # the ranks the step spans (a Topology's world_size): 1 is a rank alone (Topology(alone=True), in a
+        # world of others, or one plain process), whose marks are reduced with no one; None: the whole world
+        self.world = world
         self.values = torch.zeros(1 + 2 * dp * microbatches, dtype=torch.float32, device=device)
         # `loss`: two float64 slots after the marks, [this rank's loss share, 1 if it asked for the loss]
         self.loss = torch.zeros(2, dtype=torch.float64, device=device) if loss else None
@@ -90,13 +93,14 @@ class Marks:
     def reduce(self) -> None:
         """Every rank's marks on every rank (one all-reduce over the world): with the loss slots
         the marks and the loss shares summed in one float64 message, else the marks by MAX."""
+        shared = dist.is_initialized() and self.world != 1
         if self.loss is None:
-            if dist.is_initialized():
+            if shared:
                 dist.all_reduce(self.values, op=dist.ReduceOp.MAX)
             return
         assert self._reduced is None, "the marks are reduced once a step (a sum is not idempotent)"
         packed = torch.cat([self.values.double(), self.loss])
-        if dist.is_initialized():
+        if shared:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM)
         self.values.copy_(packed[:-2])  # counts of the ranks that marked: nonzero where any did
         self._reduced = packed

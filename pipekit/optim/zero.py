@@ -301,6 +301,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups = [{**self._hyper(b.group_index), "params": mine} for b, mine in zip(self.buckets, pieces)]
         return FusedAdamW(groups) if self.fused else self.optimizer_class(groups)
 
+    def _world(self) -> int | None:
+        """The ranks a step's non-finite marks are agreed over: its topology's (1 for a rank
+        alone), or the whole world for a plain module."""
+        return None if self.topology is None else self.topology.world_size
+
     def _hyper(self, gi: int) -> dict:
         """Param group `gi`'s hyperparameters, read when asked (`wrap` shares its groups)."""
         return {k: v for k, v in self.param_groups[gi].items() if k not in ("params", "dp_group", "ep_group")}
@@ -400,7 +405,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._reducer.arm(self._params())  # a gradient before zero_grad is refused by its hook
         grads, unscales = self._updater.grads(self._reducer.owned_grad, self.loss_scale)
         self._grad_norm = None
-        marks = marks if marks is not None else Marks(self._updater.device())
+        marks = marks if marks is not None else Marks(self._updater.device(), world=self._world())
         if self.fused:
             self._fused_step(grads, unscales, marks)
             return None
@@ -446,7 +451,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         ordered = [grads[bi] for bi in range(len(self.buckets))]
         self._updater.current = ordered
         self._grad_norm = None
-        marks = marks if marks is not None else Marks(self._updater.device())
+        marks = marks if marks is not None else Marks(self._updater.device(), world=self._world())
         marks.mark_grads(ordered)
         marks.reduce()
         skipped = self._skipped(marks)
