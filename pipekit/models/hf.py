@@ -67,11 +67,10 @@ class StateDictAdapter:
 
     `from_hf` takes transformers' names and layouts (vocab_size rows) and gives
     pipekit's (padded, shapes checked against the spec list); `to_hf` the reverse.
-    A subclass names its HF `model_type` and token table, refuses in `check` what
+    A subclass names its token table, refuses in `check` what
     HF's model lacks, and maps the tensors in `_from_hf` (reading each by `hf.take`)
     and `_to_hf`. Constructing an adapter runs `check`."""
 
-    model_type: str  # transformers' model_type, the same word as the pipekit family
     embed: str  # the token table in the HF state dict (what a tied lm_head is)
     table: str  # the token table's tensor inside pipekit's embedding layer
 
@@ -150,7 +149,7 @@ class StateDictAdapter:
 class GPT2Adapter(StateDictAdapter):
     """GPT2LMHeadModel: Conv1D weights transposed, q, k, v fused into `c_attn`; dense models only."""
 
-    model_type, embed, table = "gpt2", "transformer.wte.weight", "wte.weight"
+    embed, table = "transformer.wte.weight", "wte.weight"
     modules = (("norm1", "ln_1", False), ("norm2", "ln_2", False), ("attn.o", "attn.c_proj", True),
                ("mlp.fc", "mlp.c_fc", True), ("mlp.proj", "mlp.c_proj", True))  # (ours, theirs, Conv1D)
 
@@ -252,7 +251,7 @@ class GPT2Adapter(StateDictAdapter):
 class LlamaAdapter(StateDictAdapter):
     """LlamaForCausalLM: the same tensors under other names."""
 
-    model_type, embed, table = "llama", "model.embed_tokens.weight", "weight"
+    embed, table = "model.embed_tokens.weight", "weight"
     defaults = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6}  # transformers' defaults for config.json keys
     mlp = (("mlp.gate", "mlp.gate_proj"), ("mlp.up", "mlp.up_proj"), ("mlp.down", "mlp.down_proj"))
 
@@ -482,7 +481,6 @@ class MixtralAdapter(LlamaAdapter):
     False (HF's default: it then trains without the term unless asked) and not read;
     `z_loss_coef` and `capacity_factor` have no HF form: export is dropless, without z-loss."""
 
-    model_type = "mixtral"
     defaults = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-5}
 
     def check(self) -> None:
